@@ -1,0 +1,96 @@
+"""A GGUF file's key/value header, read without loading tensors or building vocabularies.
+
+gguf-py's GGUFReader parses the whole file (seconds for a 250 MB model, mostly vocabulary arrays); the
+wrapper's start needs a handful of scalars, so this walks the header and skips array payloads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from typing import Any
+
+# value type id -> struct format of a scalar (8: string, 9: array are handled apart)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SMALL_ARRAY = 4096  # numeric arrays up to this length are kept (per-layer head counts, for instance)
+
+
+class GGUFError(Exception):
+    pass
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """Scalar keys, strings and short numeric arrays of the GGUF header."""
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _walk(data)
+    except (OSError, ValueError, struct.error) as exc:
+        raise GGUFError(f"{path}: cannot read the GGUF header: {exc}") from exc
+
+
+def _walk(data: mmap.mmap) -> dict[str, Any]:
+    if data[:4] != b"GGUF":
+        raise GGUFError("not a GGUF file")
+    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+    if version < 2:
+        raise GGUFError(f"GGUF version {version} is too old")
+    pos = 24
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, pos = _string(data, pos)
+        (kind,) = struct.unpack_from("<I", data, pos)
+        value, pos = _value(data, pos + 4, kind)
+        if value is not _SKIPPED:
+            out[key] = value
+    return out
+
+
+_SKIPPED = object()
+
+
+def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", data, pos)
+    start = pos + 8
+    return data[start:start + length].decode("utf-8", "replace"), start + length
+
+
+def _value(data: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, data, pos)[0], pos + struct.calcsize(fmt)
+    if kind == 8:
+        return _string(data, pos)
+    if kind != 9:
+        raise GGUFError(f"unknown GGUF value type {kind}")
+    item_kind, count = struct.unpack_from("<IQ", data, pos)
+    pos += 12
+    if item_kind in _SCALARS:
+        width = struct.calcsize(_SCALARS[item_kind])
+        if count <= _SMALL_ARRAY:
+            fmt = "<" + _SCALARS[item_kind][1] * count
+            return list(struct.unpack_from(fmt, data, pos)), pos + width * count
+        return _SKIPPED, pos + width * count
+    if item_kind == 8:  # string arrays (vocabularies): hop over each length-prefixed string
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            pos += 8 + unpack(data, pos)[0]
+        return _SKIPPED, pos
+    for _ in range(count):  # arrays of arrays: rare, walk them
+        _, pos = _value(data, pos, item_kind)
+    return _SKIPPED, pos
+
+
+def architecture_facts(meta: dict[str, Any]) -> dict[str, Any]:
+    """The few facts the wrapper uses, under plain names."""
+    arch = str(meta.get("general.architecture", ""))
+
+    def key(name: str) -> Any:
+        return meta.get(f"{arch}.{name}")
+
+    window = key("attention.sliding_window")
+    return {
+        "architecture": arch,
+        "context_length": key("context_length"),
+        "block_count": key("block_count"),
+        "sliding_window": window if isinstance(window, int) and window > 0 else None,
+    }

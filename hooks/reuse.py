@@ -1,0 +1,75 @@
+"""Proof of reuse: how many tokens the first request on each restored slot took from the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import structlog
+
+from wrapper.llama import LlamaClient, LlamaError
+from wrapper.proxy import Observer
+
+log = structlog.get_logger()
+
+_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
+_ID_SLOT = re.compile(rb'"id_slot"\s*:\s*(\d+)')
+REUSE_WARNING = 0.5  # below this share of the restored tokens, say plainly that the restore did not help
+
+
+class ReuseTracker:
+    """Watches proxied responses until every restored slot has served one request."""
+
+    def __init__(self, client: LlamaClient) -> None:
+        self._client = client
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._total_slots = 1
+        self._lookup: asyncio.Task[None] | None = None
+
+    def expect(self, entry: dict[str, Any], total_slots: int) -> None:
+        """`entry` is a restore-report row; its `reuse` fields are filled in when the slot is next used."""
+        entry["reused_tokens"] = None
+        self._pending[int(entry["slot"])] = entry
+        self._total_slots = total_slots
+
+    def observer(self) -> Observer | None:
+        return self._seen if self._pending else None
+
+    def _seen(self, path: str, status: int, tail: bytes) -> None:
+        if status != 200 or not self._pending:
+            return
+        cache_n = _CACHE_N.findall(tail)
+        if not cache_n:
+            return
+        id_slot = _ID_SLOT.findall(tail)
+        if id_slot:
+            self._settle(int(id_slot[-1]), int(cache_n[-1]), path)
+        elif self._total_slots == 1:
+            self._settle(0, int(cache_n[-1]), path)
+        elif self._lookup is None or self._lookup.done():
+            # OpenAI-style answers don't name the slot: ask the server which restored slot ran a task.
+            self._lookup = asyncio.ensure_future(self._from_slots(path))
+
+    async def _from_slots(self, path: str) -> None:
+        try:
+            slots = await self._client.slots()
+        except LlamaError:
+            return
+        for slot in slots:
+            if slot.get("id") in self._pending and "id_task" in slot and not slot.get("is_processing"):
+                self._settle(int(slot["id"]), int(slot.get("n_prompt_tokens_cache", 0)), path)
+
+    def _settle(self, slot: int, cache_n: int, path: str) -> None:
+        entry = self._pending.pop(slot, None)
+        if entry is None:
+            return
+        restored = int(entry.get("tokens") or 0)
+        entry["reused_tokens"] = cache_n
+        entry["reused_share"] = round(cache_n / restored, 4) if restored else None
+        fields = {"slot": slot, "restored_tokens": restored, "cache_n": cache_n, "path": path}
+        if restored and cache_n < REUSE_WARNING * restored:
+            log.warning("slots.not_reused", **fields,
+                        hint="the request did not extend the restored conversation, or the server dropped it")
+        else:
+            log.info("slots.reused", **fields)

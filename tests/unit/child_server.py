@@ -1,0 +1,119 @@
+"""A tiny real HTTP server that plays the child in lifecycle unit tests (not llama-server's API).
+
+It accepts the arguments the wrapper adds (`--host`, `--port`) plus switches that script a behaviour:
+  --load-delay S    answer /health 503 for S seconds, then 200
+  --ignore-term     ignore SIGTERM (the wrapper must SIGKILL it)
+  --term-delay S    on SIGTERM, exit 0 after S seconds
+  --die-after S     exit on its own after S seconds, with --exit-code N (or --die-signal SIG)
+  --record FILE     append one line per request to FILE ("METHOD PATH")
+  --fail-start      exit 1 at once
+Endpoints: /health, /echo (method, path, query, headers, body), /stream?n=N&delay=S (SSE), anything else 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--load-delay", type=float, default=0.0)
+    parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument("--term-delay", type=float, default=0.0)
+    parser.add_argument("--die-after", type=float)
+    parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--die-signal")
+    parser.add_argument("--record")
+    parser.add_argument("--fail-start", action="store_true")
+    parser.add_argument("-m", "--model")
+    options, _ = parser.parse_known_args()
+    if options.fail_start:
+        print("child: failing at start", flush=True)
+        sys.exit(1)
+    ready_at = time.monotonic() + options.load_delay
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def _send(self, status: int, body: dict[str, object]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _handle(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+            url = urlsplit(self.path)
+            if options.record:
+                with open(options.record, "a") as out:
+                    out.write(f"{self.command} {url.path}\n")
+            if url.path == "/health":
+                if time.monotonic() < ready_at:
+                    self._send(503, {"error": {"code": 503, "message": "Loading model"}})
+                else:
+                    self._send(200, {"status": "ok"})
+            elif url.path == "/echo":
+                self._send(200, {"method": self.command, "path": url.path, "query": url.query,
+                                 "headers": dict(self.headers.items()), "body": body.decode()})
+            elif url.path == "/stream":
+                query = parse_qs(url.query)
+                count, delay = int(query.get("n", ["5"])[0]), float(query.get("delay", ["0"])[0])
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for index in range(count):
+                    event = f"data: {json.dumps({'index': index})}\n\n".encode()
+                    self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                    self.wfile.flush()
+                    time.sleep(delay)
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self._send(200, {"path": url.path})
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
+
+    server = ThreadingHTTPServer((options.host, options.port), Handler)
+    server.daemon_threads = True
+
+    def on_term(signum: int, frame: object) -> None:
+        print("child: got SIGTERM", flush=True)
+        if options.ignore_term:
+            return
+        def finish() -> None:
+            time.sleep(options.term_delay)
+            print("child: exiting after SIGTERM", flush=True)
+            os._exit(0)
+        threading.Thread(target=finish, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    if options.die_after is not None:
+        def die() -> None:
+            time.sleep(options.die_after)
+            print("child: dying on its own", flush=True)
+            if options.die_signal:
+                os.kill(os.getpid(), getattr(signal, options.die_signal))
+            os._exit(options.exit_code)
+        threading.Thread(target=die, daemon=True).start()
+    print(f"child: listening on {options.host}:{options.port} pid {os.getpid()}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Running hook actions: http, shell, exec and built-ins, each with a deadline, bounded retries and a record."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from wrapper import template
+from wrapper.child import spawn
+from wrapper.config import Action
+
+log = structlog.get_logger()
+
+BuiltinFn = Callable[[], Awaitable[str | None]]
+"""A built-in bound to the running wrapper; returns a one-line summary for the record."""
+
+
+class ActionError(Exception):
+    """One attempt of an action failed."""
+
+
+class HookFailed(Exception):
+    """An action failed (after its retries) and does not ignore errors."""
+
+    def __init__(self, event: str, action: Action, error: str) -> None:
+        super().__init__(f"{event}: action {action.name!r} ({action.where}) failed: {error}")
+        self.event, self.action, self.error = event, action, error
+
+
+@dataclass(frozen=True)
+class HookRun:
+    """The record of one action of one hook."""
+
+    hook: str
+    action: str
+    kind: str
+    outcome: str  # ok · failed · ignored · skipped
+    duration_s: float
+    attempts: int
+    detail: str | None = None
+    finished_at: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "hook": self.hook, "action": self.action, "kind": self.kind, "outcome": self.outcome,
+            "duration_ms": round(self.duration_s * 1000, 1), "attempts": self.attempts, "detail": self.detail,
+            "finished_at": self.finished_at,
+        }
+
+
+def environment(context: Mapping[str, Any]) -> dict[str, str]:
+    """The LLAMA_* variables shell and exec actions get, from the template context."""
+    server, listen, model = context["server"], context["listen"], context["model"]
+    pairs = {
+        "LLAMA_WRAPPER_EVENT": context["event"],
+        "LLAMA_WRAPPER_RESULT": context["result"],
+        "LLAMA_WRAPPER_EXIT_CODE": context["exit_code"],
+        "LLAMA_WRAPPER_EXIT_SIGNAL": context["exit_signal"],
+        "LLAMA_WRAPPER_URL": listen["url"],
+        "LLAMA_SERVER_URL": server["url"],
+        "LLAMA_SERVER_HOST": server["host"],
+        "LLAMA_SERVER_PORT": server["port"],
+        "LLAMA_SERVER_PID": server["pid"],
+        "LLAMA_MODEL_PATH": model["path"],
+        "LLAMA_MODEL_NAME": model["name"],
+        "LLAMA_MODEL_ID": model["id"],
+    }
+    return {key: "" if value is None else str(value) for key, value in pairs.items()}
+
+
+class HookRunner:
+    def __init__(self, session: aiohttp.ClientSession, builtin: Callable[[str], BuiltinFn]) -> None:
+        self._session = session
+        self._builtin = builtin
+        self.history: list[HookRun] = []
+
+    async def run(self, event: str, actions: tuple[Action, ...], context: dict[str, Any]) -> None:
+        """Run a hook's actions in order; raise HookFailed at the first failure that is not ignored."""
+        for action in actions:
+            record = await self._run_action(event, action, context)
+            self.history = [*self.history[-49:], record]
+            fields = record.as_dict()
+            fields.pop("finished_at")
+            logger = log.warning if record.outcome in ("failed", "ignored") else log.info
+            logger("hook.run", **fields, where=action.where)
+            if record.outcome == "failed":
+                raise HookFailed(event, action, record.detail or "failed")
+
+    async def _run_action(self, event: str, action: Action, context: dict[str, Any]) -> HookRun:
+        started = time.monotonic()
+        attempts = 0
+
+        def record(outcome: str, detail: str | None) -> HookRun:
+            return HookRun(event, action.name, action.kind, outcome, time.monotonic() - started,
+                           attempts, detail, time.time())
+
+        try:
+            if action.when is not None and not template.evaluate(action.when, context):
+                return record("skipped", f"when {action.when!r} is false")
+            retrying = AsyncRetrying(
+                stop=stop_after_attempt(action.retries + 1),
+                wait=wait_exponential(multiplier=0.5, max=10),
+                retry=retry_if_exception_type(ActionError),
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    detail = await self._attempt(event, action, context)
+            return record("ok", detail)
+        except (ActionError, template.TemplateError) as exc:
+            return record("ignored" if action.ignore_errors else "failed", str(exc))
+
+    async def _attempt(self, event: str, action: Action, context: dict[str, Any]) -> str | None:
+        try:
+            async with asyncio.timeout(action.timeout):
+                if action.kind == "http":
+                    return await self._http(action, context)
+                if action.kind == "builtin":
+                    return await self._builtin(action.builtin)()
+                if action.kind == "shell":
+                    argv = ["/bin/sh", "-c", template.render_shell(action.shell or "", context)]
+                else:
+                    argv = [template.render(part, context) for part in action.exec]
+                return await self._process(event, action, argv, context)
+        except TimeoutError as exc:
+            raise ActionError(f"timed out after {action.timeout:g}s") from exc
+
+    async def _http(self, action: Action, context: dict[str, Any]) -> str:
+        request = action.http
+        assert request is not None
+        url = template.render(request.url, context)
+        headers = {k: template.render(v, context) for k, v in request.headers.items()}
+        kwargs: dict[str, Any] = {"headers": headers}
+        if request.json is not None:
+            kwargs["json"] = template.render_data(request.json, context)
+        elif request.body is not None:
+            kwargs["data"] = template.render(request.body, context).encode()
+        try:
+            async with self._session.request(request.method, url, **kwargs) as reply:
+                text = await reply.text(errors="replace")
+        except aiohttp.ClientError as exc:
+            raise ActionError(f"{request.method} {url}: {exc}") from exc
+        wanted = reply.status in request.expect if request.expect else 200 <= reply.status < 300
+        if not wanted:
+            raise ActionError(f"{request.method} {url}: HTTP {reply.status}: {text[:200]}")
+        return f"HTTP {reply.status}"
+
+    async def _process(self, event: str, action: Action, argv: list[str], context: dict[str, Any]) -> str:
+        env = {**os.environ, **environment(context)}
+
+        def on_line(line: str) -> None:
+            log.info("hook.output", hook=event, action=action.name, line=line)
+
+        try:
+            process = await spawn(argv, env, on_line)
+        except OSError as exc:
+            raise ActionError(f"cannot start {argv[0]!r}: {exc.strerror}") from exc
+        try:
+            finished = await process.wait()
+        except asyncio.CancelledError:  # timed out or a forced stop: the whole process group goes
+            await asyncio.shield(process.stop(2.0))
+            raise
+        if finished.returncode != 0:
+            how = f"signal {finished.signal_name}" if finished.signal else f"exit status {finished.code}"
+            raise ActionError(f"{argv[0]} ended with {how}")
+        return "exit status 0"

@@ -1,0 +1,139 @@
+"""A supervised subprocess: own session, dies with the wrapper, one SIGTERM, always reaped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TRAMPOLINE = str(Path(__file__).with_name("_trampoline.py"))
+OUTPUT_LIMIT = 1 << 20  # longest line kept whole; longer ones are split
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a process ended."""
+
+    returncode: int
+    killed: bool = False  # we had to SIGKILL it after the stop timeout
+    asked: bool = False  # we had sent it the SIGTERM: it did not die on its own
+
+    @property
+    def code(self) -> int | None:
+        return self.returncode if self.returncode >= 0 else None
+
+    @property
+    def signal(self) -> int | None:
+        return -self.returncode if self.returncode < 0 else None
+
+    @property
+    def signal_name(self) -> str | None:
+        number = self.signal
+        if number is None:
+            return None
+        with contextlib.suppress(ValueError):
+            return signal.Signals(number).name
+        return str(number)
+
+    @property
+    def status(self) -> int:
+        """A shell-style exit status: the code, or 128 + the signal."""
+        return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+
+async def spawn(
+    argv: Sequence[str], env: Mapping[str, str] | None, on_line: Callable[[str], None]
+) -> Supervised:
+    """Start `argv` in its own session, killed by the kernel if we die, its output fed to `on_line`."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", TRAMPOLINE, str(os.getpid()), *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        env=dict(env) if env is not None else None,
+        limit=OUTPUT_LIMIT,
+    )
+    return Supervised(process, on_line)
+
+
+class Supervised:
+    """A running child: its output drained line by line, its exit awaited once, stopped with one SIGTERM."""
+
+    def __init__(self, process: asyncio.subprocess.Process, on_line: Callable[[str], None]) -> None:
+        self._process = process
+        self._on_line = on_line
+        self._sigterm_sent = False
+        self.tail: deque[str] = deque(maxlen=200)
+        self.lines_seen = 0
+        self._pump = asyncio.ensure_future(self._drain())
+        self._exit: asyncio.Future[Exit] = asyncio.ensure_future(self._reap())
+        self._killed = False
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._exit.done()
+
+    @property
+    def exit(self) -> Exit | None:
+        return self._exit.result() if self._exit.done() else None
+
+    def lines_since(self, mark: int) -> list[str]:
+        """Output lines after `lines_seen` was `mark` (as many as the tail still holds)."""
+        wanted = self.lines_seen - mark
+        return list(self.tail)[-wanted:] if wanted > 0 else []
+
+    async def wait(self) -> Exit:
+        return await asyncio.shield(self._exit)
+
+    async def stop(self, timeout: float) -> Exit:
+        """One SIGTERM to the child's process group; SIGKILL after `timeout`; reaped before returning."""
+        if self.alive and not self._sigterm_sent:
+            self._sigterm_sent = True
+            self._signal_group(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._exit), timeout)
+        except TimeoutError:
+            self.kill()
+            return await asyncio.shield(self._exit)
+
+    def kill(self) -> None:
+        if self.alive:
+            self._killed = True
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        # The child leads its own session, so its group id is its pid; the group also covers its children.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, sig)
+
+    async def _reap(self) -> Exit:
+        returncode = await self._process.wait()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._pump), 2.0)
+        return Exit(returncode, killed=self._killed, asked=self._sigterm_sent)
+
+    async def _drain(self) -> None:
+        stream = self._process.stdout
+        assert stream is not None
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line longer than the limit: take what is buffered as one piece
+                raw = await stream.read(OUTPUT_LIMIT)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            self.lines_seen += 1
+            self.tail.append(line)
+            self._on_line(line)

@@ -1,0 +1,337 @@
+"""The configuration: one YAML file, every key optional, checked key by key with file:line in errors."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hooks import BUILTIN_NAMES
+from wrapper.units import parse_duration
+
+HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped")
+ACTION_KINDS = ("http", "shell", "exec", "builtin")
+SWA_FULL_POLICIES = ("auto", "always", "never")
+DEFAULT_SLOTS_DIR = "~/.cache/llama-wrapper/slots"
+
+ActionKind = Literal["http", "shell", "exec", "builtin"]
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; each line of the message names file:line where it can."""
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    method: str
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    json: Any = None
+    body: str | None = None
+    expect: tuple[int, ...] = ()  # empty: any 2xx
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    name: str
+    where: str
+    timeout: float = 30.0
+    retries: int = 0
+    ignore_errors: bool = False
+    when: str | None = None
+    http: HttpRequest | None = None
+    shell: str | None = None
+    exec: tuple[str, ...] = ()
+    builtin: str = ""
+
+
+@dataclass(frozen=True)
+class Listen:
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str | None = None
+    listen: Listen | None = None  # None: llama-server's own --host/--port, else 127.0.0.1:8080
+    argv: tuple[str, ...] = ()
+    ready_timeout: float = 300.0
+    stop_timeout: float = 10.0
+    drain_timeout: float = 5.0
+    env: dict[str, str] = field(default_factory=dict)
+    slots_dir: Path = field(default_factory=lambda: Path(DEFAULT_SLOTS_DIR).expanduser())
+    swa_full: str = "auto"
+    allow_slot_actions: bool = False
+    hooks: dict[str, tuple[Action, ...]] = field(default_factory=lambda: {e: () for e in HOOK_EVENTS})
+
+    @property
+    def slot_persistence(self) -> bool:
+        """True when any hook saves or restores slots: the child is then made fit for it."""
+        return any(a.kind == "builtin" and a.builtin.startswith("slots.") for a in self.all_actions())
+
+    def all_actions(self) -> list[Action]:
+        return [action for event in HOOK_EVENTS for action in self.hooks[event]]
+
+
+def parse_listen(text: str) -> Listen:
+    """`HOST:PORT`, `[v6]:PORT` or `:PORT` (loopback)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"listen must be HOST:PORT with a port in 1-65535, not {text!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return Listen(host, int(port))
+
+
+class _Reader:
+    """Walks the YAML node tree so that every key and value keeps its line for error messages."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.errors: list[str] = []
+        self._constructor = yaml.SafeLoader("")
+
+    def where(self, node: yaml.Node) -> str:
+        return f"{self.path}:{node.start_mark.line + 1}"
+
+    def error(self, node: yaml.Node, message: str) -> None:
+        self.errors.append(f"{self.where(node)}: {message}")
+
+    def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            self.error(node, f"{what} must be a mapping")
+            return {}
+        out: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is None:
+                self.error(key_node, f"{what}: keys must be plain names")
+            elif key not in allowed:
+                hint = difflib.get_close_matches(key, allowed, n=1)
+                also = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(allowed)})"
+                self.error(key_node, f"unknown key {key!r} in {what}{also}")
+            elif key in out:
+                self.error(key_node, f"{what}: key {key!r} given twice")
+            else:
+                out[key] = value_node
+        return out
+
+    def value(self, node: yaml.Node) -> Any:
+        return self._constructor.construct_object(node, deep=True)
+
+    def scalar(self, node: yaml.Node, what: str, kinds: tuple[type, ...]) -> Any:
+        value = self.value(node)
+        if not isinstance(node, yaml.ScalarNode) or not isinstance(value, kinds) or (
+            isinstance(value, bool) and bool not in kinds
+        ):
+            names = " or ".join(k.__name__.replace("str", "string") for k in kinds)
+            self.error(node, f"{what} must be a {names}, not {value!r}")
+            return None
+        return value
+
+    def converted(self, node: yaml.Node, what: str, convert: Callable[[Any], Any]) -> Any:
+        try:
+            return convert(self.value(node))
+        except (ValueError, TypeError) as exc:
+            self.error(node, f"{what}: {exc}")
+            return None
+
+    def string_list(self, node: yaml.Node, what: str) -> tuple[str, ...]:
+        if not isinstance(node, yaml.SequenceNode) or not node.value:
+            self.error(node, f"{what} must be a non-empty list of strings")
+            return ()
+        items = [self.scalar(item, f"{what} item", (str, int, float)) for item in node.value]
+        return tuple(str(item) for item in items if item is not None)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and check a config file; raises ConfigError listing every problem with file:line."""
+    name = os.fspath(path)
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read the config: {exc.strerror}") from exc
+    return parse_config(text, name)
+
+
+def parse_config(text: str, name: str = "<config>") -> Config:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{name}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if root is None:
+        return Config(source=name)
+    reader = _Reader(name)
+    config = _read_root(reader, root)
+    if reader.errors:
+        raise ConfigError("\n".join(reader.errors))
+    return config
+
+
+def _read_root(r: _Reader, root: yaml.Node) -> Config:
+    top = r.mapping(root, "the config", ("listen", "server", "slots", "proxy", "hooks"))
+    values: dict[str, Any] = {"source": r.path}
+    if "listen" in top:
+        values["listen"] = r.converted(top["listen"], "listen", lambda v: parse_listen(str(v)))
+    if "server" in top:
+        server = r.mapping(
+            top["server"], "server", ("argv", "ready_timeout", "stop_timeout", "drain_timeout", "env")
+        )
+        if "argv" in server:
+            values["argv"] = r.string_list(server["argv"], "server.argv")
+        for key in ("ready_timeout", "stop_timeout", "drain_timeout"):
+            if key in server:
+                values[key] = r.converted(server[key], f"server.{key}", parse_duration)
+        if "env" in server:
+            env = r.mapping(server["env"], "server.env", tuple(_keys(server["env"])))
+            values["env"] = {k: str(r.scalar(v, f"server.env.{k}", (str, int, float))) for k, v in env.items()}
+    if "slots" in top:
+        slots = r.mapping(top["slots"], "slots", ("dir", "swa_full"))
+        if "dir" in slots:
+            directory = r.scalar(slots["dir"], "slots.dir", (str,))
+            if directory:
+                values["slots_dir"] = Path(os.path.expandvars(directory)).expanduser()
+        if "swa_full" in slots:
+            policy = r.scalar(slots["swa_full"], "slots.swa_full", (str,))
+            if policy not in SWA_FULL_POLICIES:
+                r.error(slots["swa_full"], f"slots.swa_full must be one of {', '.join(SWA_FULL_POLICIES)}")
+            values["swa_full"] = policy
+    if "proxy" in top:
+        proxy = r.mapping(top["proxy"], "proxy", ("allow_slot_actions",))
+        if "allow_slot_actions" in proxy:
+            values["allow_slot_actions"] = r.scalar(proxy["allow_slot_actions"], "proxy.allow_slot_actions", (bool,))
+    if "hooks" in top:
+        hooks = r.mapping(top["hooks"], "hooks", HOOK_EVENTS)
+        values["hooks"] = {event: _read_actions(r, hooks[event], event) if event in hooks else ()
+                           for event in HOOK_EVENTS}
+    return Config(**{k: v for k, v in values.items() if v is not None})
+
+
+def _keys(node: yaml.Node) -> list[str]:
+    if isinstance(node, yaml.MappingNode):
+        return [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
+    return []
+
+
+def _read_actions(r: _Reader, node: yaml.Node, event: str) -> tuple[Action, ...]:
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return ()
+    if not isinstance(node, yaml.SequenceNode):
+        r.error(node, f"hooks.{event} must be a list of actions")
+        return ()
+    actions = []
+    for index, item in enumerate(node.value):
+        action = _read_action(r, item, f"hooks.{event}[{index}]")
+        if action is not None:
+            actions.append(action)
+    return tuple(actions)
+
+
+_ACTION_KEYS = ("name", "timeout", "retries", "ignore_errors", "when", *ACTION_KINDS)
+_HTTP_KEYS = ("method", "url", "headers", "json", "body", "expect")
+
+
+def _read_action(r: _Reader, node: yaml.Node, what: str) -> Action | None:
+    keys = r.mapping(node, what, _ACTION_KEYS)
+    kinds = [k for k in ACTION_KINDS if k in keys]
+    if len(kinds) != 1:
+        r.error(node, f"{what} needs exactly one of {', '.join(ACTION_KINDS)} (found {len(kinds)})")
+        return None
+    kind: ActionKind = kinds[0]  # type: ignore[assignment]
+    body = keys[kind]
+    fields: dict[str, Any] = {"kind": kind, "where": r.where(node)}
+    if kind == "http":
+        fields["http"] = _read_http(r, body, f"{what}.http")
+    elif kind == "shell":
+        fields["shell"] = r.scalar(body, f"{what}.shell", (str,))
+    elif kind == "exec":
+        fields["exec"] = r.string_list(body, f"{what}.exec")
+    else:
+        name = r.scalar(body, f"{what}.builtin", (str,))
+        if name is not None and name not in BUILTIN_NAMES:
+            hint = difflib.get_close_matches(name, BUILTIN_NAMES, n=1)
+            also = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(BUILTIN_NAMES)})"
+            r.error(body, f"{what}: unknown built-in {name!r}{also}")
+        fields["builtin"] = name
+    if "name" in keys:
+        fields["name"] = r.scalar(keys["name"], f"{what}.name", (str,))
+    if "timeout" in keys:
+        fields["timeout"] = r.converted(keys["timeout"], f"{what}.timeout", parse_duration)
+        if fields["timeout"] == 0:
+            r.error(keys["timeout"], f"{what}.timeout must be more than 0")
+    if "retries" in keys:
+        retries = r.scalar(keys["retries"], f"{what}.retries", (int,))
+        if retries is not None and not 0 <= retries <= 20:
+            r.error(keys["retries"], f"{what}.retries must be between 0 and 20")
+        fields["retries"] = retries
+    if "ignore_errors" in keys:
+        fields["ignore_errors"] = r.scalar(keys["ignore_errors"], f"{what}.ignore_errors", (bool,))
+    if "when" in keys:
+        fields["when"] = r.scalar(keys["when"], f"{what}.when", (str,))
+    fields.setdefault("name", _default_name(fields))
+    if not fields.get(kind):
+        return None
+    return Action(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _default_name(fields: dict[str, Any]) -> str:
+    kind = str(fields["kind"])
+    if kind == "builtin":
+        return str(fields.get("builtin") or "builtin")
+    if kind == "http" and fields.get("http") is not None:
+        request: HttpRequest = fields["http"]
+        return f"{request.method} {request.url}"
+    if kind == "exec" and fields.get("exec"):
+        return str(fields["exec"][0])
+    if kind == "shell" and fields.get("shell"):
+        first = str(fields["shell"]).strip().splitlines()[0]
+        return first if len(first) <= 40 else first[:37] + "..."
+    return kind
+
+
+def _read_http(r: _Reader, node: yaml.Node, what: str) -> HttpRequest | None:
+    keys = r.mapping(node, what, _HTTP_KEYS)
+    if "url" not in keys:
+        r.error(node, f"{what} needs a url")
+        return None
+    url = r.scalar(keys["url"], f"{what}.url", (str,))
+    method = "GET"
+    if "json" in keys or "body" in keys:
+        method = "POST"
+    if "method" in keys:
+        method = str(r.scalar(keys["method"], f"{what}.method", (str,)) or method).upper()
+    if "json" in keys and "body" in keys:
+        r.error(node, f"{what}: give json or body, not both")
+    headers: dict[str, str] = {}
+    if "headers" in keys:
+        raw = r.value(keys["headers"])
+        if not isinstance(raw, dict) or not all(isinstance(v, str | int) for v in raw.values()):
+            r.error(keys["headers"], f"{what}.headers must map names to strings")
+        else:
+            headers = {str(k): str(v) for k, v in raw.items()}
+    body = r.scalar(keys["body"], f"{what}.body", (str,)) if "body" in keys else None
+    expect: tuple[int, ...] = ()
+    if "expect" in keys:
+        raw = r.value(keys["expect"])
+        raw = raw if isinstance(raw, list) else [raw]
+        if not raw or not all(isinstance(s, int) and not isinstance(s, bool) and 100 <= s <= 599 for s in raw):
+            r.error(keys["expect"], f"{what}.expect must be an HTTP status or a list of them")
+        else:
+            expect = tuple(raw)
+    if url is None:
+        return None
+    return HttpRequest(method=method, url=url, headers=headers,
+                       json=r.value(keys["json"]) if "json" in keys else None, body=body, expect=expect)

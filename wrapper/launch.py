@@ -1,0 +1,97 @@
+"""From a config to the exact child command line: private port, model identity, persistence flags."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from wrapper import argv as args
+from wrapper.config import Config, ConfigError, Listen
+from wrapper.model import Model, from_argv
+
+log = structlog.get_logger()
+
+PRIVATE_HOST = "127.0.0.1"
+DEFAULT_LISTEN = Listen("127.0.0.1", 8080)  # llama-server's own default, so the wrapper is a drop-in
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    port: int
+    listen: Listen
+    model: Model
+    env: dict[str, str]
+    api_key: str | None = None
+    slot_dir: Path | None = None
+    notes: list[dict[str, str]] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
+
+    @property
+    def url(self) -> str:
+        return f"http://{PRIVATE_HOST}:{self.port}"
+
+
+def free_port(host: str = PRIVATE_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def prepare(config: Config) -> Launch:
+    """Check the command and rewrite it; raises ConfigError before anything is spawned."""
+    argv = list(config.argv)
+    if not argv:
+        raise ConfigError("nothing to run: put the llama-server command after `--`, or set server.argv")
+    if shutil.which(argv[0]) is None:
+        raise ConfigError(
+            f"{argv[0]!r} is not an executable or not on PATH "
+            "(build the pinned one with llama.cpp/build-server, or give the full path to your own)"
+        )
+    notes: list[dict[str, str]] = []
+    user_host, user_port = args.get(argv, args.HOST), args.get(argv, args.PORT)
+    listen = config.listen
+    if listen is None:
+        port = int(user_port) if user_port and user_port.isdigit() and int(user_port) > 0 else DEFAULT_LISTEN.port
+        listen = Listen(user_host or DEFAULT_LISTEN.host, port)
+    if user_host is not None or user_port is not None:
+        notes.append({"change": f"removed --host/--port ({user_host or '-'}:{user_port or '-'})",
+                      "why": f"llama-server listens privately; the wrapper serves {listen.url}"})
+    port = free_port()
+    argv = [*args.remove(args.remove(argv, args.HOST), args.PORT), "--host", PRIVATE_HOST, "--port", str(port)]
+    model = from_argv(argv)
+    env = {**os.environ, **config.env}
+    slot_dir = None
+    facts: dict[str, Any] = {}
+    if config.slot_persistence:
+        from hooks.fitting import fit_for_slots
+
+        slot_dir = config.slots_dir / model.id
+        try:
+            fit = fit_for_slots(argv, model, slot_dir, config.swa_full)
+        except OSError as exc:
+            raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
+        argv, facts = fit.argv, fit.facts
+        notes.extend(fit.notes)
+    return Launch(argv=argv, port=port, listen=listen, model=model, env=env,
+                  api_key=_api_key(argv), slot_dir=slot_dir, notes=notes, facts=facts)
+
+
+def _api_key(argv: list[str]) -> str | None:
+    """The key our own calls to llama-server need, if the user set one."""
+    key = args.get(argv, args.API_KEY)
+    if key:
+        return key.split(",")[0]
+    key_file = args.get(argv, args.API_KEY_FILE)
+    if key_file:
+        try:
+            return Path(key_file).read_text().split()[0]
+        except (OSError, IndexError):
+            return None
+    return None

@@ -1,0 +1,274 @@
+"""The supervisor: start, serve, stop; hooks at the four moments; exit status as documented."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import structlog
+
+from wrapper import actions
+from wrapper.actions import HookFailed, HookRunner
+from wrapper.child import Exit, Supervised, spawn
+from wrapper.config import Config
+from wrapper.gate import Gate
+from wrapper.launch import PRIVATE_HOST, Launch
+from wrapper.llama import LlamaClient, LlamaError
+from wrapper.proxy import Observer
+from wrapper.runtime import Runtime
+from wrapper.state import Lifecycle, State
+
+log = structlog.get_logger()
+
+EXIT_OK, EXIT_CONFIG, EXIT_START_FAILED = 0, 2, 3
+STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
+READY_POLL = 0.1
+
+
+class StartFailed(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, config: Config, launch: Launch) -> None:
+        self.config, self.launch = config, launch
+        self.lifecycle = Lifecycle()
+        self.gate = Gate()
+        self.child: Supervised | None = None
+        self.started_at = time.monotonic()
+        self.ready_at: float | None = None
+        self.result: str | None = None
+        self._signals = 0
+        self._stop_requested = asyncio.Event()
+        self._forced = False
+        self._hook_task: asyncio.Task[None] | None = None
+        self.session: aiohttp.ClientSession
+        self.runner: HookRunner
+        self.runtime: Runtime
+
+    # -- the whole life ------------------------------------------------------------------------------------
+
+    async def run(self, serve: Any) -> int:
+        """`serve(supervisor)` starts the public listener and returns its cleanup coroutine function."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
+            self.session = session
+            client = LlamaClient(self.launch.url, session, self.launch.api_key)
+            self.runtime = Runtime(self.config, self.launch, client)
+            self.runner = HookRunner(session, self._builtin)
+            for note in self.launch.notes:
+                log.info("argv.rewritten", **note)
+            log.info("wrapper.starting", listen=self.launch.listen.url, server=self.launch.url,
+                     argv=self.launch.argv, model=self.launch.model.as_dict())
+            try:
+                cleanup = await serve(self)
+            except OSError as exc:
+                log.error("wrapper.listen_failed", listen=self.launch.listen.url, error=str(exc))
+                self.lifecycle.to(State.STARTING)
+                return await self._stop(started=False, start_failed=True)
+            try:
+                return await self._live()
+            finally:
+                await cleanup()
+
+    async def _live(self) -> int:
+        start = asyncio.ensure_future(self._start())
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not start.done():  # a stop signal during the start: abort it
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StartFailed):
+                await start
+            return await self._stop(started=False, start_failed=False)
+        if start.exception() is not None:
+            log.error("wrapper.start_failed", error=str(start.exception()))
+            return await self._stop(started=False, start_failed=True)
+        assert self.child is not None
+        died = asyncio.ensure_future(self.child.wait())
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        await asyncio.wait({died, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        died.cancel()
+        return await self._stop(started=True, start_failed=False)
+
+    # -- starting ------------------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self.lifecycle.to(State.STARTING)
+        await self._hook("on_will_start", start=True)
+        try:
+            self.child = await spawn(self.launch.argv, self.launch.env, self._on_server_line)
+        except OSError as exc:
+            raise StartFailed(f"cannot start {self.launch.argv[0]!r}: {exc.strerror}") from exc
+        self.runtime.child = self.child
+        log.info("child.spawned", pid=self.child.pid)
+        await self._wait_ready()
+        await self._hook("on_startup", start=True)
+        self.lifecycle.to(State.READY)
+        self.ready_at = time.monotonic()
+        self.gate.open()
+        log.info("wrapper.ready", listen=self.launch.listen.url, pid=self.child.pid,
+                 start_s=round(self.ready_at - self.started_at, 3))
+
+    async def _wait_ready(self) -> None:
+        assert self.child is not None
+        deadline = time.monotonic() + self.config.ready_timeout
+        while not await self.runtime.client.healthy(timeout=1.0):
+            if not self.child.alive:
+                finished = await self.child.wait()
+                raise StartFailed(f"llama-server exited with status {finished.status} before it was ready "
+                                  f"(last output: {' | '.join(list(self.child.tail)[-3:])})")
+            if time.monotonic() > deadline:
+                raise StartFailed(f"llama-server was not ready within server.ready_timeout "
+                                  f"({self.config.ready_timeout:g}s)")
+            await asyncio.sleep(READY_POLL)
+        log.info("child.ready", pid=self.child.pid, load_s=round(time.monotonic() - self.started_at, 3))
+
+    # -- stopping ------------------------------------------------------------------------------------------
+
+    async def _stop(self, started: bool, start_failed: bool) -> int:
+        stop_began = time.monotonic()
+        self.lifecycle.to(State.STOPPING)
+        self.gate.close()
+        if started and not self._forced and self.gate.in_flight:
+            log.info("wrapper.draining", in_flight=self.gate.in_flight, timeout_s=self.config.drain_timeout)
+            if not await self.gate.drained(self.config.drain_timeout):
+                log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight)
+        if started and self.child is not None and self.child.alive and not self._forced:
+            await self._hook("on_will_stop", start=False)
+        finished = await self._stop_child()
+        self.result = _result(finished, start_failed)
+        stop_s = time.monotonic() - stop_began
+        if not self._forced:
+            await self._hook("on_stopped", start=False, finished=finished)
+        self.lifecycle.to(State.STOPPED)
+        status = self._exit_status(finished, start_failed)
+        logger = log.warning if stop_s > 0.8 * STOP_BUDGET else log.info
+        logger("wrapper.stopped", result=self.result, exit_status=status, stop_s=round(stop_s, 3),
+               budget_hint_s=STOP_BUDGET)
+        return status
+
+    async def _stop_child(self) -> Exit | None:
+        if self.child is None:
+            return None
+        if self.child.alive:
+            log.info("child.stopping", pid=self.child.pid, timeout_s=self.config.stop_timeout)
+        finished = await self.child.stop(self.config.stop_timeout)
+        log.info("child.exited", pid=self.child.pid, code=finished.code, signal=finished.signal_name,
+                 killed_after_timeout=finished.killed)
+        return finished
+
+    def _exit_status(self, finished: Exit | None, start_failed: bool) -> int:
+        if start_failed:
+            return EXIT_START_FAILED
+        if self._signals or finished is None:
+            return EXIT_OK
+        return finished.status  # the child died on its own
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        log.info("wrapper.signal", signal=sig.name, count=self._signals)
+        if self._signals == 1:
+            self._stop_requested.set()
+        else:  # a second signal: skip what is left of the hooks, still stop the child
+            self._forced = True
+            if self._hook_task is not None:
+                self._hook_task.cancel()
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+
+    async def _hook(self, event: str, start: bool, finished: Exit | None = None) -> None:
+        hook_actions = self.config.hooks[event]
+        if not hook_actions or self._forced:
+            return
+        context = await self._context(event, finished)
+        self._hook_task = asyncio.ensure_future(self.runner.run(event, hook_actions, context))
+        try:
+            await self._hook_task
+        except HookFailed as exc:
+            if start:
+                raise StartFailed(str(exc)) from exc
+            log.warning("hook.failed_during_stop", hook=event, error=str(exc))
+        except asyncio.CancelledError:
+            if not self._forced:
+                raise
+            log.warning("hook.skipped_by_second_signal", hook=event)
+        finally:
+            self._hook_task = None
+
+    async def _context(self, event: str, finished: Exit | None) -> dict[str, Any]:
+        child = self.child
+        slots: list[dict[str, Any]] = []
+        needs_slots = any(a.kind != "builtin" for a in self.config.hooks[event])
+        if needs_slots and child is not None and child.alive and event in ("on_startup", "on_will_stop"):
+            with contextlib.suppress(LlamaError):
+                slots = await self.runtime.client.slots()
+        return {
+            "event": event,
+            "server": {"url": self.launch.url, "host": PRIVATE_HOST, "port": self.launch.port,
+                       "pid": child.pid if child else None, "argv": list(self.launch.argv)},
+            "listen": {"url": self.launch.listen.url, "host": self.launch.listen.host,
+                       "port": self.launch.listen.port},
+            "model": self.launch.model.as_dict(),
+            "slots": slots,
+            "result": self.result,
+            "exit_code": finished.code if finished else None,
+            "exit_signal": finished.signal_name if finished else None,
+            "env": dict(os.environ),
+        }
+
+    def _builtin(self, name: str) -> actions.BuiltinFn:
+        from hooks.builtins import bind
+
+        return bind(name, self.runtime)
+
+    def observer(self) -> Observer | None:
+        """What watches proxied responses, only while there is something to learn from them."""
+        reuse = self.runtime.reuse
+        return reuse.observer() if reuse is not None else None
+
+    def _on_server_line(self, line: str) -> None:
+        log.info("server.output", line=line)
+
+    # -- for the admin endpoints ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        child = self.child
+        now = time.monotonic()
+        return {
+            "state": str(self.lifecycle.state),
+            "listen": self.launch.listen.url,
+            "server": {"url": self.launch.url, "pid": child.pid if child and child.alive else None,
+                       "argv": self.launch.argv},
+            "model": self.launch.model.as_dict(),
+            "uptime_s": round(now - self.started_at, 3),
+            "ready_for_s": round(now - self.ready_at, 3) if self.ready_at else None,
+            "requests": {"in_flight": self.gate.in_flight, "held": self.gate.held},
+            "argv_changes": self.launch.notes,
+            "slots": {"dir": str(self.launch.slot_dir) if self.launch.slot_dir else None,
+                      "restore": self.runtime.restore_report, "save": self.runtime.save_report},
+            "hooks": [run.as_dict() for run in self.runner.history[-20:]],
+        }
+
+
+def _result(finished: Exit | None, start_failed: bool) -> str:
+    """systemd-style service result for `on_stopped`."""
+    if start_failed:
+        return "start-failed"
+    if finished is None:
+        return "success"
+    if finished.killed:
+        return "timeout"
+    if finished.returncode == 0 or (finished.asked and finished.returncode == -signal.SIGTERM):
+        return "success"
+    return "signal" if finished.signal else "exit-code"

@@ -1,0 +1,43 @@
+"""The wrapper's states and the one place where a transition between them is checked."""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+
+import structlog
+
+log = structlog.get_logger()
+
+
+class State(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    RELOADING = "reloading"
+    STOPPING = "stopping"
+
+
+_ALLOWED = {
+    State.STOPPED: {State.STARTING},
+    State.STARTING: {State.READY, State.STOPPING},
+    State.READY: {State.RELOADING, State.STOPPING},
+    State.RELOADING: {State.READY, State.STOPPING},
+    State.STOPPING: {State.STOPPED},
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class Lifecycle:
+    def __init__(self) -> None:
+        self.state = State.STOPPED
+        self.since = time.monotonic()
+
+    def to(self, new: State) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.state} -> {new}")
+        log.info("state.changed", old=str(self.state), new=str(new))
+        self.state, self.since = new, time.monotonic()
