@@ -22,6 +22,10 @@ def main() -> None:
             os._exit(126)
         if os.getppid() != parent:  # the wrapper died before the death signal was armed
             os._exit(1)
+    # This interpreter ignored SIGPIPE and SIGXFSZ at start-up; an ignored signal survives exec, so undo it.
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

@@ -171,5 +171,6 @@ class HookRunner:
             raise
         if finished.returncode != 0:
             how = f"signal {finished.signal_name}" if finished.signal else f"exit status {finished.code}"
-            raise ActionError(f"{argv[0]} ended with {how}")
+            last = f": {process.tail[-1]}" if process.tail else ""
+            raise ActionError(f"{argv[0]} ended with {how}{last}")
         return "exit status 0"

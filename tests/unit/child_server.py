@@ -109,6 +109,7 @@ def main() -> None:
             print("child: dying on its own", flush=True)
             if options.die_signal:
                 os.kill(os.getpid(), getattr(signal, options.die_signal))
+                time.sleep(5)  # the signal may reach another thread a moment later
             os._exit(options.exit_code)
         threading.Thread(target=die, daemon=True).start()
     print(f"child: listening on {options.host}:{options.port} pid {os.getpid()}", flush=True)

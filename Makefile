@@ -1,0 +1,42 @@
+# The front door: `make demo` serves the default model through the wrapper, `make test` runs every test.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+LISTEN ?= 127.0.0.1:8080
+CTX ?= 8192
+
+.PHONY: demo test unit integration bench lint server model clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $@
+
+server:  ## build (or find in the cache) the pinned llama-server and print its path
+	@llama.cpp/build-server
+
+model: $(VENV)/.installed  ## print the default model's path, assembling it on first use
+	@llama.cpp/get-model
+
+demo: $(VENV)/.installed
+	@server=$$(llama.cpp/build-server) && model=$$(llama.cpp/get-model) && \
+	echo "serving $$model on http://$(LISTEN) — Ctrl-C stops everything" && \
+	exec $(VENV)/bin/llama-wrapper run --config examples/hooks.yaml --listen $(LISTEN) -- \
+	    "$$server" -m "$$model" -c $(CTX)
+
+test: $(VENV)/.installed
+	LLAMA_SERVER=$$(llama.cpp/build-server) $(PY) -m pytest -q tests/unit tests/integration
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit
+
+bench: $(VENV)/.installed
+	LLAMA_SERVER=$$(llama.cpp/build-server) $(PY) tests/bench/bench_proxy.py
+	LLAMA_SERVER=$$(llama.cpp/build-server) $(PY) tests/bench/bench_slots.py
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wrapper.config import ConfigError, Listen, load_config, parse_config, parse_listen
+from wrapper.units import parse_duration
+
+FULL = """\
+listen: 127.0.0.1:9000
+server:
+  argv: [llama-server, -m, /models/chat.gguf, -c, 32768]
+  ready_timeout: 2m
+  stop_timeout: 15s
+  env: {LLAMA_ATTN_ROT_DISABLE: 1}
+slots:
+  dir: /var/lib/slots
+  swa_full: always
+proxy:
+  allow_slot_actions: true
+hooks:
+  on_will_start:
+    - shell: mkdir -p /var/lib/llm
+  on_startup:
+    - builtin: slots.restore
+    - name: warm-up
+      http: {method: POST, url: "{{ server.url }}/completion", json: {prompt: hi, n_predict: 1}}
+      timeout: 30s
+      retries: 2
+  on_will_stop:
+    - builtin: slots.save
+  on_stopped:
+    - exec: [notify-send, "{{ model.name }} stopped: {{ result }}"]
+      ignore_errors: true
+      when: result != "success"
+"""
+
+
+def test_full_config_reads_every_key() -> None:
+    config = parse_config(FULL, "c.yaml")
+    assert config.listen == Listen("127.0.0.1", 9000)
+    assert config.argv == ("llama-server", "-m", "/models/chat.gguf", "-c", "32768")
+    assert (config.ready_timeout, config.stop_timeout) == (120.0, 15.0)
+    assert config.env == {"LLAMA_ATTN_ROT_DISABLE": "1"}
+    assert str(config.slots_dir) == "/var/lib/slots" and config.swa_full == "always"
+    assert config.allow_slot_actions is True
+    warm = config.hooks["on_startup"][1]
+    assert (warm.kind, warm.name, warm.retries, warm.where) == ("http", "warm-up", 2, "c.yaml:17")
+    assert warm.http is not None and warm.http.method == "POST" and warm.http.json == {"prompt": "hi", "n_predict": 1}
+    stopped = config.hooks["on_stopped"][0]
+    assert stopped.exec == ("notify-send", "{{ model.name }} stopped: {{ result }}")
+    assert stopped.ignore_errors and stopped.when == 'result != "success"'
+    assert config.slot_persistence
+
+
+def test_empty_config_is_all_defaults() -> None:
+    config = parse_config("", "empty.yaml")
+    assert config.listen is None and config.ready_timeout == 300 and config.stop_timeout == 10
+    assert not config.slot_persistence and all(not actions for actions in config.hooks.values())
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("hooks:\n  on_startpu: []\n", "c.yaml:2: unknown key 'on_startpu' in hooks (did you mean 'on_startup'?)"),
+    ("server:\n  argv: [x]\n  stop_timout: 3s\n", "c.yaml:3: unknown key 'stop_timout' in server (did you mean"),
+    ("server:\n  ready_timeout: soon\n", "c.yaml:2: server.ready_timeout: not a duration: 'soon'"),
+    ("listen: 8080\n", "c.yaml:1: listen: listen must be HOST:PORT"),
+    ("hooks:\n  on_startup:\n    - name: x\n", "c.yaml:3: hooks.on_startup[0] needs exactly one of http, shell"),
+    ("hooks:\n  on_startup:\n    - shell: a\n      exec: [b]\n", "needs exactly one of http, shell, exec, builtin (found 2)"),
+    ("hooks:\n  on_startup:\n    - builtin: slots.sav\n", "unknown built-in 'slots.sav' (did you mean 'slots.save'?)"),
+    ("hooks:\n  on_startup:\n    - http: {method: GET}\n", "c.yaml:3: hooks.on_startup[0].http needs a url"),
+    ("hooks:\n  on_startup:\n    - shell: x\n      retries: 100\n", "c.yaml:4: hooks.on_startup[0].retries must be"),
+    ("hooks:\n  on_startup:\n    - shell: x\n      ignore_errors: maybe\n", "ignore_errors must be a bool"),
+    ("slots:\n  swa_full: sometimes\n", "c.yaml:2: slots.swa_full must be one of auto, always, never"),
+    ("hooks: [1, 2]\n", "c.yaml:1: hooks must be a mapping"),
+    ("server:\n  argv: [a\n", "c.yaml:3: not valid YAML"),
+])
+def test_bad_configs_name_file_and_line(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "c.yaml")
+    assert message in str(caught.value)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("listen: nope\nserver:\n  bogus: 1\n", "c.yaml")
+    assert len(str(caught.value).splitlines()) == 2
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("2m", 120), ("250ms", 0.25), ("1.5h", 5400), (7, 7)])
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+def test_listen_forms() -> None:
+    assert parse_listen(":8080") == Listen("127.0.0.1", 8080)
+    assert parse_listen("[::1]:81").url == "http://[::1]:81"
+    with pytest.raises(ValueError):
+        parse_listen("localhost:99999")
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def _check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "wrapper.cli", "check", str(path)],
+                          capture_output=True, text=True, check=False)
+
+
+def test_check_prints_the_resolved_hooks(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text(FULL)
+    done = _check(path)
+    assert done.returncode == 0, done.stderr
+    assert "warm-up" in done.stdout and f"where: {path}:17" in done.stdout and "persistence: true" in done.stdout
+
+
+def test_check_a_misspelt_key_exits_2_with_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text("hooks:\n  on_startup:\n    - shell: echo hi\n      timout: 3s\n")
+    done = _check(path)
+    assert done.returncode == 2
+    assert f"{path}:4: unknown key 'timout'" in done.stderr and "did you mean 'timeout'" in done.stderr
+
+
+def test_check_finds_template_syntax_errors(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text("hooks:\n  on_startup:\n    - shell: echo {{ server.url\n")
+    done = _check(path)
+    assert done.returncode == 2 and f"{path}:3: template syntax error" in done.stderr
+
+
+def test_run_with_a_bad_config_exits_2_before_spawning(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text("listen: nowhere\n")
+    marker = tmp_path / "spawned"
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--config", str(path), "--",
+                           "touch", str(marker)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "listen must be HOST:PORT" in done.stderr
+    assert not marker.exists()
+
+
+def test_run_with_a_missing_binary_exits_2(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--", "no-such-llama-server"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "not an executable or not on PATH" in done.stderr
+
+
+def test_options_come_from_the_environment(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--", "true"], capture_output=True,
+                          text=True, check=False, env={"LLAMA_WRAPPER_LISTEN": "bad", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2 and "listen must be HOST:PORT" in done.stderr
