@@ -30,7 +30,7 @@ def server_settings(argv: list[str], env: dict[str, str], props: dict[str, Any],
         "total_slots": total_slots,
         "n_ctx": int(generation.get("n_ctx") or 0),
         "attn_rot_disable": env.get("LLAMA_ATTN_ROT_DISABLE", "") not in ("", "0"),
-        "mmproj": args.has(argv, ("-mm", "--mmproj", "-mmu", "--mmproj-url")),
+        "mmproj": args.has(argv, args.MMPROJ),
         "build": str(props.get("build_info", "")),
     }
 

@@ -66,7 +66,7 @@ def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str
             fit.note("--no-cache-idle-slots", "otherwise idle slots are moved to the RAM cache and cleared, "
                      "and a save at stop finds them empty")
         elif has("-cram"):
-            fit.argv = args.replace(fit.argv, ("-cram", "--cache-ram"), "0")
+            fit.argv = args.replace(fit.argv, args.CACHE_RAM, "0")
             fit.note("-cram 0", "this server lacks --no-cache-idle-slots; without a RAM prompt cache idle slots stay")
         else:
             fit.note("LOST: cannot keep idle slots", "this server has neither --no-cache-idle-slots nor -cram")

@@ -20,6 +20,8 @@ KV_UNIFIED = ("-kvu", "--kv-unified")
 NO_KV_UNIFIED = ("-no-kvu", "--no-kv-unified")
 CACHE_IDLE_SLOTS = ("--cache-idle-slots",)
 NO_CACHE_IDLE_SLOTS = ("--no-cache-idle-slots",)
+CACHE_RAM = ("-cram", "--cache-ram")
+MMPROJ = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
 
 
 def _matches(arg: str, names: Sequence[str]) -> tuple[bool, str | None]:

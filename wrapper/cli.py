@@ -157,5 +157,13 @@ def _body(action: Any) -> Any:
     return {"shell": action.shell, "exec": list(action.exec), "builtin": action.builtin}[action.kind]
 
 
+def _add_slots() -> None:
+    from wrapper.slots_cli import slots
+
+    main.add_command(slots)
+
+
+_add_slots()
+
 if __name__ == "__main__":
     main()

@@ -7,7 +7,8 @@ It accepts the arguments the wrapper adds (`--host`, `--port`) plus switches tha
   --die-after S     exit on its own after S seconds, with --exit-code N (or --die-signal SIG)
   --record FILE     append one line per request to FILE ("METHOD PATH")
   --fail-start      exit 1 at once
-Endpoints: /health, /echo (method, path, query, headers, body), /stream?n=N&delay=S (SSE), anything else 200.
+Endpoints: /health, /echo (method, path, query, headers, body), /stream?n=N&delay=S[&gate=1] (SSE; with gate
+the events after the first wait for a GET /release), anything else 200.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
         print("child: failing at start", flush=True)
         sys.exit(1)
     ready_at = time.monotonic() + options.load_delay
+    released = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -71,6 +73,9 @@ def main() -> None:
             elif url.path == "/echo":
                 self._send(200, {"method": self.command, "path": url.path, "query": url.query,
                                  "headers": dict(self.headers.items()), "body": body.decode()})
+            elif url.path == "/release":
+                released.set()
+                self._send(200, {"released": True})
             elif url.path == "/stream":
                 query = parse_qs(url.query)
                 count, delay = int(query.get("n", ["5"])[0]), float(query.get("delay", ["0"])[0])
@@ -82,6 +87,8 @@ def main() -> None:
                     event = f"data: {json.dumps({'index': index})}\n\n".encode()
                     self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
                     self.wfile.flush()
+                    if index == 0 and "gate" in query:
+                        released.wait(30)  # hold the rest until /release: proves the proxy did not buffer
                     time.sleep(delay)
                 self.wfile.write(b"0\r\n\r\n")
             else:

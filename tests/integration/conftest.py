@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import models
+
+
+@pytest.fixture(scope="session")
+def server_bin() -> str:
+    return models.llama_server()
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> str:
+    return models.gemma()
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory, server_bin: str) -> str:
+    return models.tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def other_tiny_path(tmp_path_factory: pytest.TempPathFactory, server_bin: str) -> str:
+    """A second tiny model (three layers): another model id, a slot file that is not ours."""
+    return models.tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-3.gguf", n_layer=3)
+
+
+@pytest.fixture
+def slots_dir(tmp_path: Path) -> Path:
+    return tmp_path / "slots"

@@ -1,0 +1,233 @@
+"""Slot persistence against the real llama-server: the prefill really is saved across restarts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import Wrapper, http, wait_for
+
+PERSIST = """
+slots:
+  dir: {dir}
+  swa_full: {swa_full}
+hooks:
+  on_startup:
+    - builtin: slots.restore
+  on_will_stop:
+    - builtin: slots.save
+"""
+SAVE_ONLY = """
+slots: {{dir: {dir}}}
+hooks:
+  on_will_stop:
+    - builtin: slots.save
+"""
+STORY = ("The lighthouse keeper counted the ships that passed the northern cape each night, writing their names "
+         "in a ledger bound with blue thread. ")
+
+
+def prompt(words: int, seed: str) -> str:
+    text = seed + " "
+    while len(text.split()) < words:
+        text += STORY
+    return text
+
+
+def complete(url: str, text: str, slot: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": text, "n_predict": 8, "temperature": 0, "cache_prompt": True}
+    if slot is not None:
+        body["id_slot"] = slot
+    status, _, raw = http("POST", f"{url}/completion", body, timeout=300)
+    assert status == 200, raw
+    result: dict[str, Any] = json.loads(raw)
+    return result
+
+
+def start(tmp_path: Path, argv: list[str], config: str) -> Wrapper:
+    wrapper = Wrapper(tmp_path, argv, config)
+    wrapper.wait_ready(120)
+    return wrapper
+
+
+def model_dir(slots_dir: Path) -> Path:
+    folders = [p for p in slots_dir.iterdir() if p.is_dir()]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def restore_report(wrapper: Wrapper) -> list[dict[str, Any]]:
+    report: list[dict[str, Any]] = wrapper.status()["slots"]["restore"]
+    return report
+
+
+@pytest.mark.parametrize("model", ["gemma", "tiny"])
+def test_next_turn_after_a_restart_comes_from_the_cache(
+        tmp_path: Path, slots_dir: Path, server_bin: str, gemma_path: str, tiny_path: str, model: str) -> None:
+    path = gemma_path if model == "gemma" else tiny_path
+    argv = [server_bin, "-m", path, "-c", "4096", "-np", "1"]
+    config = PERSIST.format(dir=slots_dir, swa_full="auto")
+    first = prompt(900, "Chapter one.")
+    wrapper = start(tmp_path, argv, config)
+    try:
+        if model == "gemma":  # the wrapper made the SWA model fit for reuse, and said so
+            assert any(n["change"] == "--swa-full" for n in wrapper.status()["argv_changes"])
+        turn = complete(wrapper.url, first)
+        history = turn["tokens_evaluated"] + turn["tokens_predicted"]
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+    folder = model_dir(slots_dir)
+    sidecar = json.loads((folder / "slot0.json").read_text())
+    assert sidecar["tokens"] >= turn["tokens_evaluated"] and sidecar["bytes"] == (folder / "slot0.bin").stat().st_size
+    assert sidecar["swa_full"] is (model == "gemma") and sidecar["kv_streams"] == 1
+
+    wrapper = start(tmp_path, argv, config)
+    try:
+        report = restore_report(wrapper)
+        assert [(r["slot"], r["outcome"], r["tokens"]) for r in report] == [(0, "restored", sidecar["tokens"])]
+        restored_at = [e["timestamp"] for e in wrapper.events("slots.restored")]
+        assert restored_at and restored_at[0] < wrapper.events("wrapper.ready")[0]["timestamp"]
+        nxt = complete(wrapper.url, first + turn["content"] + " Chapter two.")
+        cache_n = nxt["timings"]["cache_n"]
+        assert cache_n >= 0.95 * history, (cache_n, history)
+        entry = wait_for(lambda: next((r for r in restore_report(wrapper) if r.get("reused_tokens") is not None), None),
+                         10, "the reuse to be reported")
+        assert entry["reused_tokens"] == cache_n
+        assert wrapper.events("slots.reused")[0]["cache_n"] == cache_n
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+
+
+def test_two_slots_two_conversations_both_restored(
+        tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "8192", "-np", "2"]
+    config = PERSIST.format(dir=slots_dir, swa_full="auto")
+    texts = [prompt(700, "First conversation."), prompt(500, "Second, different conversation.")]
+    wrapper = start(tmp_path, argv, config)
+    try:
+        turns = [complete(wrapper.url, text, slot) for slot, text in enumerate(texts)]
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+    wrapper = start(tmp_path, argv, config)
+    try:
+        report = restore_report(wrapper)
+        assert [(r["slot"], r["outcome"]) for r in report] == [(0, "restored"), (1, "restored")]
+        for slot, (text, turn) in enumerate(zip(texts, turns, strict=True)):
+            nxt = complete(wrapper.url, text + turn["content"] + " And then.", slot)
+            assert nxt["timings"]["cache_n"] >= 0.95 * (turn["tokens_evaluated"] + turn["tokens_predicted"])
+        reused = restore_report(wrapper)
+        assert all(r["reused_tokens"] for r in reused)
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+
+
+def save_one(tmp_path: Path, argv: list[str], slots_dir: Path, words: int = 300) -> Path:
+    wrapper = start(tmp_path, argv, PERSIST.format(dir=slots_dir, swa_full="auto"))
+    try:
+        complete(wrapper.url, prompt(words, "Saved once."))
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+    return model_dir(slots_dir)
+
+
+def skipped_reason(tmp_path: Path, argv: list[str], slots_dir: Path, swa_full: str = "auto") -> str:
+    """Start with persistence, check the skip, and that the cold server still answers."""
+    wrapper = start(tmp_path, argv, PERSIST.format(dir=slots_dir, swa_full=swa_full))
+    try:
+        report = restore_report(wrapper)
+        assert len(report) == 1 and report[0]["outcome"] == "skipped", report
+        assert complete(wrapper.url, "Still works.")["tokens_predicted"] > 0
+        return str(report[0]["reason"])
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+
+
+def test_corrupt_file_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    folder = save_one(tmp_path, argv, slots_dir)
+    data = (folder / "slot0.bin").read_bytes()
+    (folder / "slot0.bin").write_bytes(data[: len(data) // 3])
+    assert skipped_reason(tmp_path, argv, slots_dir).startswith("unreadable file")
+
+
+def test_file_of_another_model_is_skipped(
+        tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str, other_tiny_path: str) -> None:
+    other = save_one(tmp_path, [server_bin, "-m", other_tiny_path, "-c", "2048", "-np", "1"], tmp_path / "other")
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    ours = save_one(tmp_path, argv, slots_dir)
+    for name in ("slot0.bin", "slot0.json"):
+        shutil.copy(other / name, ours / name)
+    assert skipped_reason(tmp_path, argv, slots_dir).startswith("other model: saved for tiny-llama-3")
+
+
+def test_file_with_other_cache_types_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str,
+                                                tiny_path: str) -> None:
+    save_one(tmp_path, [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"], slots_dir)
+    quantized = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
+    reason = skipped_reason(tmp_path, quantized, slots_dir)
+    assert reason == "cache types: the file has K f16 / V f16, the server runs K q8_0 / V q8_0"
+
+
+def test_file_of_another_state_version_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str,
+                                                  tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    folder = save_one(tmp_path, argv, slots_dir)
+    with open(folder / "slot0.bin", "r+b") as handle:  # what an older llama-server build would have written
+        handle.seek(4)
+        handle.write(struct.pack("<I", 2))
+    reason = skipped_reason(tmp_path, argv, slots_dir)
+    assert reason.startswith("state version 2") and "reads version 4" in reason
+
+
+def test_swa_model_without_swa_full_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str,
+                                               gemma_path: str) -> None:
+    argv = [server_bin, "-m", gemma_path, "-c", "2048", "-np", "1"]
+    folder = save_one(tmp_path, argv, slots_dir, words=100)
+    sidecar = json.loads((folder / "slot0.json").read_text())
+    assert sidecar["swa_full"] is True
+    reason = skipped_reason(tmp_path, argv, slots_dir, swa_full="never")
+    assert reason.startswith("sliding-window model without --swa-full")
+
+
+def test_an_empty_slot_never_overwrites_a_good_file(tmp_path: Path, slots_dir: Path, server_bin: str,
+                                                    tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    folder = save_one(tmp_path, argv, slots_dir)
+    before = {name: (folder / name).read_bytes() for name in ("slot0.bin", "slot0.json")}
+    wrapper = start(tmp_path, argv, SAVE_ONLY.format(dir=slots_dir))  # no restore: the slot stays empty
+    assert wrapper.stop() == 0
+    wrapper.kill()
+    assert {name: (folder / name).read_bytes() for name in before} == before
+    saves = wrapper.events("hook.run")
+    assert saves[-1]["action"] == "slots.save" and saves[-1]["detail"].startswith("saved 0 slot(s)")
+    assert sorted(p.name for p in folder.iterdir()) == ["slot0.bin", "slot0.json"]  # no temporary left
+
+
+def test_client_slot_actions_are_refused_unless_allowed(tmp_path: Path, slots_dir: Path, server_bin: str,
+                                                       tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "1024", "-np", "1"]
+    wrapper = start(tmp_path, argv, PERSIST.format(dir=slots_dir, swa_full="auto"))
+    try:
+        assert http("POST", f"{wrapper.url}/slots/0?action=erase")[0] == 403
+        assert http("GET", f"{wrapper.url}/slots")[0] == 200
+    finally:
+        wrapper.stop()
+        wrapper.kill()
+    allowed = PERSIST.format(dir=slots_dir, swa_full="auto") + "proxy: {allow_slot_actions: true}\n"
+    wrapper = start(tmp_path, argv, allowed)
+    try:
+        assert http("POST", f"{wrapper.url}/slots/0?action=erase")[0] == 200
+    finally:
+        wrapper.stop()
+        wrapper.kill()

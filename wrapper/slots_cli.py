@@ -1,0 +1,118 @@
+"""`llama-wrapper slots ls|inspect|rm`: the slot folder, without a server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hooks import slotfile
+from hooks.slots import read_sidecar, saved_slots, slot_paths
+from wrapper.config import Config, ConfigError, load_config
+
+EXIT_CONFIG = 2
+
+
+def _slots_dir(directory: str | None, config_path: str | None) -> Path:
+    if directory:
+        return Path(directory).expanduser()
+    try:
+        config = load_config(config_path) if config_path else Config()
+    except ConfigError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_CONFIG)
+    return config.slots_dir
+
+
+_DIR = click.option("--dir", "directory", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
+                    show_envvar=True, help="The slot folder [default: slots.dir of --config, else "
+                                           "~/.cache/llama-wrapper/slots].")
+_CONFIG = click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
+                       show_envvar=True, help="Read slots.dir from this config.")
+
+
+@click.group()
+def slots() -> None:
+    """List, inspect and remove saved slot files."""
+
+
+def _rows(root: Path) -> list[dict[str, Any]]:
+    rows = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        for number, path in saved_slots(folder):
+            row: dict[str, Any] = {"model_id": folder.name, "slot": number, "file": str(path),
+                                   "bytes": path.stat().st_size}
+            try:
+                sidecar = read_sidecar(slot_paths(folder, number)[1])
+                row.update(model=sidecar["model"].get("name"), tokens=sidecar.get("tokens"),
+                           saved_at=sidecar.get("saved_at"), build=sidecar.get("build"),
+                           cache_types=f"{sidecar.get('cache_type_k')}/{sidecar.get('cache_type_v')}")
+            except (OSError, ValueError, KeyError) as exc:
+                row["problem"] = f"sidecar: {exc}"
+            rows.append(row)
+    return rows
+
+
+@slots.command("ls")
+@_DIR
+@_CONFIG
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per slot file.")
+def list_slots(directory: str | None, config_path: str | None, as_json: bool) -> None:
+    """List saved slots per model: tokens, size, when, which build."""
+    root = _slots_dir(directory, config_path)
+    rows = _rows(root)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    if not rows:
+        click.echo(f"no saved slots in {root}")
+        return
+    click.echo(f"{'MODEL ID':<17} {'MODEL':<24} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} SAVED")
+    for row in rows:
+        size = f"{row['bytes'] / 1e6:.1f} MB"
+        click.echo(f"{row['model_id']:<17} {str(row.get('model', '?'))[:24]:<24} {row['slot']:>4} "
+                   f"{row.get('tokens', '?')!s:>8} {size:>9} {row.get('cache_types', '?'):<10} "
+                   f"{row.get('saved_at') or row.get('problem')}")
+
+
+@slots.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+def inspect(path: str) -> None:
+    """Read a slot file's header (tokens, cells, layers, K/V types, streams) and its sidecar."""
+    try:
+        summary = slotfile.read(path).summary()
+    except slotfile.SlotFileError as exc:
+        click.echo(f"llama-wrapper: {exc}", err=True)
+        sys.exit(1)
+    sidecar_path = Path(path).with_suffix(".json")
+    if sidecar_path.exists():
+        try:
+            summary["sidecar"] = read_sidecar(sidecar_path)
+        except (OSError, ValueError) as exc:
+            summary["sidecar"] = f"unreadable: {exc}"
+    click.echo(json.dumps(summary, indent=2))
+
+
+@slots.command("rm")
+@_DIR
+@_CONFIG
+@click.argument("model_id")
+@click.option("--slot", type=int, help="Only this slot [default: every slot of the model].")
+def remove(directory: str | None, config_path: str | None, model_id: str, slot: int | None) -> None:
+    """Remove the saved slots of MODEL_ID (as `slots ls` shows it)."""
+    folder = _slots_dir(directory, config_path) / model_id
+    if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
+        click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
+        sys.exit(1)
+    numbers = [n for n, _ in saved_slots(folder) if slot is None or n == slot]
+    if not numbers:
+        click.echo(f"llama-wrapper: model {model_id} has no slot {slot}", err=True)
+        sys.exit(1)
+    for number in numbers:
+        for file in slot_paths(folder, number):
+            file.unlink(missing_ok=True)
+            click.echo(f"removed {file}")
