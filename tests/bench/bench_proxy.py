@@ -1,0 +1,118 @@
+"""What the proxy costs: the wrapper and direct access to the same llama-server, measured side by side.
+
+Prints a table of medians and ratios (wrapped / direct). Requests alternate between the two paths so that
+noise on a shared machine hits both alike. Run with `make bench` (it sets LLAMA_SERVER).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests import models
+from tests.helpers import Wrapper
+
+SMALL_REQUESTS = 300
+STREAMS = 6
+STREAM_TOKENS = 96
+CONCURRENT = 16
+CONCURRENT_TOKENS = 32
+PROMPT = "Write a short story about a lighthouse keeper who counts ships."
+
+
+async def small_request(session: aiohttp.ClientSession, base: str) -> float:
+    started = time.perf_counter()
+    async with session.get(f"{base}/v1/models") as reply:
+        await reply.read()
+    return time.perf_counter() - started
+
+
+async def stream(session: aiohttp.ClientSession, base: str, n_predict: int) -> tuple[float, float, int]:
+    """(time to first token, decode tokens per second after it, tokens)."""
+    body = {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "stream": True, "cache_prompt": False,
+            "ignore_eos": True}
+    started = time.perf_counter()
+    first = 0.0
+    tokens = 0
+    async with session.post(f"{base}/completion", json=body) as reply:
+        async for line in reply.content:
+            if line.startswith(b"data: ") and b'"content"' in line:
+                if not first:
+                    first = time.perf_counter()
+                tokens += 1 if not json.loads(line[6:]).get("stop") else 0
+    ended = time.perf_counter()
+    return first - started, (tokens - 1) / (ended - first), tokens
+
+
+async def concurrent(session: aiohttp.ClientSession, base: str) -> float:
+    """Aggregate tokens per second of CONCURRENT simultaneous streams."""
+    started = time.perf_counter()
+    results = await asyncio.gather(*(stream(session, base, CONCURRENT_TOKENS) for _ in range(CONCURRENT)))
+    return sum(r[2] for r in results) / (time.perf_counter() - started)
+
+
+async def measure(wrapped: str, direct: str) -> list[tuple[str, float, float, str]]:
+    rows = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for base in (wrapped, direct):  # warm both paths and the server's cache of the prompt
+            await small_request(session, base)
+            await stream(session, base, 8)
+        lat: dict[str, list[float]] = {wrapped: [], direct: []}
+        for _ in range(SMALL_REQUESTS):
+            for base in (wrapped, direct):
+                lat[base].append(await small_request(session, base))
+        rows.append(("small request latency (ms, median)", statistics.median(lat[wrapped]) * 1e3,
+                     statistics.median(lat[direct]) * 1e3, "ms"))
+        rows.append(("small request latency (ms, p90)", statistics.quantiles(lat[wrapped], n=10)[-1] * 1e3,
+                     statistics.quantiles(lat[direct], n=10)[-1] * 1e3, "ms"))
+        ttfb: dict[str, list[float]] = {wrapped: [], direct: []}
+        rate: dict[str, list[float]] = {wrapped: [], direct: []}
+        for _ in range(STREAMS):
+            for base in (wrapped, direct):
+                first, tps, _ = await stream(session, base, STREAM_TOKENS)
+                ttfb[base].append(first)
+                rate[base].append(tps)
+        rows.append(("stream time to first token (ms, median)", statistics.median(ttfb[wrapped]) * 1e3,
+                     statistics.median(ttfb[direct]) * 1e3, "ms"))
+        rows.append(("stream decode rate (tokens/s, median)", statistics.median(rate[wrapped]),
+                     statistics.median(rate[direct]), "%"))
+        agg: dict[str, list[float]] = {wrapped: [], direct: []}
+        for _ in range(2):
+            for base in (wrapped, direct):
+                agg[base].append(await concurrent(session, base))
+        rows.append((f"{CONCURRENT} concurrent streams (tokens/s, best)", max(agg[wrapped]), max(agg[direct]), "%"))
+    return rows
+
+
+def main() -> None:
+    server = models.llama_server()
+    model = models.gemma()
+    with tempfile.TemporaryDirectory() as tmp:
+        wrapper = Wrapper(Path(tmp), [server, "-m", model, "-c", str(CONCURRENT * 512), "-np", str(CONCURRENT)],
+                          extra=["--log-level", "warning"])
+        try:
+            wrapper.wait_ready(120)
+            direct = wrapper.status()["server"]["url"]
+            rows = asyncio.run(measure(wrapper.url, direct))
+        finally:
+            wrapper.stop()
+            wrapper.kill()
+    print(f"\nllama-wrapper proxy cost, {Path(model).name}, 2-core CPU; wrapped and direct interleaved\n")
+    print(f"| {'measure':<42} | {'wrapped':>9} | {'direct':>9} | {'wrapped/direct':>14} | {'cost':>12} |")
+    print(f"|{'-' * 44}|{'-' * 11}|{'-' * 11}|{'-' * 16}|{'-' * 14}|")
+    for name, w, d, unit in rows:
+        cost = f"{w - d:+.2f} ms" if unit == "ms" else f"{(w / d - 1) * 100:+.1f} %"
+        print(f"| {name:<42} | {w:>9.2f} | {d:>9.2f} | {w / d:>14.3f} | {cost:>12} |")
+
+
+if __name__ == "__main__":
+    main()
