@@ -47,7 +47,9 @@ def _load(config_path: str | None) -> Config:
     return load_config(config_path) if config_path else Config()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+             epilog=RUN_EXAMPLES + "\n\b\nSaved slots:\n  llama-wrapper slots ls\n"
+                                   "  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/slot0.bin\n")
 @click.version_option(__version__, prog_name="llama-wrapper")
 def main() -> None:
     """A supervising proxy for llama.cpp's llama-server: lifecycle hooks and slot persistence."""
