@@ -25,14 +25,14 @@ demo: $(VENV)/.installed
 	    "$$server" -m "$$model" -c $(CTX)
 
 test: $(VENV)/.installed
-	LLAMA_SERVER=$$(llama.cpp/build-server) $(PY) -m pytest -q tests/unit tests/integration
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q tests/unit tests/integration
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit
 
 bench: $(VENV)/.installed
-	LLAMA_SERVER=$$(llama.cpp/build-server) $(PY) tests/bench/bench_proxy.py
-	LLAMA_SERVER=$$(llama.cpp/build-server) $(PY) tests/bench/bench_slots.py
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_proxy.py
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_slots.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -45,7 +45,7 @@ class Supervisor:
         self.result: str | None = None
         self._signals = 0
         self._stop_requested = asyncio.Event()
-        self._forced = False
+        self._force = asyncio.Event()  # set by a second signal
         self._hook_task: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession
         self.runner: HookRunner
@@ -140,16 +140,21 @@ class Supervisor:
         stop_began = time.monotonic()
         self.lifecycle.to(State.STOPPING)
         self.gate.close()
-        if started and not self._forced and self.gate.in_flight:
+        if started and not self._force.is_set() and self.gate.in_flight:
             log.info("wrapper.draining", in_flight=self.gate.in_flight, timeout_s=self.config.drain_timeout)
-            if not await self.gate.drained(self.config.drain_timeout):
+            drained = asyncio.ensure_future(self.gate.drained(self.config.drain_timeout))
+            forced = asyncio.ensure_future(self._force.wait())
+            await asyncio.wait({drained, forced}, return_when=asyncio.FIRST_COMPLETED)
+            forced.cancel()
+            if not drained.done() or not drained.result():
+                drained.cancel()
                 log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight)
-        if started and self.child is not None and self.child.alive and not self._forced:
+        if started and self.child is not None and self.child.alive and not self._force.is_set():
             await self._hook("on_will_stop", start=False)
         finished = await self._stop_child()
         self.result = _result(finished, start_failed)
         stop_s = time.monotonic() - stop_began
-        if not self._forced:
+        if not self._force.is_set():
             await self._hook("on_stopped", start=False, finished=finished)
         self.lifecycle.to(State.STOPPED)
         status = self._exit_status(finished, start_failed)
@@ -180,8 +185,8 @@ class Supervisor:
         log.info("wrapper.signal", signal=sig.name, count=self._signals)
         if self._signals == 1:
             self._stop_requested.set()
-        else:  # a second signal: skip what is left of the hooks, still stop the child
-            self._forced = True
+        else:  # a second signal: skip what is left of the hooks (and the drain), still stop the child
+            self._force.set()
             if self._hook_task is not None:
                 self._hook_task.cancel()
 
@@ -189,7 +194,7 @@ class Supervisor:
 
     async def _hook(self, event: str, start: bool, finished: Exit | None = None) -> None:
         hook_actions = self.config.hooks[event]
-        if not hook_actions or self._forced:
+        if not hook_actions or self._force.is_set():
             return
         context = await self._context(event, finished)
         self._hook_task = asyncio.ensure_future(self.runner.run(event, hook_actions, context))
@@ -200,7 +205,7 @@ class Supervisor:
                 raise StartFailed(str(exc)) from exc
             log.warning("hook.failed_during_stop", hook=event, error=str(exc))
         except asyncio.CancelledError:
-            if not self._forced:
+            if not self._force.is_set():
                 raise
             log.warning("hook.skipped_by_second_signal", hook=event)
         finally:
