@@ -27,8 +27,11 @@ def gemma() -> str:
     return str(assemble())
 
 
-def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2) -> str:
-    """Write (once) a LLaMA-architecture GGUF with random F16 weights and a real SentencePiece vocabulary."""
+def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2) -> str:
+    """Write (once) a LLaMA-architecture GGUF with random F16 weights and a real SentencePiece vocabulary.
+
+    Heads of 32 values: quantized KV caches (q8_0, q4_0 blocks of 32) need at least that.
+    """
     if out.exists():
         return str(out)
     vocab_path = Path(llama_server()).with_name("ggml-vocab-llama-spm.gguf")
