@@ -154,14 +154,29 @@ def _kv_layout(r: _Reader) -> KvLayout:
     return layout
 
 
+def _skip_cells(r: _Reader, cell_count: int, ext: int) -> bool:
+    """Step over the per-cell metadata: in one read when every cell has one sequence (the slot case)."""
+    record = 12 + ext  # i32 pos, u32 n_seq_id, [ext], i32 seq_id
+    start = r.handle.tell()
+    block = r.handle.read(cell_count * record)
+    if len(block) == cell_count * record:
+        cells = np.frombuffer(block, dtype="<u4").reshape(cell_count, record // 4)
+        if bool((cells[:, 1] == 1).all()):
+            return True
+    r.handle.seek(start)
+    for _ in range(cell_count):
+        r.skip(4)  # pos
+        n_seq = r.u32()
+        if n_seq > 4096:
+            return False
+        r.skip(ext + 4 * n_seq)
+    return True
+
+
 def _cells_and_layers(r: _Reader, cell_count: int, ext: int, layout: KvLayout) -> bool:
     try:
-        for _ in range(cell_count):
-            r.skip(4)  # pos
-            n_seq = r.u32()
-            if n_seq > 4096:
-                return False
-            r.skip(ext + 4 * n_seq)
+        if not _skip_cells(r, cell_count, ext):
+            return False
         v_trans, n_layer, n_rot_k, n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
         if v_trans > 1 or not 0 < n_layer <= 1024:
             return False

@@ -118,6 +118,9 @@ class HookRunner:
             return record("ok", detail)
         except (ActionError, template.TemplateError) as exc:
             return record("ignored" if action.ignore_errors else "failed", str(exc))
+        except Exception as exc:  # a bug in a built-in must not take the stop sequence down with it
+            log.exception("hook.internal_error", hook=event, action=action.name)
+            return record("ignored" if action.ignore_errors else "failed", f"internal error: {exc!r}")
 
     async def _attempt(self, event: str, action: Action, context: dict[str, Any]) -> str | None:
         try:

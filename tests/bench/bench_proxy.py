@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -21,8 +22,8 @@ from tests import models
 from tests.helpers import Wrapper
 
 SMALL_REQUESTS = 300
-STREAMS = 6
-STREAM_TOKENS = 96
+STREAMS = 12
+STREAM_TOKENS = 128
 CONCURRENT = 16
 CONCURRENT_TOKENS = 32
 PROMPT = "Write a short story about a lighthouse keeper who counts ships."
@@ -59,7 +60,13 @@ async def concurrent(session: aiohttp.ClientSession, base: str) -> float:
     return sum(r[2] for r in results) / (time.perf_counter() - started)
 
 
-async def measure(wrapped: str, direct: str) -> list[tuple[str, float, float, str]]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(wrapped: str, direct: str, wrapper_pid: int) -> list[tuple[str, float, float, str]]:
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -76,15 +83,23 @@ async def measure(wrapped: str, direct: str) -> list[tuple[str, float, float, st
                      statistics.quantiles(lat[direct], n=10)[-1] * 1e3, "ms"))
         ttfb: dict[str, list[float]] = {wrapped: [], direct: []}
         rate: dict[str, list[float]] = {wrapped: [], direct: []}
+        wrapper_cpu, wrapped_tokens, wrapped_wall = 0.0, 0, 0.0
         for _ in range(STREAMS):
             for base in (wrapped, direct):
-                first, tps, _ = await stream(session, base, STREAM_TOKENS)
+                cpu_before, wall_before = cpu_seconds(wrapper_pid), time.perf_counter()
+                first, tps, tokens = await stream(session, base, STREAM_TOKENS)
+                if base == wrapped:
+                    wrapper_cpu += cpu_seconds(wrapper_pid) - cpu_before
+                    wrapped_wall += time.perf_counter() - wall_before
+                    wrapped_tokens += tokens
                 ttfb[base].append(first)
                 rate[base].append(tps)
         rows.append(("stream time to first token (ms, median)", statistics.median(ttfb[wrapped]) * 1e3,
                      statistics.median(ttfb[direct]) * 1e3, "ms"))
         rows.append(("stream decode rate (tokens/s, median)", statistics.median(rate[wrapped]),
                      statistics.median(rate[direct]), "%"))
+        rows.append(("wrapper CPU per streamed token (ms)", wrapper_cpu / wrapped_tokens * 1e3, 0.0, "cpu"))
+        rows.append(("wrapper CPU while streaming (% of one core)", wrapper_cpu / wrapped_wall * 100, 0.0, "cpu"))
         agg: dict[str, list[float]] = {wrapped: [], direct: []}
         for _ in range(2):
             for base in (wrapped, direct):
@@ -102,7 +117,7 @@ def main() -> None:
         try:
             wrapper.wait_ready(120)
             direct = wrapper.status()["server"]["url"]
-            rows = asyncio.run(measure(wrapper.url, direct))
+            rows = asyncio.run(measure(wrapper.url, direct, wrapper.process.pid))
         finally:
             wrapper.stop()
             wrapper.kill()
@@ -110,6 +125,9 @@ def main() -> None:
     print(f"| {'measure':<42} | {'wrapped':>9} | {'direct':>9} | {'wrapped/direct':>14} | {'cost':>12} |")
     print(f"|{'-' * 44}|{'-' * 11}|{'-' * 11}|{'-' * 16}|{'-' * 14}|")
     for name, w, d, unit in rows:
+        if unit == "cpu":  # only the wrapper has this cost
+            print(f"| {name:<42} | {w:>9.2f} | {'-':>9} | {'-':>14} | {'':>12} |")
+            continue
         cost = f"{w - d:+.2f} ms" if unit == "ms" else f"{(w / d - 1) * 100:+.1f} %"
         print(f"| {name:<42} | {w:>9.2f} | {d:>9.2f} | {w / d:>14.3f} | {cost:>12} |")
 

@@ -155,3 +155,8 @@ def test_options_come_from_the_environment(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--", "true"], capture_output=True,
                           text=True, check=False, env={"LLAMA_WRAPPER_LISTEN": "bad", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2 and "listen must be HOST:PORT" in done.stderr
+
+
+def test_the_shipped_examples_are_valid() -> None:
+    done = _check(Path(__file__).resolve().parents[2] / "examples" / "hooks.yaml")
+    assert done.returncode == 0, done.stderr
