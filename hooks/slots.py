@@ -29,7 +29,6 @@ log = structlog.get_logger()
 
 SIDECAR_FORMAT = 1
 _SLOT_FILE = re.compile(r"^slot(\d+)\.bin$")
-_PROBE = ".probe-state-version.bin"
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
 
 
@@ -54,7 +53,7 @@ def read_sidecar(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> Path:
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as out:
         json.dump(data, out, indent=1)
         out.flush()
@@ -102,7 +101,7 @@ async def _save_one(rt: Runtime, directory: Path, slot: dict[str, Any], settings
     if slot.get("n_prompt_tokens") == 0:  # absent after a restore: such a slot is saved again
         return entry
     final_bin, final_json = slot_paths(directory, number)
-    temporary = directory / f"slot{number}.bin.tmp"
+    temporary = directory / f"slot{number}.bin.{os.getpid()}.tmp"  # two wrappers of one model never collide
     started = time.monotonic()
     try:
         answer = await rt.client.slot_action(number, "save", temporary.name)
@@ -166,7 +165,7 @@ async def restore(rt: Runtime) -> str:
 
 async def _state_version(rt: Runtime, directory: Path) -> int:
     """The slot-file version this server writes, learnt by saving the (still empty) slot 0 once."""
-    probe = directory / _PROBE
+    probe = directory / f".probe-state-version.{os.getpid()}.bin"
     try:
         await rt.client.slot_action(0, "save", probe.name)
         with open(probe, "rb") as handle:

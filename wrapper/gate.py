@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from wrapper.aio import first_of
+
 
 class Gate:
     def __init__(self) -> None:
@@ -30,13 +32,7 @@ class Gate:
         if not self._opened.is_set() and not self._closed.is_set():
             self.held += 1
             try:
-                opened = asyncio.ensure_future(self._opened.wait())
-                closed = asyncio.ensure_future(self._closed.wait())
-                try:
-                    await asyncio.wait({opened, closed}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    opened.cancel()
-                    closed.cancel()
+                await first_of(self._opened.wait(), self._closed.wait())
             finally:
                 self.held -= 1
         if self._closed.is_set():

@@ -14,6 +14,7 @@ import structlog
 
 from wrapper import actions
 from wrapper.actions import HookFailed, HookRunner
+from wrapper.aio import first_of
 from wrapper.child import Exit, Supervised, spawn
 from wrapper.config import Config
 from wrapper.gate import Gate
@@ -82,11 +83,8 @@ class Supervisor:
 
     async def _live(self) -> int:
         start = asyncio.ensure_future(self._start())
-        stop = asyncio.ensure_future(self._stop_requested.wait())
-        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not start.done():  # a stop signal during the start: abort it
-            start.cancel()
+        await first_of(start, self._stop_requested.wait())
+        if start.cancelled() or not start.done():  # a stop signal during the start aborted it
             with contextlib.suppress(asyncio.CancelledError, StartFailed):
                 await start
             return await self._stop(started=False, start_failed=False)
@@ -94,11 +92,7 @@ class Supervisor:
             log.error("wrapper.start_failed", error=str(start.exception()))
             return await self._stop(started=False, start_failed=True)
         assert self.child is not None
-        died = asyncio.ensure_future(self.child.wait())
-        stop = asyncio.ensure_future(self._stop_requested.wait())
-        await asyncio.wait({died, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        died.cancel()
+        await first_of(self.child.wait(), self._stop_requested.wait())
         return await self._stop(started=True, start_failed=False)
 
     # -- starting ------------------------------------------------------------------------------------------
@@ -142,12 +136,8 @@ class Supervisor:
         self.gate.close()
         if started and not self._force.is_set() and self.gate.in_flight:
             log.info("wrapper.draining", in_flight=self.gate.in_flight, timeout_s=self.config.drain_timeout)
-            drained = asyncio.ensure_future(self.gate.drained(self.config.drain_timeout))
-            forced = asyncio.ensure_future(self._force.wait())
-            await asyncio.wait({drained, forced}, return_when=asyncio.FIRST_COMPLETED)
-            forced.cancel()
-            if not drained.done() or not drained.result():
-                drained.cancel()
+            await first_of(self.gate.drained(self.config.drain_timeout), self._force.wait())
+            if self.gate.in_flight:
                 log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight)
         if started and self.child is not None and self.child.alive and not self._force.is_set():
             await self._hook("on_will_stop", start=False)
