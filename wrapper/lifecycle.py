@@ -172,13 +172,13 @@ class Supervisor:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._signals += 1
-        log.info("wrapper.signal", signal=sig.name, count=self._signals)
         if self._signals == 1:
             self._stop_requested.set()
         else:  # a second signal: skip what is left of the hooks (and the drain), still stop the child
             self._force.set()
             if self._hook_task is not None:
                 self._hook_task.cancel()
+        log.info("wrapper.signal", signal=sig.name, count=self._signals)
 
     # -- hooks ---------------------------------------------------------------------------------------------
 

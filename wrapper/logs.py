@@ -4,12 +4,34 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from typing import Literal, TextIO
 
 import structlog
 
 LogFormat = Literal["auto", "console", "json"]
 LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Stream:
+    """stderr that never raises: a reader gone away (a closed pipe) must not break a signal handler or a stop."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream: TextIO | None = stream
+
+    def write(self, text: str) -> int:
+        if self._stream is not None:
+            try:
+                self._stream.write(text)
+            except (OSError, ValueError):
+                self._stream = None
+        return len(text)
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._stream = None
 
 
 def configure(fmt: LogFormat = "auto", level: str = "info") -> None:
@@ -30,7 +52,7 @@ def configure(fmt: LogFormat = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stream(sys.stderr)),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 

@@ -26,6 +26,8 @@ STREAMS = 12
 STREAM_TOKENS = 128
 CONCURRENT = 16
 CONCURRENT_TOKENS = 32
+# e.g. SERVER_ARGS="-t 1" leaves a core to the proxy and the client, as a GPU server would
+EXTRA_SERVER_ARGS = os.environ.get("SERVER_ARGS", "").split()
 PROMPT = "Write a short story about a lighthouse keeper who counts ships."
 
 
@@ -112,8 +114,8 @@ def main() -> None:
     server = models.llama_server()
     model = models.gemma()
     with tempfile.TemporaryDirectory() as tmp:
-        wrapper = Wrapper(Path(tmp), [server, "-m", model, "-c", str(CONCURRENT * 512), "-np", str(CONCURRENT)],
-                          extra=["--log-level", "warning"])
+        argv = [server, "-m", model, "-c", str(CONCURRENT * 512), "-np", str(CONCURRENT), *EXTRA_SERVER_ARGS]
+        wrapper = Wrapper(Path(tmp), argv, extra=["--log-level", "warning"])
         try:
             wrapper.wait_ready(120)
             direct = wrapper.status()["server"]["url"]
@@ -121,7 +123,9 @@ def main() -> None:
         finally:
             wrapper.stop()
             wrapper.kill()
-    print(f"\nllama-wrapper proxy cost, {Path(model).name}, 2-core CPU; wrapped and direct interleaved\n")
+    extra = f", llama-server {' '.join(EXTRA_SERVER_ARGS)}" if EXTRA_SERVER_ARGS else ""
+    print(f"\nllama-wrapper proxy cost, {Path(model).name}{extra}, {os.cpu_count()} CPUs; "
+          "wrapped and direct interleaved\n")
     print(f"| {'measure':<42} | {'wrapped':>9} | {'direct':>9} | {'wrapped/direct':>14} | {'cost':>12} |")
     print(f"|{'-' * 44}|{'-' * 11}|{'-' * 11}|{'-' * 16}|{'-' * 14}|")
     for name, w, d, unit in rows:

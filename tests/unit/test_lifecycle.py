@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -227,3 +228,31 @@ hooks:
         assert wrapper.wait(30) == 0
     finally:
         wrapper.kill()
+
+
+def test_a_closed_log_pipe_does_not_stop_the_stop(tmp_path: Path) -> None:
+    """Ctrl-C on `make demo | tee log` kills tee first: logging into the dead pipe must not swallow the signal."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "wrapper.cli", "run", "--listen", f"127.0.0.1:{port}", "--log-format", "json",
+         "--", *child_argv()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            if b'"wrapper.ready"' in line:
+                break
+        pid = json.loads(http("GET", f"http://127.0.0.1:{port}/wrapper/status")[2])["server"]["pid"]
+        process.stdout.close()  # the reader goes away
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        wait_for(lambda: not pid_alive(pid), 10, "the child to be stopped")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
