@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import Wrapper, child_argv, http, pid_alive, wait_for
+from tests.helpers import Wrapper, child_argv, free_port, http, pid_alive, wait_for
 
 RECORD_HOOKS = """
 hooks:
@@ -21,6 +24,16 @@ hooks:
     - shell: echo will_stop >> {log}
   on_stopped:
     - shell: echo stopped {{{{ result }}}} {{{{ exit_code }}}} {{{{ exit_signal }}}} $LLAMA_WRAPPER_RESULT >> {log}
+"""
+
+
+def gated_hook(event: str, gate: Path) -> str:
+    """A config whose `event` hook waits until the test creates `gate`."""
+    return f"""
+hooks:
+  {event}:
+    - shell: while [ ! -e {gate} ]; do sleep 0.05; done
+      timeout: 30s
 """
 
 
@@ -148,16 +161,9 @@ def test_ready_timeout_fails_the_start(tmp_path: Path) -> None:
 
 def test_requests_are_held_while_starting_and_health_is_503(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    config = f"""
-hooks:
-  on_startup:
-    - shell: while [ ! -e {gate} ]; do sleep 0.05; done
-      timeout: 30s
-"""
-    wrapper = Wrapper(tmp_path, child_argv(), config)
+    wrapper = Wrapper(tmp_path, child_argv(), gated_hook("on_startup", gate))
     try:
         wait_for(lambda: wrapper.health() == 503, 30, "/health 503 while starting")
-        import threading
         answers: list[int] = []
         thread = threading.Thread(target=lambda: answers.append(http("GET", f"{wrapper.url}/anything")[0]))
         thread.start()
@@ -210,13 +216,7 @@ def test_sigkill_of_the_wrapper_takes_the_child_with_it(tmp_path: Path) -> None:
 
 def test_requests_get_503_with_retry_after_while_stopping(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    config = f"""
-hooks:
-  on_will_stop:
-    - shell: while [ ! -e {gate} ]; do sleep 0.05; done
-      timeout: 30s
-"""
-    wrapper = Wrapper(tmp_path, child_argv(), config)
+    wrapper = Wrapper(tmp_path, child_argv(), gated_hook("on_will_stop", gate))
     try:
         wrapper.wait_ready(30)
         wrapper.signal_group()
@@ -232,11 +232,6 @@ hooks:
 
 def test_a_closed_log_pipe_does_not_stop_the_stop(tmp_path: Path) -> None:
     """Ctrl-C on `make demo | tee log` kills tee first: logging into the dead pipe must not swallow the signal."""
-    import subprocess
-    import sys
-
-    from tests.helpers import free_port
-
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "wrapper.cli", "run", "--listen", f"127.0.0.1:{port}", "--log-format", "json",
