@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wrapper.launch import free_port as free_port  # re-exported for the tests
+
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = str(ROOT / "tests" / "unit" / "child_server.py")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -80,13 +81,13 @@ class HookRunner:
     def __init__(self, session: aiohttp.ClientSession, builtin: Callable[[str], BuiltinFn]) -> None:
         self._session = session
         self._builtin = builtin
-        self.history: list[HookRun] = []
+        self.history: deque[HookRun] = deque(maxlen=50)
 
     async def run(self, event: str, actions: tuple[Action, ...], context: dict[str, Any]) -> None:
         """Run a hook's actions in order; raise HookFailed at the first failure that is not ignored."""
         for action in actions:
             record = await self._run_action(event, action, context)
-            self.history = [*self.history[-49:], record]
+            self.history.append(record)
             fields = record.as_dict()
             fields.pop("finished_at")
             logger = log.warning if record.outcome in ("failed", "ignored") else log.info

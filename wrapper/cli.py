@@ -12,11 +12,9 @@ import click
 import yaml
 
 from wrapper import __version__, logs
-from wrapper.config import HOOK_EVENTS, Config, ConfigError, load_config, parse_listen
+from wrapper.config import EXIT_CONFIG, HOOK_EVENTS, Config, ConfigError, load_config, parse_listen
 from wrapper.template import check_syntax
 from wrapper.units import parse_duration
-
-EXIT_CONFIG = 2
 
 RUN_EXAMPLES = """
 \b

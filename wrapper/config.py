@@ -17,6 +17,7 @@ from wrapper.units import parse_duration
 HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped")
 ACTION_KINDS = ("http", "shell", "exec", "builtin")
 SWA_FULL_POLICIES = ("auto", "always", "never")
+EXIT_CONFIG = 2  # the exit status for a configuration error, before anything is spawned
 DEFAULT_SLOTS_DIR = "~/.cache/llama-wrapper/slots"
 
 ActionKind = Literal["http", "shell", "exec", "builtin"]

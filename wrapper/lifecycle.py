@@ -26,7 +26,7 @@ from wrapper.state import Lifecycle, State
 
 log = structlog.get_logger()
 
-EXIT_OK, EXIT_CONFIG, EXIT_START_FAILED = 0, 2, 3
+EXIT_OK, EXIT_START_FAILED = 0, 3
 STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 READY_POLL = 0.1
 
@@ -252,7 +252,7 @@ class Supervisor:
             "argv_changes": self.launch.notes,
             "slots": {"dir": str(self.launch.slot_dir) if self.launch.slot_dir else None,
                       "restore": self.runtime.restore_report, "save": self.runtime.save_report},
-            "hooks": [run.as_dict() for run in self.runner.history[-20:]],
+            "hooks": [run.as_dict() for run in list(self.runner.history)[-20:]],
         }
 
 

@@ -11,9 +11,7 @@ import click
 
 from hooks import slotfile
 from hooks.slots import read_sidecar, saved_slots, slot_paths
-from wrapper.config import Config, ConfigError, load_config
-
-EXIT_CONFIG = 2
+from wrapper.config import EXIT_CONFIG, Config, ConfigError, load_config
 
 
 def _slots_dir(directory: str | None, config_path: str | None) -> Path:

@@ -23,6 +23,3 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"a duration cannot be negative: {value!r}")
     return seconds
 
-
-def format_duration(seconds: float) -> str:
-    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
