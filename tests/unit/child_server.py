@@ -96,8 +96,13 @@ def main() -> None:
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
 
-    server = ThreadingHTTPServer((options.host, options.port), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass  # a client that hangs up (the wrapper closing keep-alive connections) is not news
+
+    server = Server((options.host, options.port), Handler)
 
     def on_term(signum: int, frame: object) -> None:
         print("child: got SIGTERM", flush=True)
