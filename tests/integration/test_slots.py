@@ -231,3 +231,18 @@ def test_client_slot_actions_are_refused_unless_allowed(tmp_path: Path, slots_di
     finally:
         wrapper.stop()
         wrapper.kill()
+
+
+def test_persistence_works_behind_an_api_key(tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str) -> None:
+    """The wrapper's own slot calls carry the key the user gave llama-server."""
+    argv = [server_bin, "-m", tiny_path, "-c", "1024", "-np", "1", "--api-key", "sesame"]
+    wrapper = start(tmp_path, argv, PERSIST.format(dir=slots_dir, swa_full="auto"))
+    try:
+        body = {"prompt": prompt(50, "Keyed."), "n_predict": 2}
+        assert http("POST", f"{wrapper.url}/completion", body)[0] == 401  # the proxy adds no credentials
+        status, _, _ = http("POST", f"{wrapper.url}/completion", body, headers={"Authorization": "Bearer sesame"})
+        assert status == 200
+    finally:
+        assert wrapper.stop() == 0
+        wrapper.kill()
+    assert json.loads((model_dir(slots_dir) / "slot0.json").read_text())["tokens"] > 0
