@@ -74,9 +74,10 @@ def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str
     ctx = args.get(fit.argv, args.CTX_SIZE)
     if ctx is None or ctx.strip() == "0":
         train = fit.facts.get("context_length")
-        size = int(train) if isinstance(train, int) and train > 0 else FALLBACK_CTX
+        known = train if isinstance(train, int) and train > 0 else None
+        size = known or FALLBACK_CTX
         fit.argv = args.replace(fit.argv, args.CTX_SIZE, str(size))
-        source = "the model's training context" if size != FALLBACK_CTX or train else "a fallback"
+        source = "the model's training context" if known else "a fallback"
         fit.note(f"-c {size} ({source})", "an unset context may be shrunk by --fit between runs, and a restore "
                  "fails when the tokens no longer fit; pass -c yourself to choose")
 

@@ -95,6 +95,11 @@ def parse_listen(text: str) -> Listen:
     return Listen(host, int(port))
 
 
+def _suggest(name: str, known: tuple[str, ...]) -> str:
+    hint = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
+
+
 class _Reader:
     """Walks the YAML node tree so that every key and value keeps its line for error messages."""
 
@@ -119,9 +124,7 @@ class _Reader:
             if key is None:
                 self.error(key_node, f"{what}: keys must be plain names")
             elif key not in allowed:
-                hint = difflib.get_close_matches(key, allowed, n=1)
-                also = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(allowed)})"
-                self.error(key_node, f"unknown key {key!r} in {what}{also}")
+                self.error(key_node, f"unknown key {key!r} in {what}{_suggest(key, allowed)}")
             elif key in out:
                 self.error(key_node, f"{what}: key {key!r} given twice")
             else:
@@ -263,9 +266,7 @@ def _read_action(r: _Reader, node: yaml.Node, what: str) -> Action | None:
     else:
         name = r.scalar(body, f"{what}.builtin", (str,))
         if name is not None and name not in BUILTIN_NAMES:
-            hint = difflib.get_close_matches(name, BUILTIN_NAMES, n=1)
-            also = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(BUILTIN_NAMES)})"
-            r.error(body, f"{what}: unknown built-in {name!r}{also}")
+            r.error(body, f"{what}: unknown built-in {name!r}{_suggest(name, BUILTIN_NAMES)}")
         fields["builtin"] = name
     if "name" in keys:
         fields["name"] = r.scalar(keys["name"], f"{what}.name", (str,))

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -54,13 +55,14 @@ class Supervisor:
 
     # -- the whole life ------------------------------------------------------------------------------------
 
-    async def run(self, serve: Any) -> int:
+    async def run(self, serve: Callable[[Supervisor], Awaitable[Callable[[], Awaitable[None]]]]) -> int:
         """`serve(supervisor)` starts the public listener and returns its cleanup coroutine function."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        # auto_decompress off: the proxy passes compressed bodies through as they are.
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
             self.session = session
             client = LlamaClient(self.launch.url, session, self.launch.api_key)

@@ -54,7 +54,7 @@ async def forward(
     try:
         async with session.request(
             request.method, url, headers=_forwardable(request.headers), data=body,
-            allow_redirects=False, auto_decompress=False,
+            allow_redirects=False,
         ) as reply:
             response = web.StreamResponse(status=reply.status, reason=reply.reason,
                                           headers=_forwardable(reply.headers))
