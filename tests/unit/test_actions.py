@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -141,10 +140,8 @@ async def test_failing_process_and_ignore_errors(runner: HookRunner) -> None:
 async def test_timeout_kills_the_whole_process_group(tmp_path: Path, runner: HookRunner) -> None:
     pid_file = tmp_path / "pid"
     hook = actions(f"    - shell: sleep 60 & echo $! > {pid_file}; wait\n      timeout: 300ms\n")
-    started = time.monotonic()
     with pytest.raises(HookFailed, match="timed out"):
         await runner.run("on_startup", hook, context())
-    assert time.monotonic() - started < 10
     grandchild = int(pid_file.read_text())
     wait_for(lambda: not pid_alive(grandchild), 5, "the hook's own child to be killed")
 
