@@ -165,14 +165,17 @@ class HookRunner:
             log.info("hook.output", hook=event, action=action.name, line=line)
 
         try:
-            process = await spawn(argv, env, on_line)
+            process = await spawn(argv, env, on_line, guard=True)
         except OSError as exc:
             raise ActionError(f"cannot start {argv[0]!r}: {exc.strerror}") from exc
         try:
             finished = await process.wait()
-        except asyncio.CancelledError:  # timed out or a forced stop: the whole process group goes
-            await asyncio.shield(process.stop(2.0))
+        except asyncio.CancelledError:  # timed out or a forced stop: the whole process group goes, at once
+            process.kill()
+            await asyncio.shield(process.wait())
             raise
+        finally:
+            process.kill_leftovers()  # a hook's background jobs end with it (setsid to escape on purpose)
         if finished.returncode != 0:
             how = f"signal {finished.signal_name}" if finished.signal else f"exit status {finished.code}"
             last = f": {process.tail[-1]}" if process.tail else ""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 TRAMPOLINE = str(Path(__file__).with_name("_trampoline.py"))
 OUTPUT_LIMIT = 1 << 20  # longest line kept whole; longer ones are split
+PIPE_GRACE = 0.5  # after an exit, how long the rest of the output may take to arrive
 
 
 @dataclass(frozen=True)
@@ -48,26 +49,58 @@ class Exit:
 
 
 async def spawn(
-    argv: Sequence[str], env: Mapping[str, str] | None, on_line: Callable[[str], None]
+    argv: Sequence[str], env: Mapping[str, str] | None, on_line: Callable[[str], None], guard: bool = False
 ) -> Supervised:
-    """Start `argv` in its own session, killed by the kernel if we die, its output fed to `on_line`."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", TRAMPOLINE, str(os.getpid()), *argv,
+    """Start `argv` in its own session, its life tied to ours, its output fed to `on_line`.
+
+    Without `guard` the kernel kills the program if we die; with it (hook commands) a guard process stays as
+    its parent and kills the program's whole process group if we die, background jobs included.
+    """
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _Protocol(OUTPUT_LIMIT, loop),
+        sys.executable, "-I", "-S", TRAMPOLINE, str(os.getpid()), "guard" if guard else "exec", *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
         env=dict(env) if env is not None else None,
-        limit=OUTPUT_LIMIT,
     )
-    return Supervised(process, on_line)
+    return Supervised(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line)
+
+
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Learns of the exit when the process ends, not when its output pipe closes: a background job a hook
+    left behind may hold the pipe open for as long as it likes."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self._subprocess: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        assert isinstance(transport, asyncio.SubprocessTransport)
+        self._subprocess = transport
+
+    def close_pipes(self) -> None:
+        if self._subprocess is not None:
+            self._subprocess.close()
+
+    def process_exited(self) -> None:
+        code = self._subprocess.get_returncode() if self._subprocess is not None else None
+        super().process_exited()
+        if not self.exited.done() and code is not None:
+            self.exited.set_result(code)
 
 
 class Supervised:
     """A running child: its output drained line by line, its exit awaited once, stopped with one SIGTERM."""
 
-    def __init__(self, process: asyncio.subprocess.Process, on_line: Callable[[str], None]) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, protocol: _Protocol,
+                 on_line: Callable[[str], None]) -> None:
         self._process = process
+        self._protocol = protocol
         self._on_line = on_line
         self._sigterm_sent = False
         self.tail: deque[str] = deque(maxlen=200)
@@ -112,15 +145,22 @@ class Supervised:
             self._killed = True
             self._signal_group(signal.SIGKILL)
 
+    def kill_leftovers(self) -> None:
+        """SIGKILL whatever the process left running in its group (the group id stays taken while any remain)."""
+        self._signal_group(signal.SIGKILL)
+
     def _signal_group(self, sig: signal.Signals) -> None:
         # The child leads its own session, so its group id is its pid; the group also covers its children.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._process.pid, sig)
 
     async def _reap(self) -> Exit:
-        returncode = await self._process.wait()
+        returncode = await self._protocol.exited
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._pump), 2.0)
+            await asyncio.wait_for(asyncio.shield(self._pump), PIPE_GRACE)
+        if not self._pump.done():  # someone else holds the pipe: stop reading it
+            self._pump.cancel()
+        self._protocol.close_pipes()
         return Exit(returncode, killed=self._killed, asked=self._sigterm_sent)
 
     async def _drain(self) -> None:

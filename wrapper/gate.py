@@ -1,8 +1,9 @@
-"""The request gate: holds requests until the server is ready, counts those in flight, refuses after close."""
+"""The request gate: holds requests until the server is ready, tracks those in flight, refuses after close."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from wrapper.aio import first_of
 
@@ -15,6 +16,7 @@ class Gate:
         self._idle.set()
         self.in_flight = 0
         self.held = 0
+        self._exchanges: set[asyncio.Future[Any]] = set()
 
     @property
     def closed(self) -> bool:
@@ -41,10 +43,23 @@ class Gate:
         self._idle.clear()
         return True
 
-    def leave(self) -> None:
+    def track(self, exchange: asyncio.Future[Any]) -> None:
+        """Remember an admitted request's exchange with llama-server, so that `cut()` can end it."""
+        self._exchanges.add(exchange)
+
+    def leave(self, exchange: asyncio.Future[Any] | None = None) -> None:
+        if exchange is not None:
+            self._exchanges.discard(exchange)
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+
+    def cut(self) -> int:
+        """Cancel every exchange still in flight (llama-server sees its connection close and frees the slot)."""
+        pending = [exchange for exchange in self._exchanges if not exchange.done()]
+        for exchange in pending:
+            exchange.cancel()
+        return len(pending)
 
     async def drained(self, timeout: float) -> bool:
         """Wait up to `timeout` for in-flight requests to finish; True if none is left."""

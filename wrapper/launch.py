@@ -12,6 +12,7 @@ from typing import Any
 import structlog
 
 from wrapper import argv as args
+from wrapper.auth import redacted, server_keys
 from wrapper.config import Config, ConfigError, Listen
 from wrapper.model import Model, from_argv
 
@@ -28,7 +29,7 @@ class Launch:
     listen: Listen
     model: Model
     env: dict[str, str]
-    api_key: str | None = None
+    keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
     slot_dir: Path | None = None
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
@@ -36,6 +37,15 @@ class Launch:
     @property
     def url(self) -> str:
         return f"http://{PRIVATE_HOST}:{self.port}"
+
+    @property
+    def api_key(self) -> str | None:
+        return self.keys[0] if self.keys else None
+
+    @property
+    def shown_argv(self) -> list[str]:
+        """The argv as status and logs show it: secrets redacted."""
+        return redacted(self.argv)
 
 
 def free_port(host: str = PRIVATE_HOST) -> int:
@@ -58,8 +68,7 @@ def prepare(config: Config) -> Launch:
     user_host, user_port = args.get(argv, args.HOST), args.get(argv, args.PORT)
     listen = config.listen
     if listen is None:
-        port = int(user_port) if user_port and user_port.isdigit() and int(user_port) > 0 else DEFAULT_LISTEN.port
-        listen = Listen(user_host or DEFAULT_LISTEN.host, port)
+        listen = _listen_from_server_args(user_host, user_port)
     if user_host is not None or user_port is not None:
         notes.append({"change": f"removed --host/--port ({user_host or '-'}:{user_port or '-'})",
                       "why": f"llama-server listens privately; the wrapper serves {listen.url}"})
@@ -80,18 +89,14 @@ def prepare(config: Config) -> Launch:
         argv, facts = fit.argv, fit.facts
         notes.extend(fit.notes)
     return Launch(argv=argv, port=port, listen=listen, model=model, env=env,
-                  api_key=_api_key(argv), slot_dir=slot_dir, notes=notes, facts=facts)
+                  keys=server_keys(argv, env), slot_dir=slot_dir, notes=notes, facts=facts)
 
 
-def _api_key(argv: list[str]) -> str | None:
-    """The key our own calls to llama-server need, if the user set one."""
-    key = args.get(argv, args.API_KEY)
-    if key:
-        return key.split(",")[0]
-    key_file = args.get(argv, args.API_KEY_FILE)
-    if key_file:
-        try:
-            return Path(key_file).read_text().split()[0]
-        except (OSError, IndexError):
-            return None
-    return None
+def _listen_from_server_args(host: str | None, port: str | None) -> Listen:
+    """Where the wrapper listens when only llama-server's own --host/--port say it."""
+    if port is None or port.strip() == "0":
+        return Listen(host or DEFAULT_LISTEN.host, DEFAULT_LISTEN.port)
+    if not port.strip().isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"llama-server's --port {port!r} is not a port (1-65535); "
+                          "fix it, or give the wrapper its own address with --listen HOST:PORT")
+    return Listen(host or DEFAULT_LISTEN.host, int(port))

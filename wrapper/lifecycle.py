@@ -30,6 +30,7 @@ log = structlog.get_logger()
 EXIT_OK, EXIT_START_FAILED = 0, 3
 STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 READY_POLL = 0.1
+CUT_GRACE = 2.0  # how long requests cut at the drain deadline get to unwind
 
 
 class StartFailed(Exception):
@@ -71,7 +72,7 @@ class Supervisor:
             for note in self.launch.notes:
                 log.info("argv.rewritten", **note)
             log.info("wrapper.starting", listen=self.launch.listen.url, server=self.launch.url,
-                     argv=self.launch.argv, model=self.launch.model.as_dict())
+                     argv=self.launch.shown_argv, model=self.launch.model.as_dict())
             try:
                 cleanup = await serve(self)
             except OSError as exc:
@@ -140,7 +141,9 @@ class Supervisor:
             log.info("wrapper.draining", in_flight=self.gate.in_flight, timeout_s=self.config.drain_timeout)
             await first_of(self.gate.drained(self.config.drain_timeout), self._force.wait())
             if self.gate.in_flight:
-                log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight)
+                # Cut what is left: llama-server frees those slots, so the save that follows runs on idle ones.
+                log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight, cut=self.gate.cut())
+                await self.gate.drained(CUT_GRACE)
         if started and self.child is not None and self.child.alive and not self._force.is_set():
             await self._hook("on_will_stop", start=False)
         finished = await self._stop_child()
@@ -246,7 +249,7 @@ class Supervisor:
             "state": str(self.lifecycle.state),
             "listen": self.launch.listen.url,
             "server": {"url": self.launch.url, "pid": child.pid if child and child.alive else None,
-                       "argv": self.launch.argv},
+                       "argv": self.launch.shown_argv},
             "model": self.launch.model.as_dict(),
             "uptime_s": round(now - self.started_at, 3),
             "ready_for_s": round(now - self.ready_at, 3) if self.ready_at else None,

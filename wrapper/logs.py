@@ -34,6 +34,23 @@ class _Stream:
                 self._stream = None
 
 
+class _LibraryRecords(logging.Handler):
+    """Records of the libraries (aiohttp's "Error handling request" for a malformed request, asyncio's notes) as
+    one key-value event each: a client must not be able to write tracebacks or raw bytes into our log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields: dict[str, object] = {"logger": record.name, "message": _short(record.getMessage())}
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            fields["error"] = _short(f"{type(error).__name__}: {error}")
+        level = "warning" if record.levelno < logging.ERROR else "error"
+        structlog.get_logger().log(logging.getLevelNamesMapping()[level.upper()], "library.log", **fields)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def configure(fmt: LogFormat = "auto", level: str = "info") -> None:
     """Configure structlog for the process; `auto` picks console when stderr is a terminal."""
     if fmt == "auto":
@@ -55,4 +72,5 @@ def configure(fmt: LogFormat = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=_Stream(sys.stderr)),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
+    logging.basicConfig(handlers=[_LibraryRecords()], level=logging.WARNING, force=True)
 

@@ -1,8 +1,11 @@
-"""The reverse proxy to llama-server: every method and path, bodies streamed back chunk by chunk."""
+"""The reverse proxy to llama-server: every method and path, bodies streamed both ways without buffering."""
 
 from __future__ import annotations
 
+import posixpath
+import re
 from collections.abc import Callable, Mapping
+from urllib.parse import quote, unquote
 
 import aiohttp
 import structlog
@@ -19,15 +22,46 @@ HOP_BY_HOP = frozenset(
     )
 )
 TAP_LIMIT = 64 * 1024  # how much of a response's end an observer gets to see
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986 pchar without '%': kept as they are when re-encoding
+
+STARTED = "wrapper.response"  # request key: the response once its headers went to the client
 
 Observer = Callable[[str, int, bytes], None]
 """Called with (path, status, the last bytes of the body) once a response has been passed on whole."""
+
+
+class BadPath(ValueError):
+    """A request path no server should act on (control characters after decoding)."""
 
 
 def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
     """An error in llama-server's own shape, so clients parse it the same way."""
     body = {"error": {"code": status, "message": message, "type": kind}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def canonical_path(raw_path: str) -> str:
+    """The path llama-server will act on: percent-decoded once, `//` folded, dot segments removed.
+
+    The wrapper checks this path and forwards this path, so no spelling can make the two disagree.
+    """
+    decoded = unquote(raw_path, errors="strict")
+    if _CONTROL.search(decoded):
+        raise BadPath("control characters in the request path")
+    trailing = decoded.endswith("/") and decoded != "/"
+    path = posixpath.normpath("/" + decoded.lstrip("/"))
+    path = "/" + path.lstrip("/")  # normpath keeps a leading '//'
+    if trailing and path != "/":
+        path += "/"
+    return quote(path, safe=_PATH_SAFE)
+
+
+def broken_off(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
+    """Headers are gone already: close the connection so the client sees a truncated answer, not a whole one."""
+    if request.transport is not None:
+        request.transport.close()
+    return response
 
 
 def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
@@ -45,15 +79,20 @@ def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 
 async def forward(
-    request: web.Request, upstream: str, session: aiohttp.ClientSession, observer: Observer | None = None
+    request: web.Request, upstream: str, session: aiohttp.ClientSession, observer: Observer | None = None,
+    path: str | None = None,
 ) -> web.StreamResponse:
-    """Pass `request` to `upstream` and its answer back, streaming the body without buffering it."""
-    body = await request.read() if request.body_exists else None
-    url = upstream + request.rel_url.raw_path_qs
+    """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies."""
+    path = path if path is not None else request.rel_url.raw_path
+    query = request.rel_url.raw_query_string
+    url = upstream + path + (f"?{query}" if query else "")
+    headers = _forwardable(request.headers)
+    if request.content_length is not None:
+        headers["Content-Length"] = str(request.content_length)  # else aiohttp sends the body chunked
     response: web.StreamResponse | None = None
     try:
         async with session.request(
-            request.method, url, headers=_forwardable(request.headers), data=body,
+            request.method, url, headers=headers, data=request.content if request.body_exists else None,
             allow_redirects=False,
         ) as reply:
             response = web.StreamResponse(status=reply.status, reason=reply.reason,
@@ -63,19 +102,23 @@ async def forward(
             if reply.content_type == "text/event-stream":
                 response.headers["X-Accel-Buffering"] = "no"
             await response.prepare(request)
+            request[STARTED] = response
             tail = b""
             async for chunk in reply.content.iter_any():
                 await response.write(chunk)
                 if observer is not None:
                     tail = (tail + chunk)[-TAP_LIMIT:]
+            if reply.content_length is None:
+                # llama-server closes the connection after a chunked (streamed) answer although it announced
+                # keep-alive; a request sent on it next would fail with "Server disconnected". Never reuse it.
+                reply.close()
             await response.write_eof()
     except aiohttp.ClientError as exc:
-        log.warning("proxy.upstream_error", method=request.method, path=request.path, error=str(exc),
+        log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
                     mid_response=response is not None)
         if response is not None and response.prepared:
-            # Headers are gone already: drop the connection so the client sees a truncated answer, not a whole one.
-            raise ConnectionResetError(f"llama-server broke off the response: {exc}") from exc
+            return broken_off(request, response)
         return json_error(502, f"llama-server could not be reached: {exc}", "bad_gateway")
     if observer is not None:
-        observer(request.path, reply.status, tail)
+        observer(path, reply.status, tail)
     return response

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
+from wrapper.auth import allowed, presented_key
 from wrapper.lifecycle import Supervisor
-from wrapper.proxy import forward, json_error
+from wrapper.proxy import STARTED, BadPath, broken_off, canonical_path, forward, json_error
 from wrapper.state import State
 
 log = structlog.get_logger()
 
-MAX_REQUEST_BYTES = 512 * 1024 * 1024  # prompts with images or audio can be large; llama-server decides
 RETRY_AFTER_S = "5"
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor", Supervisor)
+_READ_METHODS = ("GET", "HEAD")
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 only when ready: the child is healthy and every on_startup hook is done. Never waits."""
+    """200 only when ready: the child is healthy and every on_startup hook is done. Never waits, never asks a key."""
     state = request.app[SUPERVISOR].lifecycle.state
     if state is State.READY:
         return web.json_response({"status": "ok"})
@@ -27,27 +29,56 @@ async def health(request: web.Request) -> web.Response:
     return json_error(503, message, "unavailable_error", {"Retry-After": RETRY_AFTER_S})
 
 
+def _unauthorized(request: web.Request) -> web.Response | None:
+    """llama-server's own 401 when it has API keys and the request brings none of them."""
+    keys = request.app[SUPERVISOR].launch.keys
+    if keys and not allowed(keys, presented_key(request)):
+        return json_error(401, "Invalid API Key", "authentication_error")
+    return None
+
+
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].status())
+    return _unauthorized(request) or web.json_response(request.app[SUPERVISOR].status())
+
+
+def _is_slot_action(method: str, path: str) -> bool:
+    return method not in _READ_METHODS and (path == "/slots" or path.startswith("/slots/"))
 
 
 async def proxied(request: web.Request) -> web.StreamResponse:
     supervisor = request.app[SUPERVISOR]
-    if request.method == "POST" and (request.path == "/slots" or request.path.startswith("/slots/")) \
-            and not supervisor.config.allow_slot_actions:
+    try:
+        path = canonical_path(request.rel_url.raw_path)
+    except (BadPath, UnicodeDecodeError) as exc:
+        return json_error(400, f"bad request path: {exc}", "invalid_request_error")
+    if _is_slot_action(request.method, path) and not supervisor.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
     if not await supervisor.gate.enter():
         return json_error(503, f"llama-wrapper is {supervisor.lifecycle.state}", "unavailable_error",
                           {"Retry-After": RETRY_AFTER_S})
+    exchange = asyncio.ensure_future(
+        forward(request, supervisor.launch.url, supervisor.session, supervisor.observer(), path))
+    supervisor.gate.track(exchange)
     try:
-        return await forward(request, supervisor.launch.url, supervisor.session, supervisor.observer())
+        return await exchange  # cancelled with us when the client hangs up: llama-server then stops the work
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # we are cancelled ourselves (the client went away)
+        # Only the exchange was cut (the stop's drain deadline passed): tell the client, if it can still hear.
+        started = request.get(STARTED)
+        log.warning("proxy.cut", method=request.method, path=path, mid_response=started is not None)
+        if started is not None:
+            return broken_off(request, started)
+        return json_error(503, "llama-wrapper is stopping: the request was cut at the drain deadline",
+                          "unavailable_error", {"Retry-After": RETRY_AFTER_S})
     finally:
-        supervisor.gate.leave()
+        supervisor.gate.leave(exchange)
 
 
 def application(supervisor: Supervisor) -> web.Application:
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    app = web.Application()
     app[SUPERVISOR] = supervisor
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
@@ -57,7 +88,9 @@ def application(supervisor: Supervisor) -> web.Application:
 
 async def serve(supervisor: Supervisor) -> Callable[[], Awaitable[None]]:
     """Start listening on the public address; returns the coroutine function that stops it."""
-    runner = web.AppRunner(application(supervisor), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that hangs up cancels its handler, and with it the request to llama-server.
+    runner = web.AppRunner(application(supervisor), access_log=None, handle_signals=False,
+                           handler_cancellation=True)
     await runner.setup()
     listen = supervisor.launch.listen
     site = web.TCPSite(runner, listen.host, listen.port, reuse_address=True)

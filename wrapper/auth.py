@@ -1,0 +1,64 @@
+"""llama-server's API keys, as the wrapper's own endpoints check them, and secrets kept out of sight."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from wrapper import argv as args
+
+SECRET_OPTIONS = (args.API_KEY, ("-hft", "--hf-token"))
+SECRET_ENV = ("LLAMA_API_KEY", "HF_TOKEN")
+REDACTED = "<redacted>"
+
+
+def server_keys(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys llama-server accepts, read as it reads them: `--api-key a,b`, `--api-key-file`, LLAMA_API_KEY."""
+    keys: list[str] = []
+    given = args.get(argv, args.API_KEY)
+    if given is None and not args.has(argv, args.API_KEY):
+        given = env.get("LLAMA_API_KEY")
+    if given:
+        keys += [key.strip() for key in given.split(",") if key.strip()]
+    key_file = args.get(argv, args.API_KEY_FILE) or env.get("LLAMA_ARG_API_KEY_FILE")
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError:
+            lines = []  # llama-server itself refuses to start then, and says why
+        keys += [line for line in lines if line and not line.startswith("#")]
+    return tuple(keys)
+
+
+def presented_key(request: web.BaseRequest) -> str:
+    """The key a client sent, as llama-server reads it: Authorization (`Bearer ` optional), else X-Api-Key."""
+    value = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
+    return value.removeprefix("Bearer ")
+
+
+def allowed(keys: Sequence[str], presented: str) -> bool:
+    """Whether `presented` is one of `keys`; every key is compared, each in constant time."""
+    given = presented.encode()
+    return any([hmac.compare_digest(given, key.encode()) for key in keys])  # a list: compare them all
+
+
+def redacted(argv: Sequence[str]) -> list[str]:
+    """`argv` with the values of secret options replaced, for status, logs and errors."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        name, eq, _ = arg.partition("=")
+        secret = any(name in names for names in SECRET_OPTIONS)
+        if secret and eq:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(arg)
+            hide_next = secret
+    return out
