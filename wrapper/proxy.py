@@ -108,10 +108,6 @@ async def forward(
                 await response.write(chunk)
                 if observer is not None:
                     tail = (tail + chunk)[-TAP_LIMIT:]
-            if reply.content_length is None:
-                # llama-server closes the connection after a chunked (streamed) answer although it announced
-                # keep-alive; a request sent on it next would fail with "Server disconnected". Never reuse it.
-                reply.close()
             await response.write_eof()
     except aiohttp.ClientError as exc:
         log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
