@@ -1,7 +1,8 @@
 """The llama.cpp sequence-state file a slot save writes: header, tokens and the KV layout, no server needed.
 
-Layout (host byte order): u32 magic 'ggsq', u32 version, u32 n_words, i32 words[n_words]; the words are
-either plain tokens (older servers) or the server's token state (-1, u32 1, u32 n, tokens, u32 n_media, ...).
+Layout (little-endian, as every host llama.cpp runs on writes it): u32 magic 'ggsq', u32 version, u32 n_words,
+i32 words[n_words]; the words are either plain tokens (older servers) or the server's token state
+(-1, u32 1, u32 n, tokens, u32 n_media, ...).
 Then the KV cache: u32 n_stream, per stream u32 cell_count and, when cells, their metadata and data.
 """
 
@@ -87,6 +88,9 @@ class _Reader:
             raise SlotFileError(f"truncated at byte {self.handle.tell()} (wanted {n} more)")
         return data
 
+    def remaining(self) -> int:
+        return self.size - self.handle.tell()
+
     def skip(self, n: int) -> None:
         if self.handle.tell() + n > self.size:
             raise SlotFileError(f"truncated: {n} bytes of data expected at byte {self.handle.tell()}")
@@ -102,8 +106,8 @@ def read(path: str | os.PathLike[str]) -> SlotFile:
             return _parse(_Reader(handle, size), name, size)
     except OSError as exc:
         raise SlotFileError(f"cannot read {name}: {exc.strerror}") from exc
-    except struct.error as exc:
-        raise SlotFileError(f"{name}: {exc}") from exc
+    except (struct.error, MemoryError, ValueError) as exc:  # whatever a damaged file makes of the reader
+        raise SlotFileError(f"{name}: damaged: {exc!r}") from exc
 
 
 def _parse(r: _Reader, name: str, size: int) -> SlotFile:
@@ -111,7 +115,7 @@ def _parse(r: _Reader, name: str, size: int) -> SlotFile:
     if magic != MAGIC:
         raise SlotFileError(f"{name}: not a llama.cpp slot file (magic {magic:#010x})")
     n_words = r.u32()
-    if n_words * 4 > size:
+    if n_words * 4 > r.remaining():
         raise SlotFileError(f"{name}: token count {n_words} exceeds the file size")
     words = np.frombuffer(r.exact(n_words * 4), dtype="<i4")
     tokens, token_format, n_media = _tokens(words, name)
@@ -143,6 +147,8 @@ def _kv_layout(r: _Reader) -> KvLayout:
             continue
         if layout.n_layer is not None:  # the first stream with cells tells the layout; stop there
             break
+        if cell_count * 12 > r.remaining():  # each cell takes 12 bytes at least: never trust a count blindly
+            raise SlotFileError(f"KV cell count {cell_count} does not fit the {r.size}-byte file (damaged)")
         start = r.handle.tell()
         for ext in _CELL_EXT_CHOICES:
             r.handle.seek(start)
@@ -158,6 +164,8 @@ def _skip_cells(r: _Reader, cell_count: int, ext: int) -> bool:
     """Step over the per-cell metadata: in one read when every cell has one sequence (the slot case)."""
     record = 12 + ext  # i32 pos, u32 n_seq_id, [ext], i32 seq_id
     start = r.handle.tell()
+    if cell_count * record > r.remaining():
+        return False
     block = r.handle.read(cell_count * record)
     if len(block) == cell_count * record:
         cells = np.frombuffer(block, dtype="<u4").reshape(cell_count, record // 4)

@@ -1,24 +1,25 @@
 """Built-ins `slots.save` and `slots.restore`: slot KV caches kept across restarts, never a good file lost.
 
-Files: `<slots.dir>/<model-id>/slot<N>.bin` (what llama-server wrote) and `slot<N>.json` (our sidecar).
-A save goes to a temporary name, is parsed back, and only then replaces the previous pair.
+Files: `<slots.dir>/<model-id>/slot<N>.json` (our sidecar, the record of the current save) and the KV file it
+names, `slot<N>-<fingerprint>.bin` (what llama-server wrote). A save goes to a temporary name, is parsed
+back, and only then replaces the previous pair, in one step (see hooks/slotdir.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import time
+from collections.abc import Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from hooks import slotfile
+from hooks import slotdir, slotfile
 from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from wrapper.actions import ActionError
@@ -27,38 +28,7 @@ from wrapper.runtime import Runtime
 
 log = structlog.get_logger()
 
-SIDECAR_FORMAT = 1
-_SLOT_FILE = re.compile(r"^slot(\d+)\.bin$")
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
-
-
-def slot_paths(directory: Path, slot: int) -> tuple[Path, Path]:
-    return directory / f"slot{slot}.bin", directory / f"slot{slot}.json"
-
-
-def saved_slots(directory: Path) -> list[tuple[int, Path]]:
-    found = []
-    for path in directory.glob("slot*.bin") if directory.is_dir() else []:
-        match = _SLOT_FILE.match(path.name)
-        if match:
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def read_sidecar(path: Path) -> dict[str, Any]:
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
-        raise ValueError(f"{path.name} is not a llama-wrapper sidecar of format {SIDECAR_FORMAT}")
-    return data
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> Path:
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w") as out:
-        json.dump(data, out, indent=1)
-        out.flush()
-        os.fsync(out.fileno())
-    return temporary
 
 
 def _directory(rt: Runtime) -> Path:
@@ -79,12 +49,14 @@ async def save(rt: Runtime) -> str:
     """Save every slot that holds tokens; keep the previous file whenever a save is empty or fails."""
     directory = _directory(rt)
     started = time.monotonic()
+    _sweep(directory)
     try:
         slots = await rt.client.slots()
         settings = await _settings(rt)
     except LlamaError as exc:
         raise ActionError(f"cannot read the server's slots: {exc}") from exc
-    report = [await _save_one(rt, directory, slot, settings) for slot in slots]
+    report = [await _guarded(_save_one(rt, directory, slot, settings), {"slot": slot.get("id"), "tokens": 0,
+                                                                           "bytes": 0}) for slot in slots]
     rt.save_report = report
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
@@ -100,34 +72,30 @@ async def _save_one(rt: Runtime, directory: Path, slot: dict[str, Any], settings
     entry: dict[str, Any] = {"slot": number, "outcome": "empty", "tokens": 0, "bytes": 0}
     if slot.get("n_prompt_tokens") == 0:  # absent after a restore: such a slot is saved again
         return entry
-    final_bin, final_json = slot_paths(directory, number)
     temporary = directory / f"slot{number}.bin.{os.getpid()}.tmp"  # two wrappers of one model never collide
     started = time.monotonic()
     try:
         answer = await rt.client.slot_action(number, "save", temporary.name)
         if int(answer.get("n_saved", 0)) == 0:
-            log.info("slots.save_empty", slot=number, kept_previous=final_bin.exists())
+            log.info("slots.save_empty", slot=number, kept_previous=bool(slotdir.saved_slots(directory)))
             return entry
         header = slotfile.read(temporary)  # a file we cannot read back never replaces a good one
-        sidecar = {
-            "format": SIDECAR_FORMAT, "slot": number, "model": rt.launch.model.as_dict(),
-            "tokens": header.n_tokens, "bytes": header.bytes, "state_version": header.version,
+        record = {
+            "model": rt.launch.model.as_dict(), "tokens": header.n_tokens, "state_version": header.version,
             **{k: settings[k] for k in ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified",
                                        "kv_streams", "total_slots", "n_ctx", "attn_rot_disable", "build")},
             "saved_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "save_ms": (answer.get("timings") or {}).get("save_ms"),
         }
-        sidecar_tmp = _write_json(final_json, sidecar)
-        os.replace(temporary, final_bin)
-        os.replace(sidecar_tmp, final_json)
+        final = slotdir.commit(directory, number, temporary, record)
     except (LlamaError, slotfile.SlotFileError, OSError) as exc:
-        log.warning("slots.save_failed", slot=number, error=str(exc), kept_previous=final_bin.exists())
-        return {**entry, "outcome": "failed", "reason": str(exc)}
+        log.warning("slots.save_failed", slot=number, error=str(exc))
+        return {**entry, "outcome": "failed", "reason": f"save failed: {exc}"}
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             temporary.unlink()
-    entry.update(outcome="saved", tokens=header.n_tokens, bytes=header.bytes, server_ms=sidecar["save_ms"],
-                 total_ms=round((time.monotonic() - started) * 1000, 1), file=str(final_bin))
+    entry.update(outcome="saved", tokens=header.n_tokens, bytes=header.bytes, server_ms=record["save_ms"],
+                 total_ms=round((time.monotonic() - started) * 1000, 1), file=str(final))
     log.info("slots.saved", **entry)
     return entry
 
@@ -138,7 +106,8 @@ async def _save_one(rt: Runtime, directory: Path, slot: dict[str, Any], settings
 async def restore(rt: Runtime) -> str:
     """Restore each saved slot the running server can use; skip the rest with a reason. Never fails a start."""
     directory = _directory(rt)
-    files = saved_slots(directory)
+    _sweep(directory)
+    files = slotdir.saved_slots(directory)
     if not files:
         rt.restore_report = []
         log.info("slots.restore_nothing", dir=str(directory))
@@ -148,13 +117,14 @@ async def restore(rt: Runtime) -> str:
         settings = await _settings(rt)
         state_version = await _state_version(rt, directory)
     except (LlamaError, OSError, slotfile.SlotFileError) as exc:
-        rt.restore_report = [{"slot": n, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
-                             for n, _ in files]
+        rt.restore_report = [{"slot": saved.slot, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
+                             for saved in files]
         log.warning("slots.restore_skipped_all", error=str(exc))
         return f"skipped {len(files)} slot(s): {exc}"
     if rt.reuse is None:
         rt.reuse = ReuseTracker(rt.client)
-    report = [await _restore_one(rt, number, path, settings, state_version) for number, path in files]
+    report = [await _guarded(_restore_one(rt, saved, settings, state_version),
+                             {"slot": saved.slot, "file": str(saved.kv_file), "tokens": 0}) for saved in files]
     rt.restore_report = report
     restored = [r for r in report if r["outcome"] == "restored"]
     for entry in restored:
@@ -175,19 +145,21 @@ async def _state_version(rt: Runtime, directory: Path) -> int:
             probe.unlink()
 
 
-async def _restore_one(rt: Runtime, number: int, path: Path, settings: dict[str, Any],
+async def _restore_one(rt: Runtime, saved: slotdir.SavedSlot, settings: dict[str, Any],
                        state_version: int) -> dict[str, Any]:
+    number, path = saved.slot, saved.kv_file
     entry: dict[str, Any] = {"slot": number, "file": str(path), "outcome": "skipped", "tokens": 0}
+    try:
+        sidecar = slotdir.read_sidecar(saved.sidecar)
+        slotdir.check_pair(sidecar, path)
+    except slotdir.SidecarError as exc:
+        return _skipped(entry, f"no usable sidecar: {exc}")
     try:
         header = slotfile.read(path)
         entry["tokens"] = header.n_tokens
         entry["bytes"] = header.bytes
     except slotfile.SlotFileError as exc:
         return _skipped(entry, f"unreadable file: {exc}")
-    try:
-        sidecar = read_sidecar(slot_paths(path.parent, number)[1])
-    except (OSError, ValueError) as exc:
-        return _skipped(entry, f"no usable sidecar: {exc}")
     reason = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
     if reason:
         return _skipped(entry, reason)
@@ -202,6 +174,22 @@ async def _restore_one(rt: Runtime, number: int, path: Path, settings: dict[str,
                  total_ms=round((time.monotonic() - started) * 1000, 1), saved_at=sidecar.get("saved_at"))
     log.info("slots.restored", **entry)
     return entry
+
+
+async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:
+    """One slot's save or restore; a bug there is that slot's failure, never the others' or the start's."""
+    try:
+        return await work
+    except Exception as exc:
+        log.exception("slots.internal_error", slot=entry.get("slot"))
+        entry.setdefault("file", None)
+        return {**entry, "outcome": "failed", "reason": f"internal error: {exc!r}"}
+
+
+def _sweep(directory: Path) -> None:
+    removed = slotdir.sweep(directory)
+    if removed:
+        log.info("slots.swept", dir=str(directory), removed=removed)
 
 
 def _skipped(entry: dict[str, Any], reason: str, failed: bool = False) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import yaml
 
 from wrapper import __version__, logs
 from wrapper.config import EXIT_CONFIG, HOOK_EVENTS, Config, ConfigError, load_config, parse_listen
-from wrapper.template import check_syntax
 from wrapper.units import parse_duration
 
 RUN_EXAMPLES = """
@@ -110,19 +109,9 @@ def check(config_path: str) -> None:
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
-    problems = [f"{a.where}: {err}" for a in config.all_actions() for err in _template_errors(a)]
-    if problems:
-        click.echo("\n".join(problems), err=True)
-        sys.exit(EXIT_CONFIG)
+    for warning in config.warnings:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(yaml.safe_dump(_resolved(config), sort_keys=False, width=110), nl=False)
-
-
-def _template_errors(action: Any) -> list[str]:
-    texts = [action.when or "", action.shell or "", *action.exec]
-    if action.http is not None:
-        texts += [action.http.url, *action.http.headers.values(), action.http.body or ""]
-    errors = [check_syntax(t) for t in texts if "{" in t]
-    return [e for e in errors if e]
 
 
 def _resolved(config: Config) -> dict[str, Any]:

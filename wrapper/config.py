@@ -5,13 +5,14 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from hooks import BUILTIN_NAMES
+from wrapper import template
 from wrapper.units import parse_duration
 
 HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped")
@@ -76,6 +77,7 @@ class Config:
     swa_full: str = "auto"
     allow_slot_actions: bool = False
     hooks: dict[str, tuple[Action, ...]] = field(default_factory=lambda: {e: () for e in HOOK_EVENTS})
+    warnings: tuple[str, ...] = ()  # file:line notes about things that work but are probably not meant
 
     @property
     def slot_persistence(self) -> bool:
@@ -106,6 +108,7 @@ class _Reader:
     def __init__(self, path: str) -> None:
         self.path = path
         self.errors: list[str] = []
+        self.warnings: list[str] = []
         self._constructor = yaml.SafeLoader("")
 
     def where(self, node: yaml.Node) -> str:
@@ -113,6 +116,9 @@ class _Reader:
 
     def error(self, node: yaml.Node, message: str) -> None:
         self.errors.append(f"{self.where(node)}: {message}")
+
+    def warn(self, node: yaml.Node, message: str) -> None:
+        self.warnings.append(f"{self.where(node)}: {message}")
 
     def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
         if not isinstance(node, yaml.MappingNode):
@@ -182,7 +188,7 @@ def parse_config(text: str, name: str = "<config>") -> Config:
     config = _read_root(reader, root)
     if reader.errors:
         raise ConfigError("\n".join(reader.errors))
-    return config
+    return replace(config, warnings=tuple(reader.warnings))
 
 
 def _read_root(r: _Reader, root: yaml.Node) -> Config:
@@ -286,7 +292,37 @@ def _read_action(r: _Reader, node: yaml.Node, what: str) -> Action | None:
     fields.setdefault("name", _default_name(fields))
     if not fields.get(kind):
         return None
-    return Action(**{k: v for k, v in fields.items() if v is not None})
+    action = Action(**{k: v for k, v in fields.items() if v is not None})
+    for problem in _template_problems(action):
+        r.error(node, f"{what}: {problem}")
+    if action.shell is not None:
+        for quoted in template.quoted_templates(action.shell):
+            r.warn(node, f"{what}: {quoted} stands inside quotes in a shell command; every {{{{ }}}} value is "
+                         "quoted for the shell already, and the quotes around it undo that: remove them")
+    return action
+
+
+def _template_problems(action: Action) -> list[str]:
+    """Templates are checked when the config is read: a typo fails `check` and `run` at once, with file:line."""
+    texts = [action.shell or "", *action.exec]
+    if action.http is not None:
+        texts += [action.http.url, *action.http.headers.values(), action.http.body or "",
+                  *_strings(action.http.json)]
+    found = [problem for text in texts if "{" in text for problem in template.problems(text)]
+    if action.when is not None:
+        found += template.problems(action.when, expression=True)
+    return found
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON-like value, keys included (they are rendered too)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in (*_strings(str(key)), *_strings(item))]
+    if isinstance(value, list):
+        return [text for item in value for text in _strings(item)]
+    return []
 
 
 def _default_name(fields: dict[str, Any]) -> str:

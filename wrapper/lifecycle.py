@@ -74,6 +74,8 @@ class Supervisor:
             self.runner = HookRunner(session, self._builtin)
             for note in self.launch.notes:
                 log.info("argv.rewritten", **note)
+            for warning in self.config.warnings:
+                log.warning("config.warning", note=warning)
             log.info("wrapper.starting", listen=self.launch.listen.url, server=self.launch.url,
                      argv=self.launch.shown_argv, model=self.launch.model.as_dict())
             try:

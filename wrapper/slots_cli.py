@@ -9,8 +9,7 @@ from typing import Any
 
 import click
 
-from hooks import slotfile
-from hooks.slots import read_sidecar, saved_slots, slot_paths
+from hooks import slotdir, slotfile
 from wrapper.config import EXIT_CONFIG, Config, ConfigError, load_config
 
 
@@ -40,15 +39,16 @@ def slots() -> None:
 def _rows(root: Path) -> list[dict[str, Any]]:
     rows = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        for number, path in saved_slots(folder):
-            row: dict[str, Any] = {"model_id": folder.name, "slot": number, "file": str(path),
-                                   "bytes": path.stat().st_size}
+        for saved in slotdir.saved_slots(folder):
+            row: dict[str, Any] = {"model_id": folder.name, "slot": saved.slot, "file": str(saved.kv_file),
+                                   "bytes": saved.kv_file.stat().st_size if saved.kv_file.exists() else 0}
             try:
-                sidecar = read_sidecar(slot_paths(folder, number)[1])
+                sidecar = slotdir.read_sidecar(saved.sidecar)
                 row.update(model=sidecar["model"].get("name"), tokens=sidecar.get("tokens"),
                            saved_at=sidecar.get("saved_at"), build=sidecar.get("build"),
                            cache_types=f"{sidecar.get('cache_type_k')}/{sidecar.get('cache_type_v')}")
-            except (OSError, ValueError, KeyError) as exc:
+                slotdir.check_pair(sidecar, saved.kv_file)
+            except (slotdir.SidecarError, KeyError, AttributeError) as exc:
                 row["problem"] = f"sidecar: {exc}"
             rows.append(row)
     return rows
@@ -74,7 +74,7 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
         size = f"{row['bytes'] / 1e6:.1f} MB"
         click.echo(f"{row['model_id']:<17} {str(row.get('model', '?'))[:24]:<24} {row['slot']:>4} "
                    f"{row.get('tokens', '?')!s:>8} {size:>9} {row.get('cache_types', '?'):<10} "
-                   f"{row.get('saved_at') or row.get('problem')}")
+                   f"{row.get('problem') or row.get('saved_at')}")
 
 
 @slots.command()
@@ -86,12 +86,12 @@ def inspect(path: str) -> None:
     except slotfile.SlotFileError as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(1)
-    sidecar_path = Path(path).with_suffix(".json")
-    if sidecar_path.exists():
-        try:
-            summary["sidecar"] = read_sidecar(sidecar_path)
-        except (OSError, ValueError) as exc:
-            summary["sidecar"] = f"unreadable: {exc}"
+    for saved in slotdir.saved_slots(Path(path).parent):
+        if saved.kv_file.name == Path(path).name:
+            try:
+                summary["sidecar"] = slotdir.read_sidecar(saved.sidecar)
+            except slotdir.SidecarError as exc:
+                summary["sidecar"] = f"unreadable: {exc}"
     click.echo(json.dumps(summary, indent=2))
 
 
@@ -106,11 +106,10 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
     if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
         click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
         sys.exit(1)
-    numbers = [n for n, _ in saved_slots(folder) if slot is None or n == slot]
-    if not numbers:
+    chosen = [saved for saved in slotdir.saved_slots(folder) if slot is None or saved.slot == slot]
+    if not chosen:
         click.echo(f"llama-wrapper: model {model_id} has no slot {slot}", err=True)
         sys.exit(1)
-    for number in numbers:
-        for file in slot_paths(folder, number):
-            file.unlink(missing_ok=True)
+    for saved in chosen:
+        for file in slotdir.remove(saved):
             click.echo(f"removed {file}")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import shlex
+from collections.abc import Iterable
 from typing import Any
 
 import jinja2
+import jinja2.meta
+import jinja2.nodes
 import jinja2.sandbox
 
 
@@ -59,10 +63,65 @@ def _render(env: jinja2.Environment, text: str, context: dict[str, Any]) -> str:
         raise TemplateError(f"{text!r}: {exc}") from exc
 
 
-def check_syntax(text: str) -> str | None:
-    """A syntax error in a template, or None; used by `check` without a context."""
+# The names a hook's template may use, and the keys of those whose shape is fixed (see the README).
+CONTEXT: dict[str, frozenset[str] | None] = {
+    "event": None, "slots": None, "result": None, "exit_code": None, "exit_signal": None, "env": None,
+    "server": frozenset({"url", "host", "port", "pid", "argv"}),
+    "listen": frozenset({"url", "host", "port"}),
+    "model": frozenset({"path", "name", "id"}),
+}
+
+
+def problems(text: str, expression: bool = False) -> list[str]:
+    """What would make `text` fail to render: a syntax error, an unknown name, an unknown key of a known name.
+
+    Checked when the config is loaded, so a typo is a config error with file:line, not a failed stop hook.
+    """
+    source = "{{ (" + text + ") }}" if expression else text
     try:
-        _PLAIN.parse(text)
+        tree = _PLAIN.parse(source)
     except jinja2.TemplateSyntaxError as exc:
-        return f"template syntax error: {exc.message}"
+        return [f"template syntax error in {text!r}: {exc.message}"]
+    found = []
+    for name in sorted(jinja2.meta.find_undeclared_variables(tree) - set(_PLAIN.globals)):
+        if name not in CONTEXT:
+            found.append(f"unknown name {name!r} in {text!r}{_hint(name, CONTEXT)}")
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
+        owner, key = getattr(node, "node", None), _key(node)
+        if not isinstance(owner, jinja2.nodes.Name) or key is None:
+            continue
+        known = CONTEXT.get(owner.name)
+        if known is not None and key not in known:
+            found.append(f"{owner.name} has no {key!r} in {text!r}{_hint(key, known)}")
+    return found
+
+
+def _key(node: jinja2.nodes.Node) -> str | None:
+    if isinstance(node, jinja2.nodes.Getattr):
+        return str(node.attr)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        return str(node.arg.value)
     return None
+
+
+def _hint(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+
+
+def quoted_templates(shell: str) -> list[str]:
+    """The `{{ }}` of a shell command that stand inside quotes: the value is quoted already, and the quotes
+    around it turn that quoting off (a value with `$(...)` or backticks would then run inside "...")."""
+    found, quote, index = [], "", 0
+    while index < len(shell):
+        char = shell[index]
+        if char == "\\" and quote != "'":
+            index += 2
+            continue
+        if shell.startswith("{{", index) and quote:
+            end = shell.find("}}", index)
+            found.append(shell[index:end + 2 if end >= 0 else len(shell)])
+        if char in "'\"" and (not quote or quote == char):
+            quote = "" if quote else char
+        index += 1
+    return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -19,6 +20,8 @@ def parse_duration(value: object) -> float:
         if not match:
             raise ValueError(f"not a duration: {value!r} (write e.g. 30s, 2m, 250ms)")
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a duration: {value!r} (write e.g. 30s, 2m, 250ms)")
     if seconds < 0:
         raise ValueError(f"a duration cannot be negative: {value!r}")
     return seconds

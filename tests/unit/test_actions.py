@@ -151,9 +151,10 @@ async def test_when_false_skips(runner: HookRunner) -> None:
     assert runner.history[-1].outcome == "skipped"
 
 
-async def test_undefined_template_name_fails_the_action(runner: HookRunner) -> None:
-    with pytest.raises(HookFailed, match="'nope' is undefined"):
-        await runner.run("on_startup", actions("    - shell: echo {{ nope }}\n"), context())
+async def test_a_value_missing_at_run_time_fails_the_action(runner: HookRunner) -> None:
+    """Names are checked when the config is read; what a value holds only shows when the hook runs."""
+    with pytest.raises(HookFailed, match="no element 3"):
+        await runner.run("on_startup", actions("    - shell: echo {{ slots[3].id }}\n"), context())
 
 
 async def test_every_run_is_one_log_event(runner: HookRunner) -> None:

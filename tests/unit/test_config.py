@@ -132,7 +132,7 @@ def test_check_finds_template_syntax_errors(tmp_path: Path) -> None:
     path = tmp_path / "hooks.yaml"
     path.write_text("hooks:\n  on_startup:\n    - shell: echo {{ server.url\n")
     done = _check(path)
-    assert done.returncode == 2 and f"{path}:3: template syntax error" in done.stderr
+    assert done.returncode == 2 and f"{path}:3: hooks.on_startup[0]: template syntax error" in done.stderr
 
 
 def test_run_with_a_bad_config_exits_2_before_spawning(tmp_path: Path) -> None:
@@ -160,3 +160,50 @@ def test_options_come_from_the_environment(tmp_path: Path) -> None:
 def test_the_shipped_examples_are_valid() -> None:
     done = _check(Path(__file__).resolve().parents[2] / "examples" / "hooks.yaml")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(("hook", "message"), [
+    ("    - shell: echo {{ modle.name }}\n", "unknown name 'modle' in 'echo {{ modle.name }}' (did you mean 'model'?)"),
+    ("    - http: {url: '{{ server.ulr }}/props'}\n", "server has no 'ulr'"),
+    ("    - shell: echo hi\n      when: result ==\n", "template syntax error in 'result =='"),
+    ("    - exec: [echo, '{{ evnt }}']\n", "unknown name 'evnt'"),
+    ("    - http: {url: 'http://x', json: {a: '{{ listen.prot }}'}}\n", "listen has no 'prot'"),
+])
+def test_template_mistakes_are_config_errors_at_load(hook: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"hooks:\n  on_will_stop:\n{hook}", "t.yaml")
+    assert "t.yaml:3: hooks.on_will_stop[0]: " in str(caught.value) and message in str(caught.value)
+
+
+def test_run_with_a_template_typo_exits_2_before_spawning(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text("hooks:\n  on_will_stop:\n    - shell: echo {{ modle.name }}\n")
+    marker = tmp_path / "spawned"
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--config", str(path), "--",
+                           "touch", str(marker)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and f"{path}:3:" in done.stderr and "'modle'" in done.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-3", "-2s", "nan", "inf"])
+def test_durations_must_be_finite_and_not_negative(value: str) -> None:
+    with pytest.raises(ConfigError, match="server.stop_timeout"):
+        parse_config(f"server:\n  stop_timeout: {value}\n", "t.yaml")
+
+
+def test_check_warns_about_templates_inside_quotes(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text("hooks:\n  on_stopped:\n    - shell: echo \"{{ model.path }}\" {{ model.name }} 'x {{ result }}'\n")
+    done = _check(path)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2 and all(f"{path}:3: hooks.on_stopped[0]: " in w for w in warnings)
+    assert "{{ model.path }} stands inside quotes" in warnings[0] and "{{ result }}" in warnings[1]
+    assert "{{ model.name }}" not in done.stderr
+
+
+def test_a_port_out_of_range_in_the_server_argv_is_a_config_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--", "true", "--port", "70000"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "--port '70000' is not a port" in done.stderr
+    assert "Traceback" not in done.stderr
