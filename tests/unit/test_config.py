@@ -187,7 +187,7 @@ def test_run_with_a_template_typo_exits_2_before_spawning(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("value", [".nan", ".inf", "-3", "-2s", "nan", "inf"])
 def test_durations_must_be_finite_and_not_negative(value: str) -> None:
-    with pytest.raises(ConfigError, match="server.stop_timeout"):
+    with pytest.raises(ConfigError, match=r"server\.stop_timeout"):
         parse_config(f"server:\n  stop_timeout: {value}\n", "t.yaml")
 
 
