@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,27 @@ class Wrapper:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
         self._log.close()
+
+
+@contextlib.contextmanager
+def running(tmp: Path, server_argv: list[str], config: str | None = None, timeout: float = 120.0,
+            **options: Any) -> Iterator[Wrapper]:
+    """A ready wrapper for the `with` body; killed afterwards whatever happened (stop it in the body to check
+    how it stops)."""
+    wrapper = Wrapper(tmp, server_argv, config, **options)
+    try:
+        wrapper.wait_ready(timeout)
+        yield wrapper
+    finally:
+        wrapper.kill()
+
+
+def peak_rss_kib(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for {pid}")
 
 
 def child_argv(*flags: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Real models for integration tests: the default Gemma 3 270M, and a tiny random-weight LLaMA GGUF.
+"""Real models for integration tests: the demo SmolLM2, Gemma 3 270M (SWA), and a tiny random-weight LLaMA GGUF.
 
 The tiny model copies the tokenizer of the vocab-only GGUF that ships in the pinned llama.cpp sdist
 (kept next to the llama-server build by llama.cpp/build-server) and adds random weights: a few MB that
@@ -8,10 +8,14 @@ llama-server loads and generates from (nonsense text, real mechanics, and no sli
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def llama_server() -> str:
@@ -19,6 +23,13 @@ def llama_server() -> str:
     if not path:
         raise RuntimeError("set LLAMA_SERVER to a llama-server binary (make test does: llama.cpp/build-server)")
     return path
+
+
+def demo() -> str:
+    """The demo model, SmolLM2 135M Instruct (a chat template), fetched by llama.cpp/get-model."""
+    done = subprocess.run([sys.executable, str(ROOT / "llama.cpp" / "fetch-model"), "smollm2"], check=True,
+                          capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 def gemma() -> str:

@@ -165,6 +165,7 @@ class HookRunner:
             log.info("hook.output", hook=event, action=action.name, line=line)
 
         try:
+            # Guarded: its background jobs end with it (setsid escapes on purpose), and never outlive us.
             process = await spawn(argv, env, on_line, guard=True)
         except OSError as exc:
             raise ActionError(f"cannot start {argv[0]!r}: {exc.strerror}") from exc
@@ -174,8 +175,6 @@ class HookRunner:
             process.kill()
             await asyncio.shield(process.wait())
             raise
-        finally:
-            process.kill_leftovers()  # a hook's background jobs end with it (setsid to escape on purpose)
         if finished.returncode != 0:
             how = f"signal {finished.signal_name}" if finished.signal else f"exit status {finished.code}"
             last = f": {process.tail[-1]}" if process.tail else ""

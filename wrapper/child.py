@@ -66,7 +66,7 @@ async def spawn(
         start_new_session=True,
         env=dict(env) if env is not None else None,
     )
-    return Supervised(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line)
+    return Supervised(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line, guard)
 
 
 class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
@@ -98,9 +98,10 @@ class Supervised:
     """A running child: its output drained line by line, its exit awaited once, stopped with one SIGTERM."""
 
     def __init__(self, process: asyncio.subprocess.Process, protocol: _Protocol,
-                 on_line: Callable[[str], None]) -> None:
+                 on_line: Callable[[str], None], guarded: bool = False) -> None:
         self._process = process
         self._protocol = protocol
+        self._guarded = guarded
         self._on_line = on_line
         self._sigterm_sent = False
         self.tail: deque[str] = deque(maxlen=200)
@@ -145,10 +146,6 @@ class Supervised:
             self._killed = True
             self._signal_group(signal.SIGKILL)
 
-    def kill_leftovers(self) -> None:
-        """SIGKILL whatever the process left running in its group (the group id stays taken while any remain)."""
-        self._signal_group(signal.SIGKILL)
-
     def _signal_group(self, sig: signal.Signals) -> None:
         # The child leads its own session, so its group id is its pid; the group also covers its children.
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -156,6 +153,8 @@ class Supervised:
 
     async def _reap(self) -> Exit:
         returncode = await self._protocol.exited
+        if self._guarded:  # what a hook leaves running in its group ends with it (the group id stays taken till then)
+            self._signal_group(signal.SIGKILL)
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._pump), PIPE_GRACE)
         if not self._pump.done():  # someone else holds the pipe: stop reading it

@@ -43,8 +43,10 @@ class _LibraryRecords(logging.Handler):
         if record.exc_info and record.exc_info[1] is not None:
             error = record.exc_info[1]
             fields["error"] = _short(f"{type(error).__name__}: {error}")
-        level = "warning" if record.levelno < logging.ERROR else "error"
-        structlog.get_logger().log(logging.getLevelNamesMapping()[level.upper()], "library.log", **fields)
+        # aiohttp.server's errors are a client's malformed requests: worth a note, not an error of ours.
+        client_made = record.name.startswith("aiohttp.server")
+        level = logging.WARNING if client_made or record.levelno < logging.ERROR else logging.ERROR
+        structlog.get_logger().log(level, "library.log", **fields)
 
 
 def _short(text: str, limit: int = 300) -> str:

@@ -11,6 +11,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 log = structlog.get_logger()
 
@@ -85,7 +86,7 @@ async def forward(
     """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies."""
     path = path if path is not None else request.rel_url.raw_path
     query = request.rel_url.raw_query_string
-    url = upstream + path + (f"?{query}" if query else "")
+    url = URL(upstream + path + (f"?{query}" if query else ""), encoded=True)  # as checked: no re-normalising
     headers = _forwardable(request.headers)
     if request.content_length is not None:
         headers["Content-Length"] = str(request.content_length)  # else aiohttp sends the body chunked

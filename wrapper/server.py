@@ -51,6 +51,8 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         path = canonical_path(request.rel_url.raw_path)
     except (BadPath, UnicodeDecodeError) as exc:
         return json_error(400, f"bad request path: {exc}", "invalid_request_error")
+    if request.body_exists and (refusal := _unauthorized(request)) is not None:
+        return refusal  # llama-server would refuse it too, after reading the body: don't even stream it there
     if _is_slot_action(request.method, path) and not supervisor.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")

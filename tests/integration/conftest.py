@@ -13,6 +13,11 @@ def server_bin() -> str:
 
 
 @pytest.fixture(scope="session")
+def demo_path() -> str:
+    return models.demo()
+
+
+@pytest.fixture(scope="session")
 def gemma_path() -> str:
     return models.gemma()
 

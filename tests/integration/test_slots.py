@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import Wrapper, http, wait_for
+from wrapper.model import fingerprint
 
 PERSIST = """
 slots:
@@ -61,6 +62,20 @@ def model_dir(slots_dir: Path) -> Path:
     return folders[0]
 
 
+def kv_file(folder: Path, slot: int = 0) -> Path:
+    """The KV file slot `slot`'s sidecar names."""
+    return folder / str(json.loads((folder / f"slot{slot}.json").read_text())["file"])
+
+
+def reseal(folder: Path, slot: int = 0) -> None:
+    """Make the sidecar describe the KV file as it is now: a file the server itself wrote that way."""
+    sidecar_file = folder / f"slot{slot}.json"
+    sidecar = json.loads(sidecar_file.read_text())
+    path = folder / sidecar["file"]
+    sidecar.update(bytes=path.stat().st_size, fingerprint=fingerprint(str(path)))
+    sidecar_file.write_text(json.dumps(sidecar))
+
+
 def restore_report(wrapper: Wrapper) -> list[dict[str, Any]]:
     report: list[dict[str, Any]] = wrapper.status()["slots"]["restore"]
     return report
@@ -84,7 +99,7 @@ def test_next_turn_after_a_restart_comes_from_the_cache(
         wrapper.kill()
     folder = model_dir(slots_dir)
     sidecar = json.loads((folder / "slot0.json").read_text())
-    assert sidecar["tokens"] >= turn["tokens_evaluated"] and sidecar["bytes"] == (folder / "slot0.bin").stat().st_size
+    assert sidecar["tokens"] >= turn["tokens_evaluated"] and sidecar["bytes"] == kv_file(folder).stat().st_size
     assert sidecar["swa_full"] is (model == "gemma") and sidecar["kv_streams"] == 1
 
     wrapper = start(tmp_path, argv, config)
@@ -156,8 +171,10 @@ def skipped_reason(tmp_path: Path, argv: list[str], slots_dir: Path, swa_full: s
 def test_corrupt_file_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str) -> None:
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir)
-    data = (folder / "slot0.bin").read_bytes()
-    (folder / "slot0.bin").write_bytes(data[: len(data) // 3])
+    data = kv_file(folder).read_bytes()
+    kv_file(folder).write_bytes(data[: len(data) // 3])
+    assert "an interrupted save?" in skipped_reason(tmp_path, argv, slots_dir)  # the sidecar says another size
+    reseal(folder)
     assert skipped_reason(tmp_path, argv, slots_dir).startswith("unreadable file")
 
 
@@ -166,8 +183,8 @@ def test_file_of_another_model_is_skipped(
     other = save_one(tmp_path, [server_bin, "-m", other_tiny_path, "-c", "2048", "-np", "1"], tmp_path / "other")
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     ours = save_one(tmp_path, argv, slots_dir)
-    for name in ("slot0.bin", "slot0.json"):
-        shutil.copy(other / name, ours / name)
+    for path in (other / "slot0.json", kv_file(other)):
+        shutil.copy(path, ours / path.name)
     assert skipped_reason(tmp_path, argv, slots_dir).startswith("other model: saved for tiny-llama-3")
 
 
@@ -183,9 +200,10 @@ def test_file_of_another_state_version_is_skipped(tmp_path: Path, slots_dir: Pat
                                                   tiny_path: str) -> None:
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir)
-    with open(folder / "slot0.bin", "r+b") as handle:  # what an older llama-server build would have written
+    with open(kv_file(folder), "r+b") as handle:  # what an older llama-server build would have written
         handle.seek(4)
         handle.write(struct.pack("<I", 2))
+    reseal(folder)
     reason = skipped_reason(tmp_path, argv, slots_dir)
     assert reason.startswith("state version 2") and "reads version 4" in reason
 
@@ -204,14 +222,15 @@ def test_an_empty_slot_never_overwrites_a_good_file(tmp_path: Path, slots_dir: P
                                                     tiny_path: str) -> None:
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir)
-    before = {name: (folder / name).read_bytes() for name in ("slot0.bin", "slot0.json")}
+    names = ["slot0.json", kv_file(folder).name]
+    before = {name: (folder / name).read_bytes() for name in names}
     wrapper = start(tmp_path, argv, SAVE_ONLY.format(dir=slots_dir))  # no restore: the slot stays empty
     assert wrapper.stop() == 0
     wrapper.kill()
     assert {name: (folder / name).read_bytes() for name in before} == before
     saves = wrapper.events("hook.run")
     assert saves[-1]["action"] == "slots.save" and saves[-1]["detail"].startswith("saved 0 slot(s)")
-    assert sorted(p.name for p in folder.iterdir()) == ["slot0.bin", "slot0.json"]  # no temporary left
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)  # no temporary left
 
 
 def test_client_slot_actions_are_refused_unless_allowed(tmp_path: Path, slots_dir: Path, server_bin: str,

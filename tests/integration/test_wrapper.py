@@ -88,6 +88,6 @@ def test_sigkill_of_the_wrapper_leaves_no_llama_server(tmp_path: Path, server_bi
         pid = wrapper.status()["server"]["pid"]
         wrapper.signal_group(signal.SIGKILL)  # llama-swap's last resort, to the whole group
         wrapper.wait(10)
-        wait_for(lambda: not pid_alive(pid), 1.0, "llama-server to die with the wrapper")
+        wait_for(lambda: not pid_alive(pid), 10, "llama-server to die with the wrapper")
     finally:
         wrapper.kill()

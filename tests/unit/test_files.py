@@ -11,28 +11,10 @@ import pytest
 
 from hooks.fitting import fit_for_slots
 from hooks.gguf_meta import architecture_facts, read_metadata
-from hooks.slotfile import MAGIC, SlotFileError, read
+from hooks.slotfile import SlotFileError, read
+from tests.slotfiles import slot_bytes
 from wrapper import argv as args
 from wrapper.model import Model, fingerprint
-
-
-def slot_bytes(tokens: list[int], n_layer: int = 2, cells: int = 3, row: int = 8, k_type: int = 1,
-               v_trans: int = 0, server_state: bool = True, version: int = 4) -> bytes:
-    """A slot file in the documented layout (one stream, one sequence)."""
-    words = [-1, 1, len(tokens), *tokens, 0] if server_state else tokens
-    out = struct.pack("<III", MAGIC, version, len(words)) + struct.pack(f"<{len(words)}i", *words)
-    out += struct.pack("<II", 1, cells)
-    for pos in range(cells):
-        out += struct.pack("<iIi", pos, 1, 0)
-    out += struct.pack("<IIII", v_trans, n_layer, 0, 0)
-    for _ in range(n_layer):
-        out += struct.pack("<iQ", k_type, row) + b"\0" * row * cells
-    for _ in range(n_layer):
-        if v_trans:
-            out += struct.pack("<iII", k_type, 2, row // 2) + b"\0" * row * cells
-        else:
-            out += struct.pack("<iQ", k_type, row) + b"\0" * row * cells
-    return out
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])

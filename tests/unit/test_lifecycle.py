@@ -209,7 +209,7 @@ def test_sigkill_of_the_wrapper_takes_the_child_with_it(tmp_path: Path) -> None:
         pid = wrapper.status()["server"]["pid"]
         wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone, not its group
         wrapper.wait(10)
-        wait_for(lambda: not pid_alive(pid), 1.0, "the child to die with the wrapper")
+        wait_for(lambda: not pid_alive(pid), 10, "the child to die with the wrapper")
     finally:
         wrapper.kill()
 

@@ -11,7 +11,7 @@ import structlog
 from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from hooks.slotfile import read
-from tests.unit.test_files import slot_bytes
+from tests.slotfiles import slot_bytes
 from wrapper.llama import LlamaClient
 from wrapper.state import IllegalTransition, Lifecycle, State
 

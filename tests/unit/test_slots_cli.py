@@ -3,49 +3,47 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 from click.testing import CliRunner
 
-from tests.unit.test_files import slot_bytes
+from tests.slotfiles import make_pair, slot_bytes
 from wrapper.cli import main
 
 
-def make_slot(root: Path, model_id: str, slot: int, tokens: list[int]) -> Path:
-    folder = root / model_id
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"slot{slot}.bin"
-    path.write_bytes(slot_bytes(tokens))
-    sidecar = {"format": 1, "slot": slot, "model": {"id": model_id, "name": "chat", "path": "/m/chat.gguf"},
-               "tokens": len(tokens), "bytes": path.stat().st_size, "cache_type_k": "f16", "cache_type_v": "f16",
-               "saved_at": "2026-11-29T12:00:00+00:00", "build": "b11434"}
-    (folder / f"slot{slot}.json").write_text(json.dumps(sidecar))
-    return path
-
-
 def test_ls_inspect_rm(tmp_path: Path) -> None:
-    first = make_slot(tmp_path, "aaaa", 0, [1, 2, 3])
-    make_slot(tmp_path, "aaaa", 1, [4, 5])
-    make_slot(tmp_path, "bbbb", 0, [6])
+    first = make_pair(tmp_path / "aaaa", "aaaa", 0, [1, 2, 3])
+    second = make_pair(tmp_path / "aaaa", "aaaa", 1, [4, 5])
+    make_pair(tmp_path / "bbbb", "bbbb", 0, [6])
     runner = CliRunner()
 
     listed = runner.invoke(main, ["slots", "ls", "--dir", str(tmp_path), "--json"])
     assert listed.exit_code == 0
     rows = [json.loads(line) for line in listed.output.splitlines()]
     assert [(r["model_id"], r["slot"], r["tokens"]) for r in rows] == [("aaaa", 0, 3), ("aaaa", 1, 2), ("bbbb", 0, 1)]
+    assert not any("problem" in r for r in rows)
     table = runner.invoke(main, ["slots", "ls", "--dir", str(tmp_path)])
     assert "chat" in table.output and "f16/f16" in table.output
 
     inspected = runner.invoke(main, ["slots", "inspect", str(first)])
     summary = json.loads(inspected.output)
     assert (summary["tokens"], summary["layers"], summary["type_k"]) == (3, 2, "f16")
-    assert summary["sidecar"]["model"]["name"] == "chat"
+    assert summary["sidecar"]["model"]["name"] == "chat" and summary["sidecar"]["file"] == first.name
 
     removed = runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), "aaaa", "--slot", "1"])
-    assert removed.exit_code == 0 and "slot1.bin" in removed.output
-    assert sorted(p.name for p in (tmp_path / "aaaa").iterdir()) == ["slot0.bin", "slot0.json"]
+    assert removed.exit_code == 0 and second.name in removed.output and "slot1.json" in removed.output
+    assert sorted(p.name for p in (tmp_path / "aaaa").iterdir()) == sorted(["slot0.json", first.name])
     assert runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), "nope"]).exit_code == 1
     assert runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), ".."]).exit_code == 1
+
+
+def test_ls_names_a_pair_that_does_not_match(tmp_path: Path) -> None:
+    kv_file = make_pair(tmp_path / "aaaa", "aaaa", 0, [1, 2, 3])
+    kv_file.write_bytes(kv_file.read_bytes() + b"more")
+    rows = [json.loads(line) for line in
+            CliRunner().invoke(main, ["slots", "ls", "--dir", str(tmp_path), "--json"]).output.splitlines()]
+    assert "an interrupted save?" in rows[0]["problem"]
 
 
 def test_inspect_a_damaged_file(tmp_path: Path) -> None:
@@ -53,3 +51,16 @@ def test_inspect_a_damaged_file(tmp_path: Path) -> None:
     bad.write_bytes(b"nonsense")
     result = CliRunner().invoke(main, ["slots", "inspect", str(bad)])
     assert result.exit_code == 1 and "not a llama.cpp slot file" in result.output
+
+
+def test_inspect_a_file_whose_cell_count_is_absurd(tmp_path: Path) -> None:
+    """0xFFFFFFFF cells once made the reader allocate 51 GB and print a traceback."""
+    data = bytearray(slot_bytes([1, 2, 3]))
+    cells_at = 12 + 4 * 7 + 4  # header, 7 token words, the stream count
+    assert struct.unpack_from("<I", data, cells_at)[0] == 3
+    struct.pack_into("<I", data, cells_at, 0xFFFFFFFF)
+    bad = tmp_path / "slot0.bin"
+    bad.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["slots", "inspect", str(bad)])
+    assert result.exit_code == 1 and "KV cell count 4294967295 does not fit" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -1,0 +1,90 @@
+"""What a shell hook leaves behind: the deadline holds, leftovers end with the hook, nothing outlives the wrapper."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.helpers import Wrapper, child_argv, pid_alive, running, wait_for
+
+
+def read_pid(path: Path) -> int:
+    return int(wait_for(lambda: path.exists() and path.read_text().strip(), 30, f"{path.name} to be written"))
+
+
+@contextlib.contextmanager
+def reaped(pid_file: Path) -> Iterator[None]:
+    """Kill a test's stray process at the end, whatever the test found."""
+    try:
+        yield
+    finally:
+        if pid_file.exists() and pid_file.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_detached_job_holding_the_output_pipe_does_not_hold_the_start(tmp_path: Path) -> None:
+    """`setsid sleep 25 & echo bg` once blocked the start for 26 s: the wrapper waited for the pipe, not the hook."""
+    pid_file = tmp_path / "detached.pid"
+    config = f"""
+hooks:
+  on_will_start:
+    - shell: setsid sh -c 'echo $$ > {pid_file}; exec sleep 25' & echo bg
+      timeout: 2s
+"""
+    with reaped(pid_file), running(tmp_path, child_argv(), config, timeout=60) as wrapper:
+        detached = read_pid(pid_file)
+        assert pid_alive(detached)  # ready while the job still holds the pipe: nobody waited for it
+        (run,) = wrapper.events("hook.run")
+        assert run["outcome"] == "ok" and run["detail"] == "exit status 0"
+        assert "bg" in [e["line"] for e in wrapper.events("hook.output")]
+        print(f"\nhook with a detached job holding its pipe took {run['duration_ms']} ms (deadline 2 s)")
+
+
+def test_at_the_deadline_the_hooks_whole_group_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "job.pid"
+    config = f"""
+hooks:
+  on_will_start:
+    - shell: sleep 30 & echo $! > {pid_file}; sleep 30
+      timeout: 1s
+      ignore_errors: true
+"""
+    with reaped(pid_file), running(tmp_path, child_argv(), config, timeout=60) as wrapper:
+        (run,) = wrapper.events("hook.run")
+        assert run["outcome"] == "ignored" and "timed out after 1s" in run["detail"]
+        assert not pid_alive(read_pid(pid_file))
+
+
+def test_a_hooks_background_job_ends_with_the_hook(tmp_path: Path) -> None:
+    pid_file = tmp_path / "job.pid"
+    config = f"""
+hooks:
+  on_will_start:
+    - shell: sleep 30 & echo $! > {pid_file}
+"""
+    with reaped(pid_file), running(tmp_path, child_argv(), config, timeout=60):
+        job = read_pid(pid_file)
+        wait_for(lambda: not pid_alive(job), 10, "the hook's background job to be killed with the hook")
+
+
+def test_no_hook_process_outlives_a_sigkilled_wrapper(tmp_path: Path) -> None:
+    pid_file = tmp_path / "job.pid"
+    config = f"""
+hooks:
+  on_will_start:
+    - shell: sleep 30 & echo $! > {pid_file}; sleep 30
+      timeout: 60s
+"""
+    wrapper = Wrapper(tmp_path, child_argv(), config)
+    with reaped(pid_file):
+        try:
+            job = read_pid(pid_file)
+            wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone, not its group
+            wrapper.wait(10)
+            wait_for(lambda: not pid_alive(job), 10, "the hook's background job to die with the wrapper")
+        finally:
+            wrapper.kill()
