@@ -6,42 +6,57 @@ import json
 import signal
 from pathlib import Path
 
-from tests.helpers import Wrapper, http, pid_alive, wait_for
+from tests.helpers import Wrapper, http, pid_alive, running, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,
-        "seed": 1}
+        "seed": 1, "cache_prompt": False}  # a warm prompt cache changes the numerics: compare cold prefills
 
 
-def sse_content(raw: bytes) -> str:
-    text = ""
-    for line in raw.decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            for choice in json.loads(line[6:]).get("choices", []):
-                text += choice.get("delta", {}).get("content") or ""
-    return text
+def sse_events(raw: bytes) -> list[str]:
+    """The data lines of an event stream, checking its framing: `data: ` lines separated by blank lines."""
+    blocks = raw.decode().split("\n\n")
+    assert blocks[-1] == "", "the stream must end with a complete event"
+    assert all(block.startswith("data: ") for block in blocks[:-1]), blocks[:3]
+    return [block[len("data: "):] for block in blocks[:-1]]
 
 
-def test_chat_through_the_wrapper_equals_direct(tmp_path: Path, server_bin: str, gemma_path: str) -> None:
-    wrapper = Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "2048", "-np", "1"])
-    try:
-        wrapper.wait_ready(120)
+def sse_content(raw: bytes) -> tuple[str, dict[str, int]]:
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    text, usage = "", {}
+    for event in events[:-1]:
+        chunk = json.loads(event)
+        for choice in chunk.get("choices", []):
+            text += choice.get("delta", {}).get("content") or ""
+        usage = chunk.get("usage") or usage
+    return text, usage
+
+
+def test_chat_through_the_wrapper_equals_direct(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """What the proxy owns: the same answers and usage, whole event streams, llama-server's errors unchanged."""
+    with running(tmp_path, [server_bin, "-m", demo_path, "-c", "2048", "-np", "1"]) as wrapper:
         direct = wrapper.status()["server"]["url"]
-        answers = {}
+        answers, usages, overflow = {}, {}, {}
         for name, base in (("wrapped", wrapper.url), ("direct", direct)):
             status, _, raw = http("POST", f"{base}/v1/chat/completions", CHAT, timeout=120)
             assert status == 200
-            answers[name] = json.loads(raw)["choices"][0]["message"]["content"]
-            status, headers, raw = http("POST", f"{base}/v1/chat/completions", {**CHAT, "stream": True}, timeout=120)
+            reply = json.loads(raw)
+            answers[name], usages[name] = reply["choices"][0]["message"]["content"], reply["usage"]
+            streamed = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+            status, headers, raw = http("POST", f"{base}/v1/chat/completions", streamed, timeout=120)
             assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-            answers[name + "-stream"] = sse_content(raw)
-        assert answers["wrapped"] == answers["direct"] == answers["wrapped-stream"] == answers["direct-stream"]
+            answers[name + "-stream"], usages[name + "-stream"] = sse_content(raw)
+            too_long = {**CHAT, "messages": [{"role": "user", "content": "hi " * 3000}]}
+            overflow[name] = http("POST", f"{base}/v1/chat/completions", too_long)
+        assert answers["wrapped"] == answers["direct"] and answers["wrapped-stream"] == answers["direct-stream"]
         assert answers["wrapped"].strip()
-        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
-                              {**CHAT, "messages": [{"role": "user", "content": "hi " * 3000}]})
-        assert status == 400 and json.loads(raw)["error"]["type"] == "exceed_context_size_error"
-    finally:
+        assert {k: v for k, v in usages["wrapped"].items() if k != "prompt_tokens_details"} == \
+            {k: v for k, v in usages["direct"].items() if k != "prompt_tokens_details"}
+        assert usages["wrapped-stream"]["completion_tokens"] == usages["direct-stream"]["completion_tokens"] > 0
+        assert overflow["wrapped"][0] == overflow["direct"][0] == 400
+        assert json.loads(overflow["wrapped"][2]) == json.loads(overflow["direct"][2])
+        assert json.loads(overflow["wrapped"][2])["error"]["type"] == "exceed_context_size_error"
         assert wrapper.stop() == 0
-        wrapper.kill()
 
 
 def test_hooks_in_order_and_a_group_sigterm_lets_on_will_stop_reach_the_server(

@@ -159,12 +159,12 @@ async def test_a_value_missing_at_run_time_fails_the_action(runner: HookRunner) 
 
 async def test_every_run_is_one_log_event(runner: HookRunner) -> None:
     with structlog.testing.capture_logs() as captured:
-        await runner.run("on_startup", actions("    - name: hello\n      shell: echo hi\n"), context())
+        await runner.run("on_startup", actions("    - name: hello\n      shell: sleep 0.2; echo hi\n"), context())
     runs = [e for e in captured if e["event"] == "hook.run"]
     assert len(runs) == 1
     assert {k: runs[0][k] for k in ("hook", "action", "kind", "outcome")} == {
         "hook": "on_startup", "action": "hello", "kind": "shell", "outcome": "ok"}
-    assert runs[0]["duration_ms"] >= 0
+    assert runs[0]["duration_ms"] >= 200  # the action's own time is in it: it slept that long at least
     assert [e["line"] for e in captured if e["event"] == "hook.output"] == ["hi"]
 
 

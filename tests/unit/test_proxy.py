@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.helpers import Wrapper, child_argv, free_port, http
-from wrapper.proxy import forward
+from tests.helpers import Wrapper, child_argv, free_port, http, running
+from wrapper.proxy import BadPath, canonical_path, forward
 
 
 @pytest.fixture
@@ -69,11 +69,16 @@ def test_client_slot_actions_are_refused(wrapper: Wrapper) -> None:
     assert http("GET", f"{wrapper.url}/slots")[0] == 200  # reading is fine
 
 
-def test_health_is_the_wrappers_own(wrapper: Wrapper) -> None:
-    status, _, raw = http("GET", f"{wrapper.url}/health")
-    assert status == 200 and json.loads(raw) == {"status": "ok"}
-    state = wrapper.status()
-    assert state["state"] == "ready" and state["server"]["pid"] > 0
+def test_health_is_the_wrappers_own(tmp_path: Path) -> None:
+    """The wrapper answers /health itself (the child never sees it once ready); other paths reach the child."""
+    record = tmp_path / "requests.log"
+    with running(tmp_path, child_argv("--record", str(record)), timeout=30) as wrapper:
+        seen_at_ready = record.read_text().splitlines()
+        for _ in range(3):
+            status, _, raw = http("GET", f"{wrapper.url}/health")
+            assert status == 200 and json.loads(raw) == {"status": "ok"}
+        assert http("GET", f"{wrapper.url}/v1/models")[0] == 200
+        assert record.read_text().splitlines()[len(seen_at_ready):] == ["GET /v1/models"]
 
 
 async def test_unreachable_upstream_is_a_502_json_error() -> None:
@@ -94,3 +99,30 @@ async def test_unreachable_upstream_is_a_502_json_error() -> None:
             assert reply.status == 502 and body["error"]["type"] == "bad_gateway"
         finally:
             await runner.cleanup()
+
+
+@pytest.mark.parametrize(("raw", "canonical"), [
+    ("/slots/0", "/slots/0"), ("/./slots/0", "/slots/0"), ("/x/../slots/0", "/slots/0"), ("//slots/0", "/slots/0"),
+    ("/%73lots/0", "/slots/0"), ("/slots%2F0", "/slots/0"), ("/%2e%2e/slots/0", "/slots/0"), ("/../../slots", "/slots"),
+    ("/v1/chat/completions", "/v1/chat/completions"), ("/a%20b/", "/a%20b/"), ("/", "/"), ("/100%25", "/100%25"),
+])
+def test_the_path_checked_is_the_path_forwarded(raw: str, canonical: str) -> None:
+    assert canonical_path(raw) == canonical
+
+
+@pytest.mark.parametrize("raw", ["/a%00b", "/slots/0%0a", "/%7f"])
+def test_control_characters_in_a_path_are_refused(raw: str) -> None:
+    with pytest.raises(BadPath):
+        canonical_path(raw)
+
+
+def test_slot_actions_in_other_spellings_are_refused(wrapper: Wrapper) -> None:
+    for target in ("/%73lots/0?action=erase", "/x/../slots/0?action=save", "//slots/1?action=restore"):
+        connection = HTTPConnection("127.0.0.1", wrapper.port, timeout=10)
+        connection.request("POST", target, body=b"{}")
+        assert connection.getresponse().status == 403, target
+        connection.close()
+    connection = HTTPConnection("127.0.0.1", wrapper.port, timeout=10)
+    connection.request("GET", "/x/../echo")
+    assert json.loads(connection.getresponse().read())["path"] == "/echo"  # what the child saw: the checked path
+    connection.close()
