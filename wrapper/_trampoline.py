@@ -3,33 +3,41 @@
 Run as `python -I -S _trampoline.py PARENT_PID MODE ARGV...`. PR_SET_PDEATHSIG must be set in the child itself,
 and Python's `preexec_fn` is unsafe once asyncio has threads, so a tiny separate interpreter does it.
 - MODE `exec` (llama-server): the kernel SIGKILLs the program if the wrapper dies; the trampoline becomes it.
-- MODE `guard` (hook commands): the trampoline stays as the program's parent and leader of its process group;
-  if the wrapper dies it SIGKILLs the whole group, so no background job of a hook outlives the wrapper.
-  It ends as the program ends, with the same status.
+- MODE `guard:FD` (hook commands): the trampoline stays as the program's parent, a subreaper that adopts
+  whatever the program leaves running (detached with setsid or not). When the program ends it writes its
+  status to FD (the hook is over), then stays until all it adopted has ended. On SIGUSR1 — the wrapper asks,
+  or the wrapper died (the death signal) — it SIGKILLs all of them and its process group, itself included.
 The death signal survives exec but not fork. This file imports nothing from the wrapper on purpose.
 """
 
+import contextlib
 import ctypes
+import glob
 import os
 import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, value: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(option, value, 0, 0, 0) != 0:
+            sys.stderr.write(f"llama-wrapper: prctl({option}) failed: errno {ctypes.get_errno()}\n")
+            os._exit(126)
 
 
 def arm(parent: int, sig: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-            sys.stderr.write(f"llama-wrapper: prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}\n")
-            os._exit(126)
-        if os.getppid() != parent:  # the wrapper died before the death signal was armed
-            os._exit(1)
+    prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:  # the wrapper died before the death signal was armed
+        os._exit(1)
 
 
 def become(argv: list[str]) -> None:
     # This interpreter ignored SIGPIPE and SIGXFSZ at start-up; an ignored signal survives exec, so undo it.
-    for name in ("SIGPIPE", "SIGXFSZ", "SIGTERM", "SIGINT", "SIGHUP"):
+    for name in ("SIGPIPE", "SIGXFSZ", "SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
@@ -39,28 +47,44 @@ def become(argv: list[str]) -> None:
         os._exit(127)
 
 
-def guard(argv: list[str]) -> None:
+def take_all_down(*_: object) -> None:
+    """SIGKILL every process this guard adopted or started, then its whole process group (itself too)."""
+    for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with contextlib.suppress(OSError, ValueError), open(listing) as children:
+            for pid in children.read().split():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+    os.killpg(0, signal.SIGKILL)
+
+
+def guard(argv: list[str], status_fd: int) -> None:
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     child = os.fork()
     if child == 0:
+        os.close(status_fd)
         become(argv)
-    # The stop signals reach the whole group; the program decides how to end, and we end with it.
+    # The stop signals reach the whole group; the program decides how to end, and we report how it did.
     for name in ("SIGTERM", "SIGINT", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     _, status = os.waitpid(child, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        os._exit(128 + sig)
-    os._exit(os.waitstatus_to_exitcode(status))
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status)
+    with contextlib.suppress(OSError):
+        os.write(status_fd, str(code).encode())
+    os.close(status_fd)
+    while True:  # what the program left running is ours now: stay while it runs, so it can still be ended
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
+    os._exit(0)
 
 
 def main() -> None:
     parent, mode, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    if mode == "guard":
-        signal.signal(signal.SIGUSR1, lambda *_: os.killpg(0, signal.SIGKILL))  # the wrapper died: all of us go
+    if mode.startswith("guard:"):
+        signal.signal(signal.SIGUSR1, take_all_down)
         arm(parent, signal.SIGUSR1)
-        guard(argv)
+        guard(argv, int(mode.partition(":")[2]))
     else:
         arm(parent, signal.SIGKILL)
         become(argv)

@@ -15,7 +15,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from wrapper import template
-from wrapper.child import spawn
+from wrapper.child import Supervised, spawn
 from wrapper.config import Action
 
 log = structlog.get_logger()
@@ -82,6 +82,17 @@ class HookRunner:
         self._session = session
         self._builtin = builtin
         self.history: deque[HookRun] = deque(maxlen=50)
+        self._lingering: set[Supervised] = set()
+
+    async def end_leftovers(self, timeout: float = 2.0) -> int:
+        """At the wrapper's stop: end every job a hook left running; returns how many hooks had some."""
+        lingering = [process for process in self._lingering if process.lingering]
+        self._lingering.clear()
+        for process in lingering:
+            process.end_leftovers()
+        if lingering:
+            await asyncio.wait([asyncio.ensure_future(p.gone()) for p in lingering], timeout=timeout)
+        return len(lingering)
 
     async def run(self, event: str, actions: tuple[Action, ...], context: dict[str, Any]) -> None:
         """Run a hook's actions in order; raise HookFailed at the first failure that is not ignored."""
@@ -171,10 +182,12 @@ class HookRunner:
             raise ActionError(f"cannot start {argv[0]!r}: {exc.strerror}") from exc
         try:
             finished = await process.wait()
-        except asyncio.CancelledError:  # timed out or a forced stop: the whole process group goes, at once
+        except asyncio.CancelledError:  # timed out or a forced stop: the program and all it started go, at once
             process.kill()
             await asyncio.shield(process.wait())
             raise
+        if process.lingering:  # it left jobs running: they may, until the wrapper stops
+            self._lingering.add(process)
         if finished.returncode != 0:
             how = f"signal {finished.signal_name}" if finished.signal else f"exit status {finished.code}"
             last = f": {process.tail[-1]}" if process.tail else ""

@@ -11,10 +11,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TRAMPOLINE = str(Path(__file__).with_name("_trampoline.py"))
 OUTPUT_LIMIT = 1 << 20  # longest line kept whole; longer ones are split
 PIPE_GRACE = 0.5  # after an exit, how long the rest of the output may take to arrive
+GUARD_GRACE = 1.0  # how long a guard gets to take its program's leftovers down before its group is killed
 
 
 @dataclass(frozen=True)
@@ -53,20 +55,59 @@ async def spawn(
 ) -> Supervised:
     """Start `argv` in its own session, its life tied to ours, its output fed to `on_line`.
 
-    Without `guard` the kernel kills the program if we die; with it (hook commands) a guard process stays as
-    its parent and kills the program's whole process group if we die, background jobs included.
+    Without `guard` the kernel kills the program if we die. With it (hook commands) a guard process stays as
+    the program's parent: it reports the program's end on a pipe of its own, then stays while anything the
+    program left running does (it adopts them), and takes all of them down when we die or ask it to.
     """
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.subprocess_exec(
-        lambda: _Protocol(OUTPUT_LIMIT, loop),
-        sys.executable, "-I", "-S", TRAMPOLINE, str(os.getpid()), "guard" if guard else "exec", *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-        env=dict(env) if env is not None else None,
-    )
-    return Supervised(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line, guard)
+    status_read, status_write = os.pipe() if guard else (-1, -1)
+    mode = f"guard:{status_write}" if guard else "exec"
+    try:
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _Protocol(OUTPUT_LIMIT, loop),
+            sys.executable, "-I", "-S", TRAMPOLINE, str(os.getpid()), mode, *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(env) if env is not None else None,
+            pass_fds=(status_write,) if guard else (),
+        )
+    except BaseException:
+        if guard:
+            os.close(status_read)
+        raise
+    finally:
+        if guard:
+            os.close(status_write)
+    reported = _reported_status(loop, status_read) if guard else None
+    return Supervised(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line, reported)
+
+
+def _reported_status(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.Future[int | None]:
+    """The status a guard writes when its program ends; None if the guard died without a word."""
+    reported: asyncio.Future[int | None] = loop.create_future()
+    received = bytearray()
+    os.set_blocking(fd, False)
+
+    def on_readable() -> None:
+        try:
+            chunk = os.read(fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            received.extend(chunk)
+            return
+        loop.remove_reader(fd)
+        os.close(fd)
+        if not reported.done():
+            text = received.decode().strip()
+            reported.set_result(int(text) if text.lstrip("-").isdigit() else None)
+
+    loop.add_reader(fd, on_readable)
+    return reported
 
 
 class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
@@ -98,16 +139,17 @@ class Supervised:
     """A running child: its output drained line by line, its exit awaited once, stopped with one SIGTERM."""
 
     def __init__(self, process: asyncio.subprocess.Process, protocol: _Protocol,
-                 on_line: Callable[[str], None], guarded: bool = False) -> None:
+                 on_line: Callable[[str], None], reported: asyncio.Future[int | None] | None = None) -> None:
         self._process = process
         self._protocol = protocol
-        self._guarded = guarded
+        self._reported = reported  # a guarded program: its end comes from the guard, which may stay longer
         self._on_line = on_line
         self._sigterm_sent = False
         self.tail: deque[str] = deque(maxlen=200)
         self.lines_seen = 0
         self._pump = asyncio.ensure_future(self._drain())
         self._exit: asyncio.Future[Exit] = asyncio.ensure_future(self._reap())
+        self._closer = asyncio.ensure_future(self._close_when_gone())
         self._killed = False
 
     @property
@@ -119,8 +161,9 @@ class Supervised:
         return not self._exit.done()
 
     @property
-    def exit(self) -> Exit | None:
-        return self._exit.result() if self._exit.done() else None
+    def lingering(self) -> bool:
+        """The program ended, but what it left running has not (its guard is still there)."""
+        return not self.alive and not self._protocol.exited.done()
 
     def lines_since(self, mark: int) -> list[str]:
         """Output lines after `lines_seen` was `mark` (as many as the tail still holds)."""
@@ -144,7 +187,26 @@ class Supervised:
     def kill(self) -> None:
         if self.alive:
             self._killed = True
+        self.end_leftovers()
+
+    def end_leftovers(self) -> None:
+        """SIGKILL the program and all it left running; a guard first takes down what it adopted."""
+        if self._protocol.exited.done():
+            return  # nothing is left: a guard stays until all it adopted has ended
+        if self._reported is None:
             self._signal_group(signal.SIGKILL)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self._process.pid, signal.SIGUSR1)
+        asyncio.get_running_loop().call_later(GUARD_GRACE, self._backstop)
+
+    def _backstop(self) -> None:
+        if not self._protocol.exited.done():  # the guard did not manage: the group at least
+            self._signal_group(signal.SIGKILL)
+
+    async def gone(self) -> None:
+        """Wait until the process itself (for a guarded program: its guard) has exited."""
+        await asyncio.shield(self._protocol.exited)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         # The child leads its own session, so its group id is its pid; the group also covers its children.
@@ -152,15 +214,23 @@ class Supervised:
             os.killpg(self._process.pid, sig)
 
     async def _reap(self) -> Exit:
-        returncode = await self._protocol.exited
-        if self._guarded:  # what a hook leaves running in its group ends with it (the group id stays taken till then)
-            self._signal_group(signal.SIGKILL)
+        if self._reported is not None:  # (not first_of: it would cancel the one that is not done)
+            either: list[asyncio.Future[Any]] = [self._reported, self._protocol.exited]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        reported = self._reported.result() if self._reported is not None and self._reported.done() else None
+        returncode = reported if reported is not None else await self._protocol.exited
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._pump), PIPE_GRACE)
-        if not self._pump.done():  # someone else holds the pipe: stop reading it
+        return Exit(returncode, killed=self._killed, asked=self._sigterm_sent)
+
+    async def _close_when_gone(self) -> None:
+        """Read the output for as long as the process (or what a hook left running) writes it, then close."""
+        await self._protocol.exited
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._pump), PIPE_GRACE)
+        if not self._pump.done():  # a detached job holds the pipe: stop reading it
             self._pump.cancel()
         self._protocol.close_pipes()
-        return Exit(returncode, killed=self._killed, asked=self._sigterm_sent)
 
     async def _drain(self) -> None:
         stream = self._process.stdout

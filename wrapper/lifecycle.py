@@ -156,6 +156,8 @@ class Supervisor:
         stop_s = time.monotonic() - stop_began
         if not self._force.is_set():
             await self._hook("on_stopped", start=False, finished=finished)
+        if ended := await self.runner.end_leftovers():
+            log.info("hook.leftovers_ended", hooks=ended)
         self.lifecycle.to(State.STOPPED)
         status = self._exit_status(finished, start_failed)
         logger = log.warning if stop_s > 0.8 * STOP_BUDGET else log.info

@@ -168,14 +168,25 @@ def skipped_reason(tmp_path: Path, argv: list[str], slots_dir: Path, swa_full: s
         wrapper.kill()
 
 
-def test_corrupt_file_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str) -> None:
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("truncated", "an interrupted save?"),  # the sidecar recorded another size
+    ("truncated, the sidecar agreeing", "unreadable file"),
+    ("0xFFFFFFFF cells, the sidecar agreeing", "unreadable file: KV cell count 4294967295 does not fit"),
+])
+def test_a_damaged_file_is_skipped_and_the_server_comes_up_cold(
+        tmp_path: Path, slots_dir: Path, server_bin: str, tiny_path: str, damage: str, reason: str) -> None:
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir)
-    data = kv_file(folder).read_bytes()
-    kv_file(folder).write_bytes(data[: len(data) // 3])
-    assert "an interrupted save?" in skipped_reason(tmp_path, argv, slots_dir)  # the sidecar says another size
-    reseal(folder)
-    assert skipped_reason(tmp_path, argv, slots_dir).startswith("unreadable file")
+    data = bytearray(kv_file(folder).read_bytes())
+    if damage.startswith("0xFFFFFFFF"):
+        n_words = struct.unpack_from("<I", data, 8)[0]
+        struct.pack_into("<I", data, 12 + 4 * n_words + 4, 0xFFFFFFFF)  # after the tokens and the stream count
+    else:
+        data = data[: len(data) // 3]
+    kv_file(folder).write_bytes(bytes(data))
+    if "sidecar agreeing" in damage:
+        reseal(folder)
+    assert reason in skipped_reason(tmp_path, argv, slots_dir)
 
 
 def test_file_of_another_model_is_skipped(

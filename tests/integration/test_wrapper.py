@@ -23,7 +23,7 @@ def sse_events(raw: bytes) -> list[str]:
 def sse_content(raw: bytes) -> tuple[str, dict[str, int]]:
     events = sse_events(raw)
     assert events[-1] == "[DONE]"
-    text, usage = "", {}
+    text, usage = "", dict[str, int]()
     for event in events[:-1]:
         chunk = json.loads(event)
         for choice in chunk.get("choices", []):

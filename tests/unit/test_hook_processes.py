@@ -8,6 +8,8 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import Wrapper, child_argv, pid_alive, running, wait_for
 
 
@@ -42,6 +44,9 @@ hooks:
         assert run["outcome"] == "ok" and run["detail"] == "exit status 0"
         assert "bg" in [e["line"] for e in wrapper.events("hook.output")]
         print(f"\nhook with a detached job holding its pipe took {run['duration_ms']} ms (deadline 2 s)")
+        assert wrapper.stop() == 0
+        assert not pid_alive(detached)  # the wrapper's stop ends what its hooks left running
+        assert wrapper.events("hook.leftovers_ended")[0]["hooks"] == 1
 
 
 def test_at_the_deadline_the_hooks_whole_group_is_killed(tmp_path: Path) -> None:
@@ -59,16 +64,23 @@ hooks:
         assert not pid_alive(read_pid(pid_file))
 
 
-def test_a_hooks_background_job_ends_with_the_hook(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kill_wrapper", [False, True])
+def test_a_hooks_background_job_may_run_on_but_not_past_the_wrapper(tmp_path: Path, kill_wrapper: bool) -> None:
     pid_file = tmp_path / "job.pid"
     config = f"""
 hooks:
   on_will_start:
     - shell: sleep 30 & echo $! > {pid_file}
 """
-    with reaped(pid_file), running(tmp_path, child_argv(), config, timeout=60):
+    with reaped(pid_file), running(tmp_path, child_argv(), config, timeout=60) as wrapper:
         job = read_pid(pid_file)
-        wait_for(lambda: not pid_alive(job), 10, "the hook's background job to be killed with the hook")
+        assert pid_alive(job)
+        if kill_wrapper:
+            wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone: its guard still sees it go
+            wrapper.wait(10)
+        else:
+            assert wrapper.stop() == 0
+        wait_for(lambda: not pid_alive(job), 10, "the hook's background job to end with the wrapper")
 
 
 def test_no_hook_process_outlives_a_sigkilled_wrapper(tmp_path: Path) -> None:
