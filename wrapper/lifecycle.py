@@ -30,6 +30,7 @@ log = structlog.get_logger()
 EXIT_OK, EXIT_START_FAILED = 0, 3
 STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 READY_POLL = 0.1
+KEEPALIVE_S = 4.0
 CUT_GRACE = 2.0  # how long requests cut at the drain deadline get to unwind
 
 
@@ -61,10 +62,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        # A connection per request: llama-server closes a connection after a streamed answer although it
-        # announced keep-alive, and aiohttp has pooled it again before we could tell; the next request sent on
-        # it would fail with "Server disconnected" (measured: 1 streamed request in 8). Loopback connects are cheap.
-        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        # Idle connections are dropped before llama-server's own 5 s keep-alive ends them under a new request.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         # auto_decompress off: the proxy passes compressed bodies through as they are.
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:

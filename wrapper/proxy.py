@@ -96,6 +96,12 @@ async def forward(
             request.method, url, headers=headers, data=request.content if request.body_exists else None,
             allow_redirects=False,
         ) as reply:
+            upstream_connection = reply.connection.protocol if reply.connection is not None else None
+            if reply.content_length is None and upstream_connection is not None:
+                # llama-server closes the connection after a streamed (chunked) answer although it announced
+                # keep-alive; pooled again, the next request sent on it failed with "Server disconnected" (1
+                # streamed request in 8). Mark it now: aiohttp pools it the moment the body ends.
+                upstream_connection.force_close()
             response = web.StreamResponse(status=reply.status, reason=reply.reason,
                                           headers=_forwardable(reply.headers))
             if reply.content_length is not None and "Content-Encoding" not in reply.headers:
