@@ -176,6 +176,40 @@ async def _restore_one(rt: Runtime, saved: slotdir.SavedSlot, settings: dict[str
     return entry
 
 
+# Skips that a prefill of the saved tokens can make up for: same model and tokens, another KV layout.
+_WARMABLE = ("cache types", "flash attention", "the file has", "KV rotation", "state version",
+             "sliding-window model without")
+
+
+async def warm(rt: Runtime) -> str:
+    """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
+    other cache types, another build), so the next turn still finds its history in the cache. Says so."""
+    entries = [e for e in rt.restore_report
+               if e.get("outcome") == "skipped" and str(e.get("reason", "")).startswith(_WARMABLE)]
+    if not entries:
+        return ""
+    if rt.reuse is None:
+        rt.reuse = ReuseTracker(rt.client)
+    started = time.monotonic()
+    total_slots = int((await rt.client.props()).get("total_slots") or 1)
+    warmed = 0
+    for entry in entries:
+        try:
+            tokens = slotfile.read(entry["file"]).tokens
+            answer = await rt.client.prefill(int(entry["slot"]), tokens)
+        except (slotfile.SlotFileError, LlamaError) as exc:
+            entry["warm_error"] = str(exc)
+            log.warning("slots.warm_failed", slot=entry["slot"], error=str(exc))
+            continue
+        entry.update(outcome="prefilled", tokens=len(tokens),
+                     prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
+        rt.reuse.expect(entry, total_slots)
+        warmed += 1
+        log.info("slots.prefilled", slot=entry["slot"], tokens=len(tokens), prefill_ms=entry["prefill_ms"],
+                 why=entry["reason"])
+    return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
+
+
 async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:
     """One slot's save or restore; a bug there is that slot's failure, never the others' or the start's."""
     try:

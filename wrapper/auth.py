@@ -33,6 +33,27 @@ def server_keys(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(keys)
 
 
+ADMIN_TOKEN_ENV = "LLAMA_WRAPPER_ADMIN_TOKEN"
+
+
+def admin_token(token_file: Path | None, env: Mapping[str, str]) -> str | None:
+    """The token POST /wrapper/* asks for: admin.token_file's first line, else LLAMA_WRAPPER_ADMIN_TOKEN."""
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ValueError(f"admin.token_file: cannot read a token from {token_file}: {exc}") from exc
+        if not token:
+            raise ValueError(f"admin.token_file: {token_file} holds no token")
+        return token
+    return env.get(ADMIN_TOKEN_ENV) or None
+
+
+def presented_bearer(request: web.BaseRequest) -> str:
+    value = request.headers.get("Authorization", "")
+    return value[len("Bearer "):] if value.startswith("Bearer ") else ""
+
+
 def presented_key(request: web.BaseRequest) -> str:
     """The key a client sent, as llama-server reads it: Authorization (`Bearer ` optional), else X-Api-Key."""
     value = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""

@@ -132,6 +132,9 @@ def _resolved(config: Config) -> dict[str, Any]:
         "slots": {"dir": str(config.slots_dir), "swa_full": config.swa_full,
                   "persistence": config.slot_persistence},
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
+        "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
+                   "drain_timeout": f"{config.reload_drain_timeout:g}s"},
+        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else None},
         "hooks": hooks,
     }
 

@@ -15,9 +15,10 @@ from hooks import BUILTIN_NAMES
 from wrapper import template
 from wrapper.units import parse_duration
 
-HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped")
+HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped", "on_reload")
 ACTION_KINDS = ("http", "shell", "exec", "builtin")
 SWA_FULL_POLICIES = ("auto", "always", "never")
+OVERLAP_POLICIES = ("auto", "always", "never")
 EXIT_CONFIG = 2  # the exit status for a configuration error, before anything is spawned
 DEFAULT_SLOTS_DIR = "~/.cache/llama-wrapper/slots"
 
@@ -76,6 +77,10 @@ class Config:
     slots_dir: Path = field(default_factory=lambda: Path(DEFAULT_SLOTS_DIR).expanduser())
     swa_full: str = "auto"
     allow_slot_actions: bool = False
+    reload_overlap: str = "auto"  # start the new llama-server before stopping the old one
+    reload_hold_timeout: float = 60.0  # how long a request may be held during a reload before a 503
+    reload_drain_timeout: float = 30.0  # how long in-flight requests may finish before a reload cuts them
+    admin_token_file: Path | None = None  # POST /wrapper/* needs this token (or LLAMA_WRAPPER_ADMIN_TOKEN)
     hooks: dict[str, tuple[Action, ...]] = field(default_factory=lambda: {e: () for e in HOOK_EVENTS})
     warnings: tuple[str, ...] = ()  # file:line notes about things that work but are probably not meant
 
@@ -192,7 +197,7 @@ def parse_config(text: str, name: str = "<config>") -> Config:
 
 
 def _read_root(r: _Reader, root: yaml.Node) -> Config:
-    top = r.mapping(root, "the config", ("listen", "server", "slots", "proxy", "hooks"))
+    top = r.mapping(root, "the config", ("listen", "server", "slots", "proxy", "reload", "admin", "hooks"))
     values: dict[str, Any] = {"source": r.path}
     if "listen" in top:
         values["listen"] = r.converted(top["listen"], "listen", lambda v: parse_listen(str(v)))
@@ -223,6 +228,22 @@ def _read_root(r: _Reader, root: yaml.Node) -> Config:
         proxy = r.mapping(top["proxy"], "proxy", ("allow_slot_actions",))
         if "allow_slot_actions" in proxy:
             values["allow_slot_actions"] = r.scalar(proxy["allow_slot_actions"], "proxy.allow_slot_actions", (bool,))
+    if "reload" in top:
+        reload = r.mapping(top["reload"], "reload", ("overlap", "hold_timeout", "drain_timeout"))
+        if "overlap" in reload:
+            policy = r.scalar(reload["overlap"], "reload.overlap", (str,))
+            if policy not in OVERLAP_POLICIES:
+                r.error(reload["overlap"], f"reload.overlap must be one of {', '.join(OVERLAP_POLICIES)}")
+            values["reload_overlap"] = policy
+        for key in ("hold_timeout", "drain_timeout"):
+            if key in reload:
+                values[f"reload_{key}"] = r.converted(reload[key], f"reload.{key}", parse_duration)
+    if "admin" in top:
+        admin = r.mapping(top["admin"], "admin", ("token_file",))
+        if "token_file" in admin:
+            token_file = r.scalar(admin["token_file"], "admin.token_file", (str,))
+            if token_file:
+                values["admin_token_file"] = Path(os.path.expandvars(token_file)).expanduser()
     if "hooks" in top:
         hooks = r.mapping(top["hooks"], "hooks", HOOK_EVENTS)
         values["hooks"] = {event: _read_actions(r, hooks[event], event) if event in hooks else ()

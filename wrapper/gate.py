@@ -1,47 +1,67 @@
-"""The request gate: holds requests until the server is ready, tracks those in flight, refuses after close."""
+"""The request gate: it follows the wrapper's state. Requests are held while starting or reloading, pass while
+ready, and are refused once stopping; those admitted are tracked until they leave."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from enum import Enum
 from typing import Any
 
 from wrapper.aio import first_of
+from wrapper.state import State
+
+
+class Admission(Enum):
+    ADMITTED = "admitted"  # the caller must `leave()`
+    REFUSED = "refused"  # the wrapper is stopping
+    TIMED_OUT = "timed out"  # held longer than the hold limit (a reload that takes too long)
 
 
 class Gate:
-    def __init__(self) -> None:
+    def __init__(self, reload_hold_timeout: float | None = None) -> None:
         self._opened = asyncio.Event()
-        self._closed = asyncio.Event()
+        self._refusing = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._reload_hold_timeout = reload_hold_timeout
+        self._hold_limit: float | None = None
         self.in_flight = 0
         self.held = 0
         self._exchanges: set[asyncio.Future[Any]] = set()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
+    def follow(self, state: State) -> None:
+        """Called on every state change: the state alone decides what happens to a request."""
+        if state is State.READY:
+            self._opened.set()
+        elif state in (State.STOPPING, State.STOPPED):
+            self._opened.clear()
+            self._refusing.set()
+        else:  # starting, reloading: hold
+            self._opened.clear()
+        self._hold_limit = self._reload_hold_timeout if state is State.RELOADING else None
 
-    def open(self) -> None:
-        self._opened.set()
-
-    def close(self) -> None:
-        """Refuse new requests and release held ones with a refusal; in-flight ones go on."""
-        self._closed.set()
-
-    async def enter(self) -> bool:
-        """Wait until the gate opens (True) or closes (False); on True the caller must `leave()`."""
-        if not self._opened.is_set() and not self._closed.is_set():
-            self.held += 1
-            try:
-                await first_of(self._opened.wait(), self._closed.wait())
-            finally:
-                self.held -= 1
-        if self._closed.is_set():
-            return False
+    async def enter(self) -> Admission:
+        """Wait until requests may pass, are refused, or the hold limit passes."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self._hold_limit is None else loop.time() + self._hold_limit
+        self.held += 1
+        try:
+            while not self._opened.is_set() and not self._refusing.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(deadline):
+                        await first_of(self._opened.wait(), self._refusing.wait())
+                if deadline is not None and loop.time() >= deadline and not self._opened.is_set():
+                    break
+        finally:
+            self.held -= 1
+        if self._refusing.is_set():
+            return Admission.REFUSED
+        if not self._opened.is_set():
+            return Admission.TIMED_OUT
         self.in_flight += 1
         self._idle.clear()
-        return True
+        return Admission.ADMITTED
 
     def track(self, exchange: asyncio.Future[Any]) -> None:
         """Remember an admitted request's exchange with llama-server, so that `cut()` can end it."""

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from wrapper import argv as args
-from wrapper.auth import redacted, server_keys
+from wrapper.auth import admin_token, redacted, server_keys
 from wrapper.config import Config, ConfigError, Listen
 from wrapper.model import Model, from_argv
 
@@ -31,6 +31,7 @@ class Launch:
     env: dict[str, str]
     keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
     slot_dir: Path | None = None
+    admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
 
@@ -88,8 +89,12 @@ def prepare(config: Config) -> Launch:
             raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
         argv, facts = fit.argv, fit.facts
         notes.extend(fit.notes)
-    return Launch(argv=argv, port=port, listen=listen, model=model, env=env,
-                  keys=server_keys(argv, env), slot_dir=slot_dir, notes=notes, facts=facts)
+    try:
+        token = admin_token(config.admin_token_file, os.environ)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return Launch(argv=argv, port=port, listen=listen, model=model, env=env, keys=server_keys(argv, env),
+                  slot_dir=slot_dir, admin_token=token, notes=notes, facts=facts)
 
 
 def _listen_from_server_args(host: str | None, port: str | None) -> Listen:

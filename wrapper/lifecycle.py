@@ -1,4 +1,8 @@
-"""The supervisor: start, serve, stop; hooks at the four moments; exit status as documented."""
+"""The supervisor: start, serve, reload, stop; hooks at each moment; exit status as documented.
+
+A generation is one llama-server process with its argv; a reload (wrapper/reloader.py) replaces it while the
+supervisor, its listener and its hooks' notion of the wrapper's life go on.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from wrapper.gate import Gate
 from wrapper.launch import PRIVATE_HOST, Launch
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.proxy import Observer
+from wrapper.reload import ReloadRefused
 from wrapper.runtime import Runtime
 from wrapper.state import Lifecycle, State
 
@@ -41,16 +46,19 @@ class StartFailed(Exception):
 class Supervisor:
     def __init__(self, config: Config, launch: Launch) -> None:
         self.config, self.launch = config, launch
-        self.lifecycle = Lifecycle()
-        self.gate = Gate()
+        self.gate = Gate(config.reload_hold_timeout)
+        self.lifecycle = Lifecycle(self.gate.follow)
         self.child: Supervised | None = None
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.result: str | None = None
         self._signals = 0
         self._stop_requested = asyncio.Event()
+        self._reload_started = asyncio.Event()
         self._force = asyncio.Event()  # set by a second signal
         self._hook_task: asyncio.Task[None] | None = None
+        self._reload_task: asyncio.Task[dict[str, Any]] | None = None
+        self.last_reload: dict[str, Any] | None = None
         self.session: aiohttp.ClientSession
         self.runner: HookRunner
         self.runtime: Runtime
@@ -81,7 +89,6 @@ class Supervisor:
                 cleanup = await serve(self)
             except OSError as exc:
                 log.error("wrapper.listen_failed", listen=self.launch.listen.url, error=str(exc))
-                self.lifecycle.to(State.STARTING)
                 return await self._stop(started=False, start_failed=True)
             try:
                 return await self._live()
@@ -98,8 +105,23 @@ class Supervisor:
         if start.exception() is not None:
             log.error("wrapper.start_failed", error=str(start.exception()))
             return await self._stop(started=False, start_failed=True)
-        assert self.child is not None
-        await first_of(self.child.wait(), self._stop_requested.wait())
+        while True:
+            child = self.child
+            assert child is not None
+            await first_of(child.wait(), self._stop_requested.wait(), self._reload_started.wait())
+            if self._stop_requested.is_set():
+                break
+            if self._reload_started.is_set():  # a reload replaces the child: wait for it, then watch the new one
+                self._reload_started.clear()
+                if self._reload_task is not None:
+                    await first_of(asyncio.wait([self._reload_task]), self._stop_requested.wait())
+                continue
+            if child is self.child:
+                break  # llama-server died on its own
+        if self._reload_task is not None and not self._reload_task.done():
+            self._reload_task.cancel()  # SIGTERM mid-reload: the stop then saves what is there
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reload_task
         return await self._stop(started=True, start_failed=False)
 
     # -- starting ------------------------------------------------------------------------------------------
@@ -107,50 +129,86 @@ class Supervisor:
     async def _start(self) -> None:
         self.lifecycle.to(State.STARTING)
         await self._hook("on_will_start", start=True)
-        try:
-            self.child = await spawn(self.launch.argv, self.launch.env, self._on_server_line)
-        except OSError as exc:
-            raise StartFailed(f"cannot start {self.launch.argv[0]!r}: {exc.strerror}") from exc
-        self.runtime.child = self.child
-        log.info("child.spawned", pid=self.child.pid)
-        await self._wait_ready()
+        self.child = await self.spawn_ready(self.launch, self.runtime)
         await self._hook("on_startup", start=True)
         self.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
-        self.gate.open()
         log.info("wrapper.ready", listen=self.launch.listen.url, pid=self.child.pid,
                  start_s=round(self.ready_at - self.started_at, 3))
 
-    async def _wait_ready(self) -> None:
-        assert self.child is not None
-        deadline = time.monotonic() + self.config.ready_timeout
-        while not await self.runtime.client.healthy(timeout=1.0):
-            if not self.child.alive:
-                finished = await self.child.wait()
+    async def spawn_ready(self, launch: Launch, runtime: Runtime) -> Supervised:
+        """Start a llama-server generation and wait until it answers /health 200; StartFailed otherwise."""
+        began = time.monotonic()
+        try:
+            child = await spawn(launch.argv, launch.env, self._on_server_line)
+        except OSError as exc:
+            raise StartFailed(f"cannot start {launch.argv[0]!r}: {exc.strerror}") from exc
+        runtime.child = child
+        log.info("child.spawned", pid=child.pid, port=launch.port)
+        deadline = began + self.config.ready_timeout
+        while not await runtime.client.healthy(timeout=1.0):
+            if not child.alive:
+                finished = await child.wait()
                 raise StartFailed(f"llama-server exited with status {finished.status} before it was ready "
-                                  f"(last output: {' | '.join(list(self.child.tail)[-3:])})")
+                                  f"(last output: {' | '.join(list(child.tail)[-3:])})")
             if time.monotonic() > deadline:
+                await child.stop(self.config.stop_timeout)
                 raise StartFailed(f"llama-server was not ready within server.ready_timeout "
                                   f"({self.config.ready_timeout:g}s)")
             await asyncio.sleep(READY_POLL)
-        log.info("child.ready", pid=self.child.pid, load_s=round(time.monotonic() - self.started_at, 3))
+        log.info("child.ready", pid=child.pid, load_s=round(time.monotonic() - began, 3))
+        return child
+
+    async def drain(self, timeout: float) -> None:
+        """Let requests in flight finish within `timeout`, then cut the rest so that slots are idle for a save."""
+        if not self.gate.in_flight:
+            return
+        log.info("wrapper.draining", in_flight=self.gate.in_flight, timeout_s=timeout)
+        await first_of(self.gate.drained(timeout), self._force.wait())
+        if self.gate.in_flight:
+            # Cut what is left: llama-server frees those slots, so the save that follows runs on idle ones.
+            log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight, cut=self.gate.cut())
+            await self.gate.drained(CUT_GRACE)
+
+    # -- reloading -----------------------------------------------------------------------------------------
+
+    async def reload(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Reconfigure the running llama-server (see wrapper/reloader.py); one at a time, only when ready."""
+        from wrapper.reloader import Reloader
+
+        if self.lifecycle.state is not State.READY or self._reload_task is not None:
+            raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: one reload at a time, when ready", 409)
+        reloader = Reloader(self)
+        prepared = reloader.prepare(body)  # refusals come before anything stops
+        task = asyncio.ensure_future(reloader.run(prepared))
+        self._reload_task = task
+        task.add_done_callback(self._reload_ended)
+        self._reload_started.set()
+        return await asyncio.shield(task)  # a client that hangs up does not stop the reload
+
+    def _reload_ended(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        if self._reload_task is task:
+            self._reload_task = None
+
+    def install(self, config: Config, launch: Launch, runtime: Runtime) -> None:
+        """Make a new generation the current one: requests released from now on go to it."""
+        self.config, self.launch, self.runtime = config, launch, runtime
+        self.child = runtime.child
+
+    def request_stop(self) -> None:
+        """Stop as if signalled (a reload that could bring back no server at all)."""
+        self._stop_requested.set()
 
     # -- stopping ------------------------------------------------------------------------------------------
 
     async def _stop(self, started: bool, start_failed: bool) -> int:
         stop_began = time.monotonic()
         self.lifecycle.to(State.STOPPING)
-        self.gate.close()
-        if started and not self._force.is_set() and self.gate.in_flight:
-            log.info("wrapper.draining", in_flight=self.gate.in_flight, timeout_s=self.config.drain_timeout)
-            await first_of(self.gate.drained(self.config.drain_timeout), self._force.wait())
-            if self.gate.in_flight:
-                # Cut what is left: llama-server frees those slots, so the save that follows runs on idle ones.
-                log.warning("wrapper.drain_timeout", in_flight=self.gate.in_flight, cut=self.gate.cut())
-                await self.gate.drained(CUT_GRACE)
+        if started and not self._force.is_set():
+            await self.drain(self.config.drain_timeout)
         if started and self.child is not None and self.child.alive and not self._force.is_set():
             await self._hook("on_will_stop", start=False)
-        finished = await self._stop_child()
+        finished = await self.stop_child(self.child) if self.child is not None else None
         self.result = _result(finished, start_failed)
         stop_s = time.monotonic() - stop_began
         if not self._force.is_set():
@@ -164,13 +222,11 @@ class Supervisor:
                budget_hint_s=STOP_BUDGET)
         return status
 
-    async def _stop_child(self) -> Exit | None:
-        if self.child is None:
-            return None
-        if self.child.alive:
-            log.info("child.stopping", pid=self.child.pid, timeout_s=self.config.stop_timeout)
-        finished = await self.child.stop(self.config.stop_timeout)
-        log.info("child.exited", pid=self.child.pid, code=finished.code, signal=finished.signal_name,
+    async def stop_child(self, child: Supervised) -> Exit:
+        if child.alive:
+            log.info("child.stopping", pid=child.pid, timeout_s=self.config.stop_timeout)
+        finished = await child.stop(self.config.stop_timeout)
+        log.info("child.exited", pid=child.pid, code=finished.code, signal=finished.signal_name,
                  killed_after_timeout=finished.killed)
         return finished
 
@@ -192,6 +248,10 @@ class Supervisor:
         log.info("wrapper.signal", signal=sig.name, count=self._signals)
 
     # -- hooks ---------------------------------------------------------------------------------------------
+
+    async def run_hook(self, event: str) -> None:
+        """Run a hook whose failure is logged, never fatal (on_reload)."""
+        await self._hook(event, start=False)
 
     async def _hook(self, event: str, start: bool, finished: Exit | None = None) -> None:
         hook_actions = self.config.hooks[event]
@@ -216,7 +276,7 @@ class Supervisor:
         child = self.child
         slots: list[dict[str, Any]] = []
         needs_slots = any(a.kind != "builtin" for a in self.config.hooks[event])
-        if needs_slots and child is not None and child.alive and event in ("on_startup", "on_will_stop"):
+        if needs_slots and child is not None and child.alive and event in ("on_startup", "on_will_stop", "on_reload"):
             with contextlib.suppress(LlamaError):
                 slots = await self.runtime.client.slots()
         return {
@@ -230,6 +290,7 @@ class Supervisor:
             "result": self.result,
             "exit_code": finished.code if finished else None,
             "exit_signal": finished.signal_name if finished else None,
+            "reload": self.last_reload,
             "env": dict(os.environ),
         }
 

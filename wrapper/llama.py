@@ -44,6 +44,12 @@ class LlamaClient:
         result: dict[str, Any] = await self._json("POST", f"/slots/{slot}?action={action}", body)
         return result
 
+    async def prefill(self, slot: int, tokens: list[int]) -> dict[str, Any]:
+        """Process `tokens` into slot `slot`'s cache (one token is generated and dropped)."""
+        body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}
+        result: dict[str, Any] = await self._json("POST", "/completion", body)
+        return result
+
     async def _json(self, method: str, path: str, body: Any = None) -> Any:
         try:
             async with self._session.request(

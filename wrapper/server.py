@@ -8,9 +8,11 @@ from collections.abc import Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from wrapper.auth import allowed, presented_key
+from wrapper.auth import ADMIN_TOKEN_ENV, allowed, presented_bearer, presented_key
+from wrapper.gate import Admission
 from wrapper.lifecycle import Supervisor
 from wrapper.proxy import STARTED, BadPath, broken_off, canonical_path, forward, json_error
+from wrapper.reload import ReloadRefused
 from wrapper.state import State
 
 log = structlog.get_logger()
@@ -37,6 +39,38 @@ def _unauthorized(request: web.Request) -> web.Response | None:
     return None
 
 
+def _not_admin(request: web.Request) -> web.Response | None:
+    """POST /wrapper/* needs the admin token; without one configured, those endpoints are off."""
+    token = request.app[SUPERVISOR].launch.admin_token
+    if token is None:
+        return json_error(403, "admin endpoints are off: set admin.token_file in the config or "
+                          f"{ADMIN_TOKEN_ENV}, then send Authorization: Bearer <token>", "permission_error")
+    if not allowed((token,), presented_bearer(request)):
+        return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)",
+                          "authentication_error")
+    return None
+
+
+async def reload(request: web.Request) -> web.Response:
+    if (refusal := _not_admin(request)) is not None:
+        return refusal
+    try:
+        body = await request.json()
+    except ValueError:
+        return json_error(400, "the body must be a JSON object of reload fields", "invalid_request_error")
+    if not isinstance(body, dict):
+        return json_error(400, "the body must be a JSON object of reload fields", "invalid_request_error")
+    try:
+        answer = await request.app[SUPERVISOR].reload(body)
+    except ReloadRefused as exc:
+        return json_error(exc.status, str(exc), "invalid_request_error" if exc.status == 400 else "conflict")
+    except asyncio.CancelledError:
+        if (task := asyncio.current_task()) is not None and task.cancelling():
+            raise
+        return json_error(503, "llama-wrapper is stopping: the reload was abandoned", "unavailable_error")
+    return web.json_response(answer, status=200 if answer["success"] else 500)
+
+
 async def status(request: web.Request) -> web.Response:
     return _unauthorized(request) or web.json_response(request.app[SUPERVISOR].status())
 
@@ -56,8 +90,13 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     if _is_slot_action(request.method, path) and not supervisor.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
-    if not await supervisor.gate.enter():
+    admission = await supervisor.gate.enter()
+    if admission is Admission.REFUSED:
         return json_error(503, f"llama-wrapper is {supervisor.lifecycle.state}", "unavailable_error",
+                          {"Retry-After": RETRY_AFTER_S})
+    if admission is Admission.TIMED_OUT:
+        return json_error(503, f"llama-wrapper is {supervisor.lifecycle.state} and held this request for "
+                          f"reload.hold_timeout ({supervisor.config.reload_hold_timeout:g}s)", "unavailable_error",
                           {"Retry-After": RETRY_AFTER_S})
     exchange = asyncio.ensure_future(
         forward(request, supervisor.launch.url, supervisor.session, supervisor.observer(), path))
@@ -84,6 +123,7 @@ def application(supervisor: Supervisor) -> web.Application:
     app[SUPERVISOR] = supervisor
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
+    app.router.add_post("/wrapper/reload", reload)
     app.router.add_route("*", "/{tail:.*}", proxied)
     return app
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from enum import StrEnum
 
 import structlog
@@ -19,7 +19,7 @@ class State(StrEnum):
 
 
 _ALLOWED = {
-    State.STOPPED: {State.STARTING},
+    State.STOPPED: {State.STARTING, State.STOPPING},  # stopping: the public address could not be taken
     State.STARTING: {State.READY, State.STOPPING},
     State.READY: {State.RELOADING, State.STOPPING},
     State.RELOADING: {State.READY, State.STOPPING},
@@ -32,12 +32,14 @@ class IllegalTransition(RuntimeError):
 
 
 class Lifecycle:
-    def __init__(self) -> None:
+    def __init__(self, follower: Callable[[State], None] | None = None) -> None:
         self.state = State.STOPPED
-        self.since = time.monotonic()
+        self._follower = follower  # the gate: what a request meets follows from the state alone
 
     def to(self, new: State) -> None:
         if new not in _ALLOWED[self.state]:
             raise IllegalTransition(f"{self.state} -> {new}")
         log.info("state.changed", old=str(self.state), new=str(new))
-        self.state, self.since = new, time.monotonic()
+        self.state = new
+        if self._follower is not None:
+            self._follower(new)

@@ -66,6 +66,7 @@ def _render(env: jinja2.Environment, text: str, context: dict[str, Any]) -> str:
 # The names a hook's template may use, and the keys of those whose shape is fixed (see the README).
 CONTEXT: dict[str, frozenset[str] | None] = {
     "event": None, "slots": None, "result": None, "exit_code": None, "exit_signal": None, "env": None,
+    "reload": None,
     "server": frozenset({"url", "host", "port", "pid", "argv"}),
     "listen": frozenset({"url", "host", "port"}),
     "model": frozenset({"path", "name", "id"}),

@@ -1,0 +1,176 @@
+"""The reload cycle: hold new requests, drain, save every slot, start the new llama-server, restore, release.
+
+With overlap (blue-green) the new llama-server loads while the old one still serves its last requests, so the
+downtime is drain + save + restore; without it the old one stops first. A reload whose new server does not come
+up rolls back to the previous argv and keeps serving; a SIGTERM during a reload stops with the slots saved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from wrapper import argv as args
+from wrapper.actions import ActionError
+from wrapper.config import Config, ConfigError
+from wrapper.launch import Launch, prepare
+from wrapper.llama import LlamaClient, LlamaError
+from wrapper.reload import ReloadPlan, ReloadRefused, plan
+from wrapper.runtime import Runtime
+from wrapper.server_help import flag_arity
+from wrapper.state import State
+
+if TYPE_CHECKING:
+    from wrapper.lifecycle import Supervisor
+
+log = structlog.get_logger()
+
+OVERLAP_MEMORY_FACTOR = 1.5  # auto overlap on CPU: MemAvailable must exceed this many times the model file
+
+
+@dataclass(frozen=True)
+class Prepared:
+    plan: ReloadPlan
+    config: Config
+    launch: Launch
+    overlap: bool
+    overlap_why: str
+
+
+class Reloader:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.sup = supervisor
+
+    def prepare(self, body: dict[str, Any]) -> Prepared:
+        """Check the request and settle the new generation's argv; ReloadRefused before anything stops."""
+        config = self.sup.config
+        reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
+        new_config = replace(config, argv=tuple(reload_plan.argv), swa_full=reload_plan.swa_full or config.swa_full)
+        try:
+            launch = replace(prepare(new_config), listen=self.sup.launch.listen)
+        except ConfigError as exc:
+            raise ReloadRefused(str(exc)) from exc
+        overlap, why = self._overlap(launch)
+        return Prepared(reload_plan, new_config, launch, overlap, why)
+
+    def _overlap(self, launch: Launch) -> tuple[bool, str]:
+        policy = self.sup.config.reload_overlap
+        if policy != "auto":
+            return policy == "always", f"reload.overlap is {policy}"
+        layers = args.get(launch.argv, ("-ngl", "--gpu-layers", "--n-gpu-layers"))
+        if layers not in (None, "0"):
+            return False, "weights offloaded to a GPU would be loaded twice (-ngl): one server at a time"
+        model_bytes = Path(launch.model.path).stat().st_size if launch.model.path else 0
+        available = _mem_available()
+        if available is None:
+            return False, "available memory unknown"
+        fits = available > OVERLAP_MEMORY_FACTOR * model_bytes
+        return fits, (f"{available / 2**30:.1f} GiB available, model file {model_bytes / 2**30:.2f} GiB "
+                      f"({'enough' if fits else 'not enough'} for two servers side by side on CPU)")
+
+    async def run(self, prepared: Prepared) -> dict[str, Any]:
+        sup = self.sup
+        old_config, old_launch, old_runtime, old_child = sup.config, sup.launch, sup.runtime, sup.child
+        assert old_child is not None
+        began = time.monotonic()
+        log.info("reload.begin", changes=prepared.plan.changes, overlap=prepared.overlap, why=prepared.overlap_why,
+                 argv=prepared.launch.shown_argv)
+        sup.lifecycle.to(State.RELOADING)  # the gate holds new requests from here
+        new_runtime = Runtime(prepared.config, prepared.launch,
+                              LlamaClient(prepared.launch.url, sup.session, prepared.launch.api_key))
+        loading = asyncio.ensure_future(sup.spawn_ready(prepared.launch, new_runtime)) if prepared.overlap else None
+        try:
+            await sup.drain(sup.config.reload_drain_timeout)
+            saved = await _builtin_step("slots.save", old_runtime) if old_config.slot_persistence else None
+            if loading is None:
+                await sup.stop_child(old_child)
+            try:
+                await (loading if loading is not None else sup.spawn_ready(prepared.launch, new_runtime))
+            except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
+                return await self._roll_back(prepared, old_config, old_launch, old_runtime, began, str(exc))
+            sup.install(prepared.config, prepared.launch, new_runtime)
+            restored = await self._restore(new_runtime) if prepared.config.slot_persistence else None
+            sup.lifecycle.to(State.READY)  # the held requests go to the new server
+            downtime_ms = round((time.monotonic() - began) * 1000, 1)
+            if loading is not None:
+                await sup.stop_child(old_child)
+        finally:  # also when a SIGTERM cancels the reload: a new server that did not take over is stopped
+            if loading is not None and not loading.done():
+                loading.cancel()
+                await asyncio.wait([loading])
+            new_child = new_runtime.child
+            if new_child is not None and new_child is not sup.child and new_child.alive:
+                await sup.stop_child(new_child)
+        return await self._answer(prepared, True, "reloaded", downtime_ms, saved, restored, new_runtime)
+
+    async def _restore(self, runtime: Runtime) -> str:
+        from hooks.slots import warm
+
+        summary = await _builtin_step("slots.restore", runtime)
+        warmed = await warm(runtime)  # what could not be restored (other cache types) is prefilled instead
+        return f"{summary}; {warmed}" if warmed else summary
+
+    async def _roll_back(self, prepared: Prepared, old_config: Config, old_launch: Launch, old_runtime: Runtime,
+                         began: float, reason: str) -> dict[str, Any]:
+        sup = self.sup
+        log.warning("reload.failed", reason=reason, overlap=prepared.overlap)
+        if prepared.overlap and old_runtime.child is not None and old_runtime.child.alive:
+            sup.lifecycle.to(State.READY)  # the old server never stopped: it keeps its slots as they were
+        else:
+            try:
+                await sup.spawn_ready(old_launch, old_runtime)
+            except Exception as exc:
+                log.error("reload.rollback_failed", error=str(exc))
+                sup.request_stop()  # nothing is left to serve with: stop as if signalled, slots already saved
+                raise
+            sup.install(old_config, old_launch, old_runtime)
+            await self._restore(old_runtime)
+            sup.lifecycle.to(State.READY)
+        downtime_ms = round((time.monotonic() - began) * 1000, 1)
+        return await self._answer(prepared, False, f"reload failed, the previous settings are back: {reason}",
+                                  downtime_ms, None, None, sup.runtime)
+
+    async def _answer(self, prepared: Prepared, success: bool, message: str, downtime_ms: float,
+                      saved: str | None, restored: str | None, runtime: Runtime) -> dict[str, Any]:
+        try:
+            props = await runtime.client.props()
+            n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
+        except LlamaError:
+            n_ctx = 0
+        if not prepared.config.slot_persistence:
+            message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
+        answer = {
+            "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
+            "overlap": prepared.overlap, "overlap_why": prepared.overlap_why, "changes": prepared.plan.changes,
+            "save": saved, "restore": restored, "slots": runtime.restore_report if success else [],
+        }
+        log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})
+        self.sup.last_reload = answer
+        await self.sup.run_hook("on_reload")
+        return answer
+
+
+async def _builtin_step(name: str, runtime: Runtime) -> str:
+    """A slot built-in as a reload step: its failure is reported, never the end of the reload."""
+    from hooks.builtins import bind
+
+    try:
+        return await bind(name, runtime)() or ""
+    except ActionError as exc:
+        log.warning("reload.step_failed", step=name, error=str(exc))
+        return f"{name} failed: {exc}"
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
