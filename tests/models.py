@@ -52,7 +52,7 @@ def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, 
     head_dim = n_embd // n_head
     n_ff = 2 * n_embd
     writer.add_name("tiny-random-llama")
-    writer.add_context_length(4096)
+    writer.add_context_length(32768)  # room for reloads to larger contexts
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)
     writer.add_feed_forward_length(n_ff)

@@ -149,13 +149,15 @@ def _body(action: Any) -> Any:
     return {"shell": action.shell, "exec": list(action.exec), "builtin": action.builtin}[action.kind]
 
 
-def _add_slots() -> None:
+def _add_commands() -> None:
+    from wrapper.reload_cli import reload
     from wrapper.slots_cli import slots
 
     main.add_command(slots)
+    main.add_command(reload)
 
 
-_add_slots()
+_add_commands()
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,163 @@
+"""Reloads against the real llama-server: new settings, the same conversations, no request lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import Wrapper, http, running, wait_for
+
+TOKEN = "reload-token-7f3a"
+PERSIST = """
+slots: {{dir: {dir}}}
+reload: {{overlap: {overlap}}}
+hooks:
+  on_startup:
+    - builtin: slots.restore
+  on_will_stop:
+    - builtin: slots.save
+  on_reload:
+    - shell: echo reloaded {{{{ reload.success }}}} {{{{ reload.changes | length }}}} >> {log}
+"""
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+STORY = "The lighthouse keeper counted the ships that passed the northern cape each night. "
+
+
+def config(tmp_path: Path, overlap: str = "auto") -> str:
+    return PERSIST.format(dir=tmp_path / "slots", overlap=overlap, log=tmp_path / "reloads.log")
+
+
+def reload(wrapper: Wrapper, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    status, _, raw = http("POST", f"{wrapper.url}/wrapper/reload", body, timeout=300,
+                          headers=ADMIN if headers is None else headers)
+    return status, json.loads(raw)
+
+
+def complete(url: str, prompt: str) -> dict[str, Any]:
+    status, _, raw = http("POST", f"{url}/completion", {"prompt": prompt, "n_predict": 4, "temperature": 0,
+                                                         "cache_prompt": True}, timeout=300)
+    assert status == 200, raw
+    result: dict[str, Any] = json.loads(raw)
+    return result
+
+
+@pytest.mark.parametrize(("change", "expected_outcome"), [
+    ({"n_ctx": 8192}, "restored"),
+    ({"n_ctx": 8192, "cache_type_k": "q8_0", "cache_type_v": "q8_0"}, "prefilled"),
+])
+def test_a_reload_keeps_the_conversation(tmp_path: Path, server_bin: str, tiny_path: str, change: dict[str, Any],
+                                         expected_outcome: str) -> None:
+    """A conversation of ~3k tokens, then a 4x context (and q8_0 K/V): the next turn reuses >= 95 %."""
+    argv = [server_bin, "-m", tiny_path, "-c", "4096", "-np", "1"]
+    history = STORY * 150
+    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        turn = complete(wrapper.url, history)
+        tokens = turn["tokens_evaluated"] + turn["tokens_predicted"]
+        assert tokens > 2500
+        old_pid = wrapper.status()["server"]["pid"]
+        status, answer = reload(wrapper, change)
+        assert status == 200 and answer["success"], answer
+        assert answer["n_ctx"] == 8192 and answer["downtime_ms"] > 0
+        assert [(s["slot"], s["outcome"]) for s in answer["slots"]] == [(0, expected_outcome)]
+        state = wrapper.status()
+        assert state["state"] == "ready" and state["server"]["pid"] != old_pid
+        assert ("--ctx-size" in state["server"]["argv"] or "-c" in state["server"]["argv"])
+        nxt = complete(wrapper.url, history + turn["content"] + " And then")
+        assert nxt["timings"]["cache_n"] >= 0.95 * tokens, (nxt["timings"], tokens)
+        assert wrapper.stop() == 0
+    assert (tmp_path / "reloads.log").read_text().splitlines() == [f"reloaded True {len(answer['changes'])}"]
+    print(f"\nreload {change}: {answer['downtime_ms']} ms downtime, overlap {answer['overlap']}, "
+          f"cache_n {nxt['timings']['cache_n']} of {tokens}")
+
+
+async def _stream(url: str, index: int) -> int:
+    body = {"prompt": f"Client {index} says:", "n_predict": 8, "stream": True}
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/completion", json=body) as reply:
+        data = await reply.read()
+        assert reply.status != 200 or b'"stop":true' in data
+        return reply.status
+
+
+def test_clients_that_arrive_during_a_reload_are_all_answered(tmp_path: Path, server_bin: str,
+                                                              demo_path: str) -> None:
+    argv = [server_bin, "-m", demo_path, "-c", "2048", "-np", "2"]
+    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        complete(wrapper.url, STORY * 5)
+        done: list[Any] = []
+        reloading = threading.Thread(target=lambda: done.append(subprocess.run(
+            [sys.executable, "-m", "wrapper.cli", "reload", "--url", wrapper.url, "--ctx", "4096"],
+            capture_output=True, text=True, env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})))
+        reloading.start()
+        wait_for(lambda: wrapper.status()["state"] == "reloading", 60, "the reload to begin")
+
+        async def eight() -> list[int]:
+            return list(await asyncio.gather(*(_stream(wrapper.url, i) for i in range(8))))
+
+        assert asyncio.run(eight()) == [200] * 8
+        reloading.join(120)
+        assert done[0].returncode == 0, done[0].stderr
+        assert "reloaded: n_ctx 4096" in done[0].stdout
+        assert wrapper.status()["state"] == "ready"
+
+
+def test_a_reload_is_refused_before_anything_stops(tmp_path: Path, server_bin: str, tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        pid = wrapper.status()["server"]["pid"]
+        assert reload(wrapper, {"n_ctx": 4096}, headers={})[0] == 401
+        assert reload(wrapper, {"n_ctx": 4096}, headers={"Authorization": "Bearer nope"})[0] == 401
+        status, answer = reload(wrapper, {"args": {"set": {"--no-such-flag": "1"}}})
+        assert status == 400 and "does not know --no-such-flag" in answer["error"]["message"]
+        status, answer = reload(wrapper, {"args": {"set": {"--port": "1"}}, "n_ctx": -3, "bogus": 1})
+        message = answer["error"]["message"]
+        assert status == 400 and "--port cannot be changed" in message and "n_ctx must be" in message
+        assert "unknown field(s) bogus" in message
+        assert wrapper.status()["server"]["pid"] == pid and wrapper.health() == 200
+        complete(wrapper.url, "Still serving.")
+
+
+def test_without_an_admin_token_reload_is_off(tmp_path: Path, server_bin: str, tiny_path: str) -> None:
+    with running(tmp_path, [server_bin, "-m", tiny_path, "-c", "1024"]) as wrapper:
+        status, answer = reload(wrapper, {"n_ctx": 2048})
+        assert status == 403 and "LLAMA_WRAPPER_ADMIN_TOKEN" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("overlap", ["always", "never"])
+def test_a_reload_whose_server_does_not_start_rolls_back(tmp_path: Path, server_bin: str, tiny_path: str,
+                                                         overlap: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    with running(tmp_path, argv, config(tmp_path, overlap), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        history = STORY * 20
+        turn = complete(wrapper.url, history)
+        status, answer = reload(wrapper, {"mmproj": {"path": str(tmp_path / "no-such-mmproj.gguf")}})
+        assert status == 500 and not answer["success"] and "previous settings are back" in answer["message"]
+        state = wrapper.status()
+        assert state["state"] == "ready" and "no-such-mmproj" not in json.dumps(state["server"]["argv"])
+        nxt = complete(wrapper.url, history + turn["content"] + " And then")
+        assert nxt["timings"]["cache_n"] >= 0.95 * (turn["tokens_evaluated"] + turn["tokens_predicted"])
+        assert wrapper.stop() == 0
+
+
+def test_sigterm_during_a_reload_stops_with_the_slots_saved(tmp_path: Path, server_bin: str, tiny_path: str) -> None:
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    with running(tmp_path, argv, config(tmp_path, "never"), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        complete(wrapper.url, STORY * 20)
+        thread = threading.Thread(target=lambda: reload(wrapper, {"n_ctx": 4096}))
+        thread.start()
+        wait_for(lambda: wrapper.status()["state"] == "reloading", 60, "the reload to begin")
+        wrapper.signal_group(signal.SIGTERM)
+        assert wrapper.wait(60) == 0
+        thread.join(60)
+    assert [e for e in wrapper.events("slots.saved") if e["tokens"] > 100]
+    assert not [e for e in wrapper.events("child.exited") if e["killed_after_timeout"]]
+    with running(tmp_path, argv, config(tmp_path, "never")) as again:
+        assert again.status()["slots"]["restore"][0]["outcome"] == "restored"

@@ -1,0 +1,91 @@
+"""`llama-wrapper reload`: ask a running wrapper to reconfigure its llama-server (POST /wrapper/reload)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from wrapper.auth import ADMIN_TOKEN_ENV, admin_token
+from wrapper.reload import CACHE_TYPES
+
+
+def _assignment(text: str) -> tuple[str, Any]:
+    flag, eq, value = text.partition("=")
+    if not flag.startswith("-"):
+        raise click.BadParameter(f"{text!r}: write FLAG=VALUE (or FLAG alone for a switch), e.g. --set -ngl=99")
+    return flag, value if eq else True
+
+
+@click.command(epilog="""
+\b
+Examples:
+  llama-wrapper reload --ctx 32768
+  llama-wrapper reload --cache-type q8_0 --ctx 65536
+  llama-wrapper reload --set --swa-full --remove --mmproj --url http://127.0.0.1:8081
+The token is the wrapper's admin token (admin.token_file, or LLAMA_WRAPPER_ADMIN_TOKEN on both sides).
+""")
+@click.option("--url", default="http://127.0.0.1:8080", envvar="LLAMA_WRAPPER_URL", show_envvar=True,
+              show_default=True, help="The wrapper's public address.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help=f"Read the admin token from this file [default: ${ADMIN_TOKEN_ENV}].")
+@click.option("--ctx", type=click.IntRange(min=1), help="New context size (n_ctx).")
+@click.option("--cache-type", type=click.Choice(CACHE_TYPES), help="New K and V cache type.")
+@click.option("--cache-type-k", type=click.Choice(CACHE_TYPES), help="New K cache type.")
+@click.option("--cache-type-v", type=click.Choice(CACHE_TYPES), help="New V cache type.")
+@click.option("--no-spec", is_flag=True, help="Turn speculative decoding off (drop the draft model flags).")
+@click.option("--no-mmproj", is_flag=True, help="Drop the multimodal projector.")
+@click.option("--set", "set_", multiple=True, metavar="FLAG[=VALUE]", help="Set a llama-server flag (repeatable).")
+@click.option("--remove", multiple=True, metavar="FLAG", help="Remove a llama-server flag (repeatable).")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for the answer.")
+@click.option("--json", "as_json", is_flag=True, help="Print the wrapper's whole answer as JSON.")
+def reload(url: str, token_file: Path | None, ctx: int | None, cache_type: str | None, cache_type_k: str | None,
+           cache_type_v: str | None, no_spec: bool, no_mmproj: bool, set_: tuple[str, ...], remove: tuple[str, ...],
+           timeout: float, as_json: bool) -> None:
+    """Reconfigure the llama-server behind a running wrapper, keeping its conversations. Exit 1 if refused or
+    rolled back."""
+    try:
+        token = admin_token(token_file, os.environ)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    body: dict[str, Any] = {}
+    if ctx is not None:
+        body["n_ctx"] = ctx
+    if cache_type_k or cache_type:
+        body["cache_type_k"] = cache_type_k or cache_type
+    if cache_type_v or cache_type:
+        body["cache_type_v"] = cache_type_v or cache_type
+    if no_spec:
+        body["spec"] = {"types": ["none"]}
+    if no_mmproj:
+        body["mmproj"] = {"path": ""}
+    if set_ or remove:
+        body["args"] = {"set": dict(_assignment(item) for item in set_), "remove": list(remove)}
+    if not body:
+        raise click.UsageError("nothing to change: give --ctx, --cache-type, --set, --remove, --no-spec or --no-mmproj")
+    request = urllib.request.Request(f"{url.rstrip('/')}/wrapper/reload", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            answer = json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        answer = json.loads(error.read() or b"{}")
+    except (urllib.error.URLError, OSError) as exc:
+        click.echo(f"llama-wrapper: cannot reach {url}: {getattr(exc, 'reason', exc)}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+    elif "error" in answer:
+        click.echo(f"llama-wrapper: refused: {answer['error'].get('message')}", err=True)
+    else:
+        click.echo(f"{answer['message']}: n_ctx {answer['n_ctx']}, downtime {answer['downtime_ms']:.0f} ms "
+                   f"({'overlapped' if answer['overlap'] else 'sequential'}); {answer.get('restore') or ''}")
+    sys.exit(0 if answer.get("success") else 1)
