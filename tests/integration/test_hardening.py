@@ -125,7 +125,7 @@ def test_a_stop_with_a_generation_in_flight_cuts_it_and_saves(tmp_path: Path, se
     assert answers[0][0] == 503 and b"cut at the drain deadline" in answers[0][1]
     (stopped,) = wrapper.events("wrapper.stopped")
     saved = wrapper.events("slots.saved")
-    assert saved and saved[0]["tokens"] > 4, wrapper.events("hook.run")
+    assert saved and saved[0]["tokens"] >= 4, wrapper.events("hook.run")  # the prompt at least, and what came
     exited = wrapper.events("child.exited")[0]
     assert exited["code"] == 0 and not exited["killed_after_timeout"]
     print(f"\nstop with a generation in flight: {stopped['stop_s']} s (drain_timeout 1 s), "

@@ -1,0 +1,217 @@
+"""Convert a slot file's KV cache to other cache types (f16, f32, q8_0, q4_0), so a reload that changes
+`-ctk/-ctv` restores the conversation instead of prefilling it again.
+
+The layout is read exactly as llama.cpp writes it (see hooks/slotfile.py): header and tokens are copied,
+and each KV section (two for sliding-window models: the global one, then the SWA one) is rewritten layer by
+layer: dequantize, undo the source's Hadamard rotation, apply the target's, quantize. Quantized caches are
+rotated by default: each chunk of `n_rot` values of a row is multiplied by the orthonormal Sylvester
+Hadamard matrix H (H·H = I), so undoing and applying are the same product. Files with a transposed V
+(flash attention off), several sequences per cell or another section after the KV are not converted.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType as QType
+from gguf.quants import Q4_0, Q8_0
+
+from hooks.slotfile import MAGIC
+
+TYPES = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
+_BY_ID = {int(qtype): name for name, qtype in TYPES.items()}
+_ELEMENTS = {"f32": (1, 4), "f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}  # values, bytes per block
+ROWS_PER_PIECE = 4096  # rows converted at a time: bounded memory whatever the file size
+
+
+class NotConvertible(Exception):
+    """A file this converter does not rewrite; the caller falls back to prefilling its tokens."""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_in / 1e6 / self.seconds if self.seconds > 0 else float("inf")
+
+
+@functools.cache
+def hadamard(n: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """llama.cpp's orthonormal Walsh-Hadamard matrix of size n (a power of two): Sylvester's, over sqrt(n)."""
+    matrix = np.ones((1, 1), dtype=np.float32)
+    while matrix.shape[0] < n:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    return np.asarray(matrix / np.sqrt(np.float32(n)), dtype=np.float32)
+
+
+def rotate(values: np.ndarray[Any, np.dtype[np.float32]], n: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Each chunk of n values times `hadamard(n)` (one matrix product: faster here than a butterfly)."""
+    return np.asarray(values.reshape(-1, n) @ hadamard(n), dtype=np.float32).reshape(values.shape)
+
+
+def target_rotation(type_name: str, head_dim: int | None, for_keys: bool, disabled: bool) -> int:
+    """The n_rot a server gives a new cache of this type (llama-kv-cache.cpp's rule)."""
+    if disabled or type_name in ("f32", "f16", "bf16") or not head_dim or head_dim % 64:
+        return 0
+    n_rot = 64
+    while for_keys and head_dim % (2 * n_rot) == 0:
+        n_rot *= 2
+    return n_rot
+
+
+def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: int) -> Conversion:
+    """Write `src`'s slot state to `dst` with K/V cache types `type_k`/`type_v` and rotations `rot_k`/`rot_v`."""
+    for name in (type_k, type_v):
+        if name not in TYPES:
+            raise NotConvertible(f"cache type {name} cannot be converted to (only {', '.join(TYPES)})")
+    if dst.exists() and dst.samefile(src):
+        raise NotConvertible("the converted file must go to another path than its source")
+    started = time.monotonic()
+    size = os.path.getsize(src)
+    data = np.memmap(src, dtype=np.uint8, mode="r")
+    try:
+        with open(dst, "wb") as out:
+            reader = _Cursor(data)
+            magic, version, n_words = reader.u32(), reader.u32(), reader.u32()
+            if magic != MAGIC or version < 3:
+                raise NotConvertible(f"not a slot file with a KV layout this converter knows (version {version})")
+            reader.take(4 * n_words)
+            out.write(data[: reader.pos].tobytes())
+            while reader.pos < size:
+                _section(reader, out, type_k, type_v, rot_k, rot_v)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        del data
+    return Conversion(size, os.path.getsize(dst), time.monotonic() - started)
+
+
+class _Cursor:
+    def __init__(self, data: np.memmap[Any, np.dtype[np.uint8]]) -> None:
+        self.data, self.pos = data, 0
+
+    def take(self, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        if self.pos + n > len(self.data):
+            raise NotConvertible(f"truncated at byte {self.pos}")
+        chunk = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return chunk
+
+    def u32(self) -> int:
+        return int(struct.unpack("<I", self.take(4).tobytes())[0])
+
+    def i32(self) -> int:
+        return int(struct.unpack("<i", self.take(4).tobytes())[0])
+
+    def u64(self) -> int:
+        return int(struct.unpack("<Q", self.take(8).tobytes())[0])
+
+
+def _section(r: _Cursor, out: BinaryIO, type_k: str, type_v: str, rot_k: int, rot_v: int) -> None:
+    n_stream = r.u32()
+    if not 0 < n_stream <= 4096:
+        raise NotConvertible(f"a section this converter does not know follows (stream count {n_stream})")
+    out.write(struct.pack("<I", n_stream))
+    for _ in range(n_stream):
+        cells = r.u32()
+        out.write(struct.pack("<I", cells))
+        if cells == 0:
+            continue
+        meta_start = r.pos
+        _skip_cell_meta(r, cells)
+        out.write(r.data[meta_start:r.pos].tobytes())
+        v_trans, n_layer, src_rot_k, src_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
+        if v_trans:
+            raise NotConvertible("V is stored transposed (flash attention off): not converted")
+        out.write(struct.pack("<IIII", 0, n_layer, rot_k, rot_v))
+        for _ in range(n_layer):
+            _layer(r, out, cells, type_k, src_rot_k, rot_k)
+        for _ in range(n_layer):
+            _layer(r, out, cells, type_v, src_rot_v, rot_v)
+
+
+def _skip_cell_meta(r: _Cursor, cells: int) -> None:
+    """Cells of one sequence each: i32 pos, u32 n_seq_id (1), i32 seq_id. M-RoPE's 12 more bytes: not handled."""
+    block = r.take(12 * cells).view("<u4").reshape(cells, 3)
+    if not bool((block[:, 1] == 1).all()):
+        raise NotConvertible("cells with several sequences (or M-RoPE positions): not converted")
+
+
+def _layer(r: _Cursor, out: BinaryIO, cells: int, target: str, src_rot: int, dst_rot: int) -> None:
+    type_id, row_size = r.i32(), r.u64()
+    source = _BY_ID.get(type_id)
+    if source is None:
+        raise NotConvertible(f"cache type id {type_id} cannot be converted from")
+    per_block, block_bytes = _ELEMENTS[source]
+    if row_size % block_bytes:
+        raise NotConvertible(f"a row of {row_size} bytes is not whole {source} blocks")
+    n_embd = row_size // block_bytes * per_block
+    out_per_block, out_block_bytes = _ELEMENTS[target]
+    if n_embd % out_per_block or (src_rot and n_embd % src_rot) or (dst_rot and n_embd % dst_rot):
+        raise NotConvertible(f"rows of {n_embd} values do not split into {target} blocks or rotation chunks")
+    out.write(struct.pack("<iQ", int(TYPES[target]), n_embd // out_per_block * out_block_bytes))
+    rows = r.take(cells * row_size).reshape(cells, row_size)
+    for first in range(0, cells, ROWS_PER_PIECE):
+        piece = np.ascontiguousarray(rows[first:first + ROWS_PER_PIECE])
+        if source == target and src_rot == dst_rot:
+            out.write(piece.tobytes())
+            continue
+        values = _decode(piece, source)
+        if src_rot:
+            values = rotate(values, src_rot)  # H·H = I: the same product undoes the source's rotation
+        if dst_rot:
+            values = rotate(values, dst_rot)
+        out.write(_encode(values, target).tobytes())
+
+
+def _decode(piece: np.ndarray[Any, np.dtype[np.uint8]], source: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Rows of `source`-typed bytes as float32 values, all blocks at once."""
+    if source == "f32":
+        return piece.view("<f4").reshape(-1)
+    if source == "f16":
+        return piece.view("<f2").astype(np.float32).reshape(-1)
+    blocks = piece.reshape(-1, _ELEMENTS[source][1])
+    quant = Q8_0 if source == "q8_0" else Q4_0  # gguf-py's block code
+    return np.asarray(quant.dequantize_blocks(blocks), dtype=np.float32).reshape(-1)
+
+
+def _encode(values: np.ndarray[Any, np.dtype[np.float32]], target: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    if target == "f32":
+        return values.astype("<f4").view(np.uint8)
+    if target == "f16":
+        return values.astype("<f2").view(np.uint8)
+    blocks = values.reshape(-1, 32)
+    out = np.empty((len(blocks), _ELEMENTS[target][1]), dtype=np.uint8)
+    if target == "q8_0":  # ggml's: d = max|x| / 127, q = round(x / d)
+        d = np.abs(_largest(blocks)) / np.float32(127)
+        scale = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
+        out[:, 2:] = np.rint(blocks * scale[:, None]).astype(np.int8).view(np.uint8)
+    else:  # q4_0, ggml's: d = (the value of largest magnitude) / -8, q = clamp(trunc(x / d + 8.5), 0, 15)
+        d = _largest(blocks) / np.float32(-8)
+        scale = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
+        q = np.clip(np.trunc(blocks * scale[:, None] + np.float32(8.5)), 0, 15).astype(np.uint8)
+        out[:, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    out[:, :2] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+    return out
+
+
+def _largest(blocks: np.ndarray[Any, np.dtype[np.float32]]) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Per block, the value of largest magnitude (the first one on a tie, as ggml's loop keeps it), by halving:
+    numpy reduces a short axis of millions of rows slowly, and whole-array halves quickly."""
+    values = blocks
+    while values.shape[1] > 1:
+        half = values.shape[1] // 2
+        left, right = values[:, :half], values[:, half:]
+        values = np.where(np.abs(right) > np.abs(left), right, left)
+    return values[:, 0]
