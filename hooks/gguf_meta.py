@@ -88,9 +88,13 @@ def architecture_facts(meta: dict[str, Any]) -> dict[str, Any]:
         return meta.get(f"{arch}.{name}")
 
     window = key("attention.sliding_window")
+    heads, embedding = key("attention.head_count"), key("embedding_length")
+    plain_head = embedding // heads if isinstance(heads, int) and heads > 0 and isinstance(embedding, int) else None
     return {
         "architecture": arch,
         "context_length": key("context_length"),
         "block_count": key("block_count"),
         "sliding_window": window if isinstance(window, int) and window > 0 else None,
+        "head_dim_k": key("attention.key_length") or plain_head,
+        "head_dim_v": key("attention.value_length") or plain_head,
     }

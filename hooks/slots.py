@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from hooks import slotdir, slotfile
+from hooks import kvconvert, slotdir, slotfile
 from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from wrapper.actions import ActionError
@@ -161,6 +161,11 @@ async def _restore_one(rt: Runtime, saved: slotdir.SavedSlot, settings: dict[str
     except slotfile.SlotFileError as exc:
         return _skipped(entry, f"unreadable file: {exc}")
     reason = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
+    if reason and reason.startswith("cache types"):  # the same tokens in other types: convert the file
+        converted = await asyncio.to_thread(_converted, rt, saved, sidecar, settings, entry)  # /health answers
+        if converted is not None:
+            sidecar, header, path = converted
+            reason = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
     if reason:
         return _skipped(entry, reason)
     mark = rt.child.lines_seen if rt.child else 0
@@ -184,8 +189,8 @@ _WARMABLE = ("cache types", "flash attention", "the file has", "KV rotation", "s
 async def warm(rt: Runtime) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
-    entries = [e for e in rt.restore_report
-               if e.get("outcome") == "skipped" and str(e.get("reason", "")).startswith(_WARMABLE)]
+    entries = [e for e in rt.restore_report if (e.get("outcome") == "failed" and e.get("tokens"))
+               or (e.get("outcome") == "skipped" and str(e.get("reason", "")).startswith(_WARMABLE))]
     if not entries:
         return ""
     if rt.reuse is None:
@@ -208,6 +213,38 @@ async def warm(rt: Runtime) -> str:
         log.info("slots.prefilled", slot=entry["slot"], tokens=len(tokens), prefill_ms=entry["prefill_ms"],
                  why=entry["reason"])
     return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
+
+
+def _converted(rt: Runtime, saved: slotdir.SavedSlot, sidecar: dict[str, Any], settings: dict[str, Any],
+               entry: dict[str, Any]) -> tuple[dict[str, Any], slotfile.SlotFile, Path] | None:
+    """Rewrite a slot's KV file into the server's cache types and make it the slot's current pair."""
+    directory = saved.kv_file.parent
+    disabled = bool(settings["attn_rot_disable"])
+    rot_k = kvconvert.target_rotation(settings["cache_type_k"], rt.launch.facts.get("head_dim_k"), True, disabled)
+    rot_v = kvconvert.target_rotation(settings["cache_type_v"], rt.launch.facts.get("head_dim_v"), False, disabled)
+    temporary = directory / f"slot{saved.slot}.bin.{os.getpid()}.tmp"
+    try:
+        done = kvconvert.convert(saved.kv_file, temporary, settings["cache_type_k"], settings["cache_type_v"],
+                                 rot_k, rot_v)
+        header = slotfile.read(temporary)
+        record = {k: v for k, v in sidecar.items() if k not in ("format", "slot", "file", "bytes", "fingerprint")}
+        record.update(cache_type_k=settings["cache_type_k"], cache_type_v=settings["cache_type_v"],
+                      attn_rot_disable=disabled, converted_from=f"{sidecar.get('cache_type_k')}/"
+                      f"{sidecar.get('cache_type_v')}")
+        final = slotdir.commit(directory, saved.slot, temporary, record)
+    except (kvconvert.NotConvertible, slotfile.SlotFileError, OSError) as exc:
+        entry["conversion"] = f"not converted: {exc}"
+        log.info("slots.not_converted", slot=saved.slot, reason=str(exc))
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+    entry.update(file=str(final), bytes=header.bytes,
+                 conversion={"from": record["converted_from"], "to": f"{settings['cache_type_k']}/"
+                             f"{settings['cache_type_v']}", "ms": round(done.seconds * 1000, 1),
+                             "mb_per_s": round(done.mb_per_s, 1)})
+    log.info("slots.converted", slot=saved.slot, **entry["conversion"])
+    return slotdir.read_sidecar(saved.sidecar), header, final
 
 
 async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:

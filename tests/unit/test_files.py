@@ -68,7 +68,7 @@ def test_gguf_header_without_reading_arrays(tmp_path: Path) -> None:
     assert meta["gemma3.attention.head_count_kv"] == [1, 1, 2, 2]
     assert "tokenizer.ggml.tokens" not in meta
     assert architecture_facts(meta) == {"architecture": "gemma3", "context_length": 32768, "block_count": 4,
-                                        "sliding_window": 512}
+                                        "sliding_window": 512, "head_dim_k": None, "head_dim_v": None}
 
 
 def test_fingerprint_tells_files_apart_at_either_end(tmp_path: Path) -> None:
