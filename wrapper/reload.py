@@ -114,7 +114,7 @@ class _Edit:
             return
         self.plan.argv = args.replace(self.plan.argv, names, None) if on else \
             args.remove(self.plan.argv, names, takes_value=False)
-        self.plan.changes.append(f"{'+' if on else '-'}{names[0]}")
+        self.plan.changes.append(f"{names[0]} {'on' if on else 'off'}")
 
     def drop(self, name: str) -> None:
         """Remove an option whatever its spelling of value, as the binary's --help says it takes one or not."""
@@ -122,7 +122,7 @@ class _Edit:
             return
         takes_value = bool(self.arity.get(name, True)) if self.arity is not None else True
         self.plan.argv = args.remove(self.plan.argv, (name,), takes_value=takes_value)
-        self.plan.changes.append(f"-{name}")
+        self.plan.changes.append(f"{name} removed")
 
 
 def _flag(body: Mapping[str, Any], key: str, problems: list[str]) -> bool | None:
