@@ -33,6 +33,7 @@ unit: $(VENV)/.installed
 bench: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_proxy.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_slots.py
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_reload.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

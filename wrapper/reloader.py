@@ -1,13 +1,13 @@
 """The reload cycle: hold new requests, drain, save every slot, start the new llama-server, restore, release.
 
-With overlap (blue-green) the new llama-server loads while the old one still serves its last requests, so the
-downtime is drain + save + restore; without it the old one stops first. A reload whose new server does not come
+With overlap (blue-green) the new llama-server loads while the old one goes on serving, and requests are held
+only from then on: the downtime is drain + save + restore, not the model load; without it the old one stops
+first. A reload whose new server does not come
 up rolls back to the previous argv and keeps serving; a SIGTERM during a reload stops with the slots saved.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,32 +77,33 @@ class Reloader:
         sup = self.sup
         old_config, old_launch, old_runtime, old_child = sup.config, sup.launch, sup.runtime, sup.child
         assert old_child is not None
-        began = time.monotonic()
         log.info("reload.begin", changes=prepared.plan.changes, overlap=prepared.overlap, why=prepared.overlap_why,
                  argv=prepared.launch.shown_argv)
-        sup.lifecycle.to(State.RELOADING)  # the gate holds new requests from here
         new_runtime = Runtime(prepared.config, prepared.launch,
                               LlamaClient(prepared.launch.url, sup.session, prepared.launch.api_key))
-        loading = asyncio.ensure_future(sup.spawn_ready(prepared.launch, new_runtime)) if prepared.overlap else None
         try:
+            if prepared.overlap:  # blue-green: the old server keeps serving while the new one loads
+                try:
+                    await sup.spawn_ready(prepared.launch, new_runtime)
+                except Exception as exc:  # nothing was disturbed: the old server never stopped serving
+                    return await self._roll_back(prepared, old_config, old_launch, old_runtime, None, str(exc))
+            began = time.monotonic()
+            sup.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
             await sup.drain(sup.config.reload_drain_timeout)
             saved = await _builtin_step("slots.save", old_runtime) if old_config.slot_persistence else None
-            if loading is None:
+            if not prepared.overlap:
                 await sup.stop_child(old_child)
-            try:
-                await (loading if loading is not None else sup.spawn_ready(prepared.launch, new_runtime))
-            except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
-                return await self._roll_back(prepared, old_config, old_launch, old_runtime, began, str(exc))
+                try:
+                    await sup.spawn_ready(prepared.launch, new_runtime)
+                except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
+                    return await self._roll_back(prepared, old_config, old_launch, old_runtime, began, str(exc))
             sup.install(prepared.config, prepared.launch, new_runtime)
             restored = await self._restore(new_runtime) if prepared.config.slot_persistence else None
             sup.lifecycle.to(State.READY)  # the held requests go to the new server
             downtime_ms = round((time.monotonic() - began) * 1000, 1)
-            if loading is not None:
+            if prepared.overlap:
                 await sup.stop_child(old_child)
         finally:  # also when a SIGTERM cancels the reload: a new server that did not take over is stopped
-            if loading is not None and not loading.done():
-                loading.cancel()
-                await asyncio.wait([loading])
             new_child = new_runtime.child
             if new_child is not None and new_child is not sup.child and new_child.alive:
                 await sup.stop_child(new_child)
@@ -116,12 +117,11 @@ class Reloader:
         return f"{summary}; {warmed}" if warmed else summary
 
     async def _roll_back(self, prepared: Prepared, old_config: Config, old_launch: Launch, old_runtime: Runtime,
-                         began: float, reason: str) -> dict[str, Any]:
+                         began: float | None, reason: str) -> dict[str, Any]:
+        """`began` is None when the new server failed before anything was held (overlap): nothing to undo."""
         sup = self.sup
         log.warning("reload.failed", reason=reason, overlap=prepared.overlap)
-        if prepared.overlap and old_runtime.child is not None and old_runtime.child.alive:
-            sup.lifecycle.to(State.READY)  # the old server never stopped: it keeps its slots as they were
-        else:
+        if began is not None:
             try:
                 await sup.spawn_ready(old_launch, old_runtime)
             except Exception as exc:
@@ -131,7 +131,7 @@ class Reloader:
             sup.install(old_config, old_launch, old_runtime)
             await self._restore(old_runtime)
             sup.lifecycle.to(State.READY)
-        downtime_ms = round((time.monotonic() - began) * 1000, 1)
+        downtime_ms = round((time.monotonic() - began) * 1000, 1) if began is not None else 0.0
         return await self._answer(prepared, False, f"reload failed, the previous settings are back: {reason}",
                                   downtime_ms, None, None, sup.runtime)
 
