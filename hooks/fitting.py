@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hooks.gguf_meta import GGUFError, architecture_facts, read_metadata
 from wrapper import argv as args
+from wrapper.gguf_meta import GGUFError, architecture_facts, read_metadata
 from wrapper.model import Model
 from wrapper.server_help import supported_flags
 

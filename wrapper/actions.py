@@ -15,7 +15,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from wrapper import template
-from wrapper.child import Supervised, spawn
+from wrapper.child import Child, spawn
 from wrapper.config import Action
 
 log = structlog.get_logger()
@@ -82,7 +82,7 @@ class HookRunner:
         self._session = session
         self._builtin = builtin
         self.history: deque[HookRun] = deque(maxlen=50)
-        self._lingering: set[Supervised] = set()
+        self._lingering: set[Child] = set()
 
     async def end_leftovers(self, timeout: float = 2.0) -> int:
         """At the wrapper's stop: end every job a hook left running; returns how many hooks had some."""

@@ -52,7 +52,7 @@ class Exit:
 
 async def spawn(
     argv: Sequence[str], env: Mapping[str, str] | None, on_line: Callable[[str], None], guard: bool = False
-) -> Supervised:
+) -> Child:
     """Start `argv` in its own session, its life tied to ours, its output fed to `on_line`.
 
     Without `guard` the kernel kills the program if we die. With it (hook commands) a guard process stays as
@@ -81,7 +81,7 @@ async def spawn(
         if guard:
             os.close(status_write)
     reported = _reported_status(loop, status_read) if guard else None
-    return Supervised(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line, reported)
+    return Child(asyncio.subprocess.Process(transport, protocol, loop), protocol, on_line, reported)
 
 
 def _reported_status(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.Future[int | None]:
@@ -135,7 +135,7 @@ class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
             self.exited.set_result(code)
 
 
-class Supervised:
+class Child:
     """A running child: its output drained line by line, its exit awaited once, stopped with one SIGTERM."""
 
     def __init__(self, process: asyncio.subprocess.Process, protocol: _Protocol,

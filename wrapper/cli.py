@@ -76,7 +76,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
     """Start llama-server behind the wrapper and supervise it until a signal stops it."""
     from wrapper.launch import prepare
     from wrapper.lifecycle import Supervisor
-    from wrapper.server import serve
+    from wrapper.listener import serve
 
     logs.configure(log_format, log_level)
     try:

@@ -20,7 +20,7 @@ import structlog
 from wrapper import actions
 from wrapper.actions import HookFailed, HookRunner
 from wrapper.aio import first_of
-from wrapper.child import Exit, Supervised, spawn
+from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
 from wrapper.gate import Gate
 from wrapper.launch import PRIVATE_HOST, Launch
@@ -48,7 +48,7 @@ class Supervisor:
         self.config, self.launch = config, launch
         self.gate = Gate(config.reload_hold_timeout)
         self.lifecycle = Lifecycle(self.gate.follow)
-        self.child: Supervised | None = None
+        self.child: Child | None = None
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.result: str | None = None
@@ -136,7 +136,7 @@ class Supervisor:
         log.info("wrapper.ready", listen=self.launch.listen.url, pid=self.child.pid,
                  start_s=round(self.ready_at - self.started_at, 3))
 
-    async def spawn_ready(self, launch: Launch, runtime: Runtime) -> Supervised:
+    async def spawn_ready(self, launch: Launch, runtime: Runtime) -> Child:
         """Start a llama-server generation and wait until it answers /health 200; StartFailed otherwise."""
         began = time.monotonic()
         try:
@@ -222,7 +222,7 @@ class Supervisor:
                budget_hint_s=STOP_BUDGET)
         return status
 
-    async def stop_child(self, child: Supervised) -> Exit:
+    async def stop_child(self, child: Child) -> Exit:
         if child.alive:
             log.info("child.stopping", pid=child.pid, timeout_s=self.config.stop_timeout)
         finished = await child.stop(self.config.stop_timeout)

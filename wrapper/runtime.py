@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wrapper.child import Supervised
+from wrapper.child import Child
 from wrapper.config import Config
 from wrapper.launch import Launch
 from wrapper.llama import LlamaClient
@@ -19,7 +19,7 @@ class Runtime:
     config: Config
     launch: Launch
     client: LlamaClient
-    child: Supervised | None = None
+    child: Child | None = None
     restore_report: list[dict[str, Any]] = field(default_factory=list)
     save_report: list[dict[str, Any]] = field(default_factory=list)
     reuse: ReuseTracker | None = None

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from hooks.fitting import fit_for_slots
-from hooks.gguf_meta import architecture_facts, read_metadata
 from hooks.slotfile import SlotFileError, read
 from tests.slotfiles import slot_bytes
 from wrapper import argv as args
+from wrapper.gguf_meta import architecture_facts, read_metadata
 from wrapper.model import Model, fingerprint
 
 
