@@ -325,6 +325,7 @@ class Supervisor:
             "slots": {"dir": str(self.launch.slot_dir) if self.launch.slot_dir else None,
                       "restore": self.runtime.restore_report, "save": self.runtime.save_report},
             "hooks": [run.as_dict() for run in list(self.runner.history)[-20:]],
+            "last_reload": {k: v for k, v in self.last_reload.items() if k != "slots"} if self.last_reload else None,
         }
 
 

@@ -79,6 +79,7 @@ def test_a_reload_keeps_the_conversation(tmp_path: Path, server_bin: str, tiny_p
             assert f"{slot['conversion']['from']} -> {slot['conversion']['to']}" == converted
         state = wrapper.status()
         assert state["state"] == "ready" and state["server"]["pid"] != old_pid
+        assert state["last_reload"]["success"] and state["last_reload"]["changes"] == answer["changes"]
         nxt = complete(wrapper.url, history + turn["content"] + " And then")
         assert nxt["timings"]["cache_n"] >= 0.95 * tokens, (nxt["timings"], tokens)
         assert wrapper.stop() == 0
