@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Wrapper, http, wait_for
+from tests.helpers import Wrapper, http, running, wait_for
 from wrapper.model import fingerprint
 
 PERSIST = """
@@ -199,12 +199,18 @@ def test_file_of_another_model_is_skipped(
     assert skipped_reason(tmp_path, argv, slots_dir).startswith("other model: saved for tiny-llama-3")
 
 
-def test_file_with_other_cache_types_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str,
-                                                tiny_path: str) -> None:
+def test_file_with_other_cache_types_is_converted_or_skipped(tmp_path: Path, slots_dir: Path, server_bin: str,
+                                                             tiny_path: str) -> None:
+    """A start with other -ctk/-ctv converts the saved file when it can (q8_0), else skips it (q5_0)."""
     save_one(tmp_path, [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"], slots_dir)
-    quantized = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
-    reason = skipped_reason(tmp_path, quantized, slots_dir)
-    assert reason == "cache types: the file has K f16 / V f16, the server runs K q8_0 / V q8_0"
+    quantized = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1", "-fa", "on"]
+    with running(tmp_path, [*quantized, "-ctk", "q8_0", "-ctv", "q8_0"],
+                 PERSIST.format(dir=slots_dir, swa_full="auto")) as wrapper:
+        (report,) = restore_report(wrapper)
+        assert report["outcome"] == "restored" and report["conversion"]["to"] == "q8_0/q8_0", report
+        assert wrapper.stop() == 0
+    reason = skipped_reason(tmp_path, [*quantized, "-ctk", "q5_0", "-ctv", "q5_0"], slots_dir)
+    assert reason == "cache types: the file has K q8_0 / V q8_0, the server runs K q5_0 / V q5_0"
 
 
 def test_file_of_another_state_version_is_skipped(tmp_path: Path, slots_dir: Path, server_bin: str,
