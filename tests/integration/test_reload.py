@@ -98,15 +98,16 @@ async def _stream(url: str, index: int) -> int:
 
 def test_clients_that_arrive_during_a_reload_are_all_answered(tmp_path: Path, server_bin: str,
                                                               demo_path: str) -> None:
+    """Sequential, so that the window in which requests are held spans a model load and the test sees it."""
     argv = [server_bin, "-m", demo_path, "-c", "2048", "-np", "2"]
-    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+    with running(tmp_path, argv, config(tmp_path, "never"), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
         complete(wrapper.url, STORY * 5)
         done: list[Any] = []
         reloading = threading.Thread(target=lambda: done.append(subprocess.run(
             [sys.executable, "-m", "wrapper.cli", "reload", "--url", wrapper.url, "--ctx", "4096"],
             capture_output=True, text=True, env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})))
         reloading.start()
-        wait_for(lambda: wrapper.status()["state"] == "reloading", 60, "the reload to begin")
+        wait_for(lambda: wrapper.status()["state"] == "reloading", 60, "the reload to begin", interval=0.01)
 
         async def eight() -> list[int]:
             return list(await asyncio.gather(*(_stream(wrapper.url, i) for i in range(8))))
@@ -162,7 +163,7 @@ def test_sigterm_during_a_reload_stops_with_the_slots_saved(tmp_path: Path, serv
         complete(wrapper.url, STORY * 20)
         thread = threading.Thread(target=lambda: reload(wrapper, {"n_ctx": 4096}))
         thread.start()
-        wait_for(lambda: wrapper.status()["state"] == "reloading", 60, "the reload to begin")
+        wait_for(lambda: wrapper.status()["state"] == "reloading", 60, "the reload to begin", interval=0.01)
         wrapper.signal_group(signal.SIGTERM)
         assert wrapper.wait(60) == 0
         thread.join(60)
