@@ -194,7 +194,7 @@ def _encode(values: np.ndarray[Any, np.dtype[np.float32]], target: str) -> np.nd
     blocks = values.reshape(-1, 32)
     out = np.empty((len(blocks), _ELEMENTS[target][1]), dtype=np.uint8)
     if target == "q8_0":  # ggml's: d = max|x| / 127, q = round(x / d)
-        d = np.abs(_largest(blocks)) / np.float32(127)
+        d = np.abs(blocks).max(axis=1) / np.float32(127)
         scale = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
         out[:, 2:] = np.rint(blocks * scale[:, None]).astype(np.int8).view(np.uint8)
     else:  # q4_0, ggml's: d = (the value of largest magnitude) / -8, q = clamp(trunc(x / d + 8.5), 0, 15)
@@ -207,11 +207,12 @@ def _encode(values: np.ndarray[Any, np.dtype[np.float32]], target: str) -> np.nd
 
 
 def _largest(blocks: np.ndarray[Any, np.dtype[np.float32]]) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """Per block, the value of largest magnitude (the first one on a tie, as ggml's loop keeps it), by halving:
-    numpy reduces a short axis of millions of rows slowly, and whole-array halves quickly."""
-    values = blocks
-    while values.shape[1] > 1:
-        half = values.shape[1] // 2
-        left, right = values[:, :half], values[:, half:]
-        values = np.where(np.abs(right) > np.abs(left), right, left)
-    return values[:, 0]
+    """Per block, the value of largest magnitude; on a tie between +m and -m the first one, as ggml's loop
+    keeps it (found by a scan of those few blocks only)."""
+    high, low = blocks.max(axis=1), blocks.min(axis=1)
+    values = np.where(-low > high, low, high)
+    tied = np.flatnonzero((-low == high) & (high != 0))
+    if len(tied):
+        rows = blocks[tied]
+        values[tied] = rows[np.arange(len(tied)), np.abs(rows).argmax(axis=1)]
+    return np.asarray(values, dtype=np.float32)

@@ -36,6 +36,8 @@ def test_quantization_is_bit_exact_with_gguf_py(name: str, qtype: QType) -> None
     values = np.random.default_rng(1).standard_normal((300, 256)).astype(np.float32)
     values[0, :32] = 0  # an all-zero block
     values[1, :32] = 2.5  # ties
+    values[2, 3], values[2, 7] = -3.0, 3.0  # a tie of opposite signs: the first one counts (q4_0's sign)
+    values[2, 37], values[2, 41] = 3.0, -3.0
     assert np.array_equal(_encode(values.reshape(-1), name).reshape(-1), quantize(values, qtype).reshape(-1))
 
 
