@@ -1,10 +1,4 @@
-"""Built-in hooks: slot persistence (save/restore) and the slot-file format.
+"""Built-in hooks: slot persistence (save/restore, the slot-file format, KV conversion) and `server.reload`.
 
-The names below are what a config's `builtin:` may say; the wrapper looks the implementations up lazily so
-that reading a config never imports the heavier modules.
+hooks/registry.py declares each built-in; the wrapper reads it through wrapper/extensions.py only.
 """
-
-from __future__ import annotations
-
-SLOT_BUILTINS = ("slots.save", "slots.restore")
-BUILTIN_NAMES = SLOT_BUILTINS

@@ -6,30 +6,19 @@ change or missing flag is returned as a note for the log.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
 from wrapper import argv as args
-from wrapper.gguf_meta import GGUFError, architecture_facts, read_metadata
-from wrapper.model import Model
+from wrapper.config import Config, ConfigError
+from wrapper.launch import Fitting, Launch
 from wrapper.server_help import supported_flags
 
 FALLBACK_CTX = 4096
 
 
-@dataclass
-class Fitting:
-    argv: list[str]
-    notes: list[dict[str, str]] = field(default_factory=list)
-    facts: dict[str, Any] = field(default_factory=dict)  # from the GGUF: architecture, sliding_window, ...
-
-    def note(self, change: str, why: str) -> None:
-        self.notes.append({"change": change, "why": why})
-
-
-def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str) -> Fitting:
-    fit = Fitting(list(argv))
+def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
+    """The slot built-ins' argv changes; `prepared` is this model's slot folder."""
+    slot_dir = config.slots_dir / launch.model.id
+    fit = Fitting(list(argv), prepared=slot_dir)
+    facts = launch.facts
     flags = supported_flags(argv[0])
     if flags is None:
         fit.note("could not read the flags of this llama-server from --help",
@@ -38,13 +27,10 @@ def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str
     def has(name: str) -> bool:
         return flags is None or name in flags
 
-    if model.path:
-        try:
-            fit.facts = architecture_facts(read_metadata(model.path))
-        except GGUFError as exc:
-            fit.note("could not read the model's GGUF header", f"{exc}; SWA detection and -c default are off")
-
-    slot_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        slot_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
     if has("--slot-save-path"):
         old = args.get(fit.argv, args.SLOT_SAVE_PATH)
         fit.argv = args.replace(fit.argv, args.SLOT_SAVE_PATH, str(slot_dir))
@@ -73,7 +59,7 @@ def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str
 
     ctx = args.get(fit.argv, args.CTX_SIZE)
     if ctx is None or ctx.strip() == "0":
-        train = fit.facts.get("context_length")
+        train = facts.get("context_length")
         known = train if isinstance(train, int) and train > 0 else None
         size = known or FALLBACK_CTX
         fit.argv = args.replace(fit.argv, args.CTX_SIZE, str(size))
@@ -81,8 +67,8 @@ def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str
         fit.note(f"-c {size} ({source})", "an unset context may be shrunk by --fit between runs, and a restore "
                  "fails when the tokens no longer fit; pass -c yourself to choose")
 
-    window = fit.facts.get("sliding_window")
-    wants_swa_full = swa_policy == "always" or (swa_policy == "auto" and window)
+    window = facts.get("sliding_window")
+    wants_swa_full = config.swa_full == "always" or (config.swa_full == "auto" and window)
     if wants_swa_full and not args.has(fit.argv, args.SWA_FULL):
         if has("--swa-full"):
             fit.argv.append("--swa-full")
@@ -92,7 +78,7 @@ def fit_for_slots(argv: list[str], model: Model, slot_dir: Path, swa_policy: str
         else:
             fit.note("LOST: --swa-full is not supported",
                      "restored slots of this sliding-window model would be re-processed; slots.restore skips them")
-    elif window and swa_policy == "never":
+    elif window and config.swa_full == "never":
         fit.note("no --swa-full (slots.swa_full: never)",
                  "this sliding-window model will not reuse restored slots; slots.restore skips them")
     return fit

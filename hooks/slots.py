@@ -13,6 +13,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,75 @@ from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from wrapper.actions import ActionError
 from wrapper.llama import LlamaError
+from wrapper.proxy import Observer
 from wrapper.runtime import Runtime
 
 log = structlog.get_logger()
 
+FAMILY = "slots"
+
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
 
 
+@dataclass
+class SlotState:
+    """What the slot built-ins know of one generation: the last save and restore, and the reuse watch."""
+
+    save: list[dict[str, Any]] = field(default_factory=list)
+    restore: list[dict[str, Any]] = field(default_factory=list)
+    reuse: ReuseTracker | None = None
+
+    def tracker(self, rt: Runtime) -> ReuseTracker:
+        if self.reuse is None:
+            self.reuse = ReuseTracker(rt.client)
+        return self.reuse
+
+
+def _state(rt: Runtime) -> SlotState:
+    state = rt.state.setdefault(FAMILY, SlotState())
+    assert isinstance(state, SlotState)
+    return state
+
+
 def _directory(rt: Runtime) -> Path:
-    if rt.launch.slot_dir is None:
+    directory = rt.launch.prepared.get(FAMILY)
+    if not isinstance(directory, Path):
         raise ActionError("slot persistence is off: the wrapper did not prepare a slot folder")
-    return rt.launch.slot_dir
+    return directory
+
+
+# -- what the registry declares (hooks/registry.py) -------------------------------------------------------
+
+
+def observer(rt: Runtime) -> Observer | None:
+    reuse = _state(rt).reuse
+    return reuse.observer() if reuse is not None else None
+
+
+def status(rt: Runtime) -> dict[str, Any]:
+    directory = rt.launch.prepared.get(FAMILY)
+    state = _state(rt)
+    return {"dir": str(directory) if directory else None, "restore": state.restore, "save": state.save}
+
+
+async def save_step(rt: Runtime) -> str:
+    """The save before a reload: its failure is reported, never the end of the reload."""
+    try:
+        return await save(rt)
+    except ActionError as exc:
+        log.warning("reload.step_failed", step="slots.save", error=str(exc))
+        return f"slots.save failed: {exc}"
+
+
+async def take_over(rt: Runtime) -> str:
+    """Into a new generation: restore what it can use, prefill what it cannot (other cache types)."""
+    try:
+        summary = await restore(rt)
+    except ActionError as exc:
+        log.warning("reload.step_failed", step="slots.restore", error=str(exc))
+        summary = f"slots.restore failed: {exc}"
+    warmed = await warm(rt)
+    return f"{summary}; {warmed}" if warmed else summary
 
 
 async def _settings(rt: Runtime) -> dict[str, Any]:
@@ -57,7 +116,7 @@ async def save(rt: Runtime) -> str:
         raise ActionError(f"cannot read the server's slots: {exc}") from exc
     report = [await _guarded(_save_one(rt, directory, slot, settings), {"slot": slot.get("id"), "tokens": 0,
                                                                            "bytes": 0}) for slot in slots]
-    rt.save_report = report
+    _state(rt).save = report
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     summary = (f"saved {len(saved)} slot(s), {sum(r['tokens'] for r in saved)} tokens, "
@@ -109,7 +168,7 @@ async def restore(rt: Runtime) -> str:
     _sweep(directory)
     files = slotdir.saved_slots(directory)
     if not files:
-        rt.restore_report = []
+        _state(rt).restore = []
         log.info("slots.restore_nothing", dir=str(directory))
         return "no saved slots"
     started = time.monotonic()
@@ -117,18 +176,17 @@ async def restore(rt: Runtime) -> str:
         settings = await _settings(rt)
         state_version = await _state_version(rt, directory)
     except (LlamaError, OSError, slotfile.SlotFileError) as exc:
-        rt.restore_report = [{"slot": saved.slot, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
+        _state(rt).restore = [{"slot": saved.slot, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
                              for saved in files]
         log.warning("slots.restore_skipped_all", error=str(exc))
         return f"skipped {len(files)} slot(s): {exc}"
-    if rt.reuse is None:
-        rt.reuse = ReuseTracker(rt.client)
+    reuse = _state(rt).tracker(rt)
     report = [await _guarded(_restore_one(rt, saved, settings, state_version),
                              {"slot": saved.slot, "file": str(saved.kv_file), "tokens": 0}) for saved in files]
-    rt.restore_report = report
+    _state(rt).restore = report
     restored = [r for r in report if r["outcome"] == "restored"]
     for entry in restored:
-        rt.reuse.expect(entry, settings["total_slots"])
+        reuse.expect(entry, settings["total_slots"])
     return (f"restored {len(restored)} of {len(report)} slot(s), {sum(r['tokens'] for r in restored)} tokens "
             f"in {time.monotonic() - started:.3f}s")
 
@@ -189,12 +247,11 @@ _WARMABLE = ("cache types", "flash attention", "the file has", "KV rotation", "s
 async def warm(rt: Runtime) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
-    entries = [e for e in rt.restore_report if (e.get("outcome") == "failed" and e.get("tokens"))
+    entries = [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
                or (e.get("outcome") == "skipped" and str(e.get("reason", "")).startswith(_WARMABLE))]
     if not entries:
         return ""
-    if rt.reuse is None:
-        rt.reuse = ReuseTracker(rt.client)
+    reuse = _state(rt).tracker(rt)
     started = time.monotonic()
     total_slots = int((await rt.client.props()).get("total_slots") or 1)
     warmed = 0
@@ -208,7 +265,7 @@ async def warm(rt: Runtime) -> str:
             continue
         entry.update(outcome="prefilled", tokens=len(tokens),
                      prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
-        rt.reuse.expect(entry, total_slots)
+        reuse.expect(entry, total_slots)
         warmed += 1
         log.info("slots.prefilled", slot=entry["slot"], tokens=len(tokens), prefill_ms=entry["prefill_ms"],
                  why=entry["reason"])

@@ -78,7 +78,8 @@ def environment(context: Mapping[str, Any]) -> dict[str, str]:
 
 
 class HookRunner:
-    def __init__(self, session: aiohttp.ClientSession, builtin: Callable[[str], BuiltinFn]) -> None:
+    def __init__(self, session: aiohttp.ClientSession,
+                 builtin: Callable[[str, Mapping[str, Any]], BuiltinFn]) -> None:
         self._session = session
         self._builtin = builtin
         self.history: deque[HookRun] = deque(maxlen=50)
@@ -140,7 +141,8 @@ class HookRunner:
                 if action.kind == "http":
                     return await self._http(action, context)
                 if action.kind == "builtin":
-                    return await self._builtin(action.builtin)()
+                    options = template.render_data(action.options, context)
+                    return await self._builtin(action.builtin, options)()
                 if action.kind == "shell":
                     argv = ["/bin/sh", "-c", template.render_shell(action.shell or "", context)]
                 else:

@@ -11,8 +11,9 @@ from typing import Any
 import click
 import yaml
 
-from wrapper import __version__, logs
-from wrapper.config import EXIT_CONFIG, HOOK_EVENTS, Config, ConfigError, load_config, parse_listen
+from wrapper import __version__, extensions, logs
+from wrapper.config import EXIT_CONFIG, HOOK_EVENTS, Config, ConfigError, parse_listen
+from wrapper.reload_cli import reload
 from wrapper.units import parse_duration
 
 RUN_EXAMPLES = """
@@ -41,7 +42,7 @@ DURATION = _Duration()
 
 
 def _load(config_path: str | None) -> Config:
-    return load_config(config_path) if config_path else Config()
+    return extensions.load(config_path) if config_path else Config()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
@@ -74,7 +75,6 @@ def main() -> None:
 def run(config_path: str | None, listen: str | None, ready_timeout: float | None, stop_timeout: float | None,
         slots_dir: str | None, log_format: logs.LogFormat, log_level: str, server_argv: tuple[str, ...]) -> None:
     """Start llama-server behind the wrapper and supervise it until a signal stops it."""
-    from wrapper.launch import prepare
     from wrapper.lifecycle import Supervisor
     from wrapper.listener import serve
 
@@ -93,7 +93,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
         if server_argv:
             changes["argv"] = tuple(server_argv)
         config = replace(config, **changes)
-        launch = prepare(config)
+        launch = extensions.prepare(config)
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -105,7 +105,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
 def check(config_path: str) -> None:
     """Validate CONFIG and print the resolved settings and hooks; starts nothing. Exit 2 on errors."""
     try:
-        config = load_config(config_path)
+        config = extensions.load(config_path)
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
@@ -130,7 +130,7 @@ def _resolved(config: Config) -> dict[str, Any]:
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
         "slots": {"dir": str(config.slots_dir), "swa_full": config.swa_full,
-                  "persistence": config.slot_persistence},
+                  "persistence": config.uses("slots")},
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
@@ -146,18 +146,14 @@ def _body(action: Any) -> Any:
         body.update({k: v for k, v in (("headers", http.headers), ("json", http.json), ("body", http.body),
                                         ("expect", list(http.expect))) if v})
         return body
-    return {"shell": action.shell, "exec": list(action.exec), "builtin": action.builtin}[action.kind]
+    if action.kind == "builtin":
+        return {"name": action.builtin, "with": action.options} if action.options else action.builtin
+    return {"shell": action.shell, "exec": list(action.exec)}[action.kind]
 
 
-def _add_commands() -> None:
-    from wrapper.reload_cli import reload
-    from wrapper.slots_cli import slots
-
-    main.add_command(slots)
-    main.add_command(reload)
-
-
-_add_commands()
+main.add_command(reload)
+for _command in extensions.commands():
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

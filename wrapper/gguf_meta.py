@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 # value type id -> struct format of a scalar (8: string, 9: array are handled apart)
@@ -19,8 +20,20 @@ class GGUFError(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    type_id: int  # ggml_type
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """Scalar keys, strings and short numeric arrays of the GGUF header."""
+    return read_header(path)[0]
+
+
+def read_header(path: str) -> tuple[dict[str, Any], list[Tensor]]:
+    """The key/value header and the tensor table (names, shapes, types; no data)."""
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _walk(data)
@@ -28,10 +41,10 @@ def read_metadata(path: str) -> dict[str, Any]:
         raise GGUFError(f"{path}: cannot read the GGUF header: {exc}") from exc
 
 
-def _walk(data: mmap.mmap) -> dict[str, Any]:
+def _walk(data: mmap.mmap) -> tuple[dict[str, Any], list[Tensor]]:
     if data[:4] != b"GGUF":
         raise GGUFError("not a GGUF file")
-    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
     if version < 2:
         raise GGUFError(f"GGUF version {version} is too old")
     pos = 24
@@ -42,7 +55,18 @@ def _walk(data: mmap.mmap) -> dict[str, Any]:
         value, pos = _value(data, pos + 4, kind)
         if value is not _SKIPPED:
             out[key] = value
-    return out
+    tensors = []
+    for _ in range(n_tensors):
+        name, pos = _string(data, pos)
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        if n_dims > 8:
+            raise GGUFError(f"tensor {name!r} has {n_dims} dimensions")
+        shape = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
+        pos += 4 + 8 * n_dims
+        type_id, _offset = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        tensors.append(Tensor(name, tuple(shape), type_id))
+    return out, tensors
 
 
 _SKIPPED = object()

@@ -6,7 +6,6 @@ import os
 import shutil
 import socket
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -14,12 +13,25 @@ import structlog
 from wrapper import argv as args
 from wrapper.auth import admin_token, redacted, server_keys
 from wrapper.config import Config, ConfigError, Listen
+from wrapper.gguf_meta import GGUFError, architecture_facts, read_metadata
 from wrapper.model import Model, from_argv
 
 log = structlog.get_logger()
 
 PRIVATE_HOST = "127.0.0.1"
 DEFAULT_LISTEN = Listen("127.0.0.1", 8080)  # llama-server's own default, so the wrapper is a drop-in
+
+
+@dataclass
+class Fitting:
+    """What a built-in changed in the child's argv, why, and what it set up for the generation."""
+
+    argv: list[str]
+    notes: list[dict[str, str]] = field(default_factory=list)
+    prepared: Any = None  # kept in `Launch.prepared[family]`
+
+    def note(self, change: str, why: str) -> None:
+        self.notes.append({"change": change, "why": why})
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ class Launch:
     model: Model
     env: dict[str, str]
     keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
-    slot_dir: Path | None = None
+    prepared: dict[str, Any] = field(default_factory=dict)  # what each built-in set up for it (slots: a folder)
     admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
@@ -77,24 +89,19 @@ def prepare(config: Config) -> Launch:
     argv = [*args.remove(args.remove(argv, args.HOST), args.PORT), "--host", PRIVATE_HOST, "--port", str(port)]
     model = from_argv(argv)
     env = {**os.environ, **config.env}
-    slot_dir = None
     facts: dict[str, Any] = {}
-    if config.slot_persistence:
-        from hooks.fitting import fit_for_slots
-
-        slot_dir = config.slots_dir / model.id
+    if model.path:
         try:
-            fit = fit_for_slots(argv, model, slot_dir, config.swa_full)
-        except OSError as exc:
-            raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
-        argv, facts = fit.argv, fit.facts
-        notes.extend(fit.notes)
+            facts = architecture_facts(read_metadata(model.path))
+        except GGUFError as exc:
+            notes.append({"change": "could not read the model's GGUF header",
+                          "why": f"{exc}; SWA detection, the -c default and memory plans are off"})
     try:
         token = admin_token(config.admin_token_file, os.environ)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return Launch(argv=argv, port=port, listen=listen, model=model, env=env, keys=server_keys(argv, env),
-                  slot_dir=slot_dir, admin_token=token, notes=notes, facts=facts)
+                  admin_token=token, notes=notes, facts=facts)
 
 
 def _listen_from_server_args(host: str | None, port: str | None) -> Listen:

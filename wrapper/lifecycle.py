@@ -11,13 +11,13 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
 import structlog
 
-from wrapper import actions
+from wrapper import actions, extensions
 from wrapper.actions import HookFailed, HookRunner
 from wrapper.aio import first_of
 from wrapper.child import Child, Exit, spawn
@@ -294,15 +294,12 @@ class Supervisor:
             "env": dict(os.environ),
         }
 
-    def _builtin(self, name: str) -> actions.BuiltinFn:
-        from hooks.builtins import bind
-
-        return bind(name, self.runtime)
+    def _builtin(self, name: str, options: Mapping[str, Any]) -> actions.BuiltinFn:
+        return extensions.bind(name, options, self.runtime)
 
     def observer(self) -> Observer | None:
         """What watches proxied responses, only while there is something to learn from them."""
-        reuse = self.runtime.reuse
-        return reuse.observer() if reuse is not None else None
+        return extensions.observer(self.runtime)
 
     def _on_server_line(self, line: str) -> None:
         log.info("server.output", line=line)
@@ -322,8 +319,7 @@ class Supervisor:
             "ready_for_s": round(now - self.ready_at, 3) if self.ready_at else None,
             "requests": {"in_flight": self.gate.in_flight, "held": self.gate.held},
             "argv_changes": self.launch.notes,
-            "slots": {"dir": str(self.launch.slot_dir) if self.launch.slot_dir else None,
-                      "restore": self.runtime.restore_report, "save": self.runtime.save_report},
+            **extensions.status(self.runtime),
             "hooks": [run.as_dict() for run in list(self.runner.history)[-20:]],
             "last_reload": {k: v for k, v in self.last_reload.items() if k != "slots"} if self.last_reload else None,
         }

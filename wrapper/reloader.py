@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from wrapper import argv as args
-from wrapper.actions import ActionError
+from wrapper import extensions
 from wrapper.config import Config, ConfigError
-from wrapper.launch import Launch, prepare
+from wrapper.launch import Launch
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.reload import ReloadPlan, ReloadRefused, plan
 from wrapper.runtime import Runtime
@@ -52,7 +52,7 @@ class Reloader:
         reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
         new_config = replace(config, argv=tuple(reload_plan.argv), swa_full=reload_plan.swa_full or config.swa_full)
         try:
-            launch = replace(prepare(new_config), listen=self.sup.launch.listen)
+            launch = replace(extensions.prepare(new_config), listen=self.sup.launch.listen)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from exc
         overlap, why = self._overlap(launch)
@@ -90,7 +90,7 @@ class Reloader:
             began = time.monotonic()
             sup.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
             await sup.drain(sup.config.reload_drain_timeout)
-            saved = await _builtin_step("slots.save", old_runtime) if old_config.slot_persistence else None
+            saved = await extensions.hand_over(old_runtime)
             if not prepared.overlap:
                 await sup.stop_child(old_child)
                 try:
@@ -98,7 +98,7 @@ class Reloader:
                 except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
                     return await self._roll_back(prepared, old_config, old_launch, old_runtime, began, str(exc))
             sup.install(prepared.config, prepared.launch, new_runtime)
-            restored = await self._restore(new_runtime) if prepared.config.slot_persistence else None
+            restored = await extensions.take_over(new_runtime)
             sup.lifecycle.to(State.READY)  # the held requests go to the new server
             downtime_ms = round((time.monotonic() - began) * 1000, 1)
             if prepared.overlap:
@@ -108,13 +108,6 @@ class Reloader:
             if new_child is not None and new_child is not sup.child and new_child.alive:
                 await sup.stop_child(new_child)
         return await self._answer(prepared, True, "reloaded", downtime_ms, saved, restored, new_runtime)
-
-    async def _restore(self, runtime: Runtime) -> str:
-        from hooks.slots import warm
-
-        summary = await _builtin_step("slots.restore", runtime)
-        warmed = await warm(runtime)  # what could not be restored (other cache types) is prefilled instead
-        return f"{summary}; {warmed}" if warmed else summary
 
     async def _roll_back(self, prepared: Prepared, old_config: Config, old_launch: Launch, old_runtime: Runtime,
                          began: float | None, reason: str) -> dict[str, Any]:
@@ -129,7 +122,7 @@ class Reloader:
                 sup.request_stop()  # nothing is left to serve with: stop as if signalled, slots already saved
                 raise
             sup.install(old_config, old_launch, old_runtime)
-            await self._restore(old_runtime)
+            await extensions.take_over(old_runtime)
             sup.lifecycle.to(State.READY)
         downtime_ms = round((time.monotonic() - began) * 1000, 1) if began is not None else 0.0
         return await self._answer(prepared, False, f"reload failed, the previous settings are back: {reason}",
@@ -142,28 +135,18 @@ class Reloader:
             n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
         except LlamaError:
             n_ctx = 0
-        if not prepared.config.slot_persistence:
+        if not prepared.config.uses("slots"):
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
+        restore_report = extensions.status(runtime).get("slots", {}).get("restore", [])
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
             "overlap": prepared.overlap, "overlap_why": prepared.overlap_why, "changes": prepared.plan.changes,
-            "save": saved, "restore": restored, "slots": runtime.restore_report if success else [],
+            "save": saved, "restore": restored, "slots": restore_report if success else [],
         }
         log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})
         self.sup.last_reload = answer
         await self.sup.run_hook("on_reload")
         return answer
-
-
-async def _builtin_step(name: str, runtime: Runtime) -> str:
-    """A slot built-in as a reload step: its failure is reported, never the end of the reload."""
-    from hooks.builtins import bind
-
-    try:
-        return await bind(name, runtime)() or ""
-    except ActionError as exc:
-        log.warning("reload.step_failed", step=name, error=str(exc))
-        return f"{name} failed: {exc}"
 
 
 def _mem_available() -> int | None:

@@ -1,17 +1,14 @@
-"""What the built-in hooks may use of the running wrapper."""
+"""What the built-in hooks may use of the running wrapper: one generation's config, launch, client and child."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from wrapper.child import Child
 from wrapper.config import Config
 from wrapper.launch import Launch
 from wrapper.llama import LlamaClient
-
-if TYPE_CHECKING:
-    from hooks.reuse import ReuseTracker
 
 
 @dataclass
@@ -20,6 +17,4 @@ class Runtime:
     launch: Launch
     client: LlamaClient
     child: Child | None = None
-    restore_report: list[dict[str, Any]] = field(default_factory=list)
-    save_report: list[dict[str, Any]] = field(default_factory=list)
-    reuse: ReuseTracker | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # each built-in's own, under its family name

@@ -171,3 +171,30 @@ def test_sigterm_during_a_reload_stops_with_the_slots_saved(tmp_path: Path, serv
     assert not [e for e in wrapper.events("child.exited") if e["killed_after_timeout"]]
     with running(tmp_path, argv, config(tmp_path, "never")) as again:
         assert again.status()["slots"]["restore"][0]["outcome"] == "restored"
+
+
+def test_a_hook_of_another_model_reloads_this_one(tmp_path: Path, server_bin: str, tiny_path: str) -> None:
+    """The built-in `server.reload`: a second model's on_will_start shrinks the first one's context (as in a
+    llama-swap group), with the first wrapper's token from a file; a refused reload fails that hook."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    first_argv = [server_bin, "-m", tiny_path, "-c", "4096", "-np", "1"]
+    with running(tmp_path, first_argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as first:
+        turn = complete(first.url, STORY * 20)
+        second = f"""
+hooks:
+  on_will_start:
+    - builtin: server.reload
+      timeout: 120s
+      with: {{url: "{first.url}", token_file: {token_file}, n_ctx: 2048, cache_type_k: q8_0, cache_type_v: q8_0}}
+"""
+        with running(tmp_path, [server_bin, "-m", tiny_path, "-c", "1024"], second) as other:
+            (run,) = [h for h in other.status()["hooks"] if h["action"] == "server.reload"]
+            assert run["outcome"] == "ok" and "n_ctx 2048" in run["detail"], run
+        assert first.status()["last_reload"]["n_ctx"] == 2048
+        nxt = complete(first.url, STORY * 20 + turn["content"] + " And then")
+        assert nxt["timings"]["cache_n"] >= 0.95 * (turn["tokens_evaluated"] + turn["tokens_predicted"])
+        refused = second.replace("n_ctx: 2048", "n_ctx: -1")
+        failing = Wrapper(tmp_path, [server_bin, "-m", tiny_path, "-c", "1024"], refused)
+        assert failing.wait(60) == 3  # a failed on_will_start is a failed start
+        assert "n_ctx must be a positive integer" in failing.log_path.read_text()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from wrapper import extensions
 from wrapper.config import ConfigError, Listen, load_config, parse_config, parse_listen
 from wrapper.units import parse_duration
 
@@ -53,13 +54,13 @@ def test_full_config_reads_every_key() -> None:
     stopped = config.hooks["on_stopped"][0]
     assert stopped.exec == ("notify-send", "{{ model.name }} stopped: {{ result }}")
     assert stopped.ignore_errors and stopped.when == 'result != "success"'
-    assert config.slot_persistence
+    assert config.uses("slots")
 
 
 def test_empty_config_is_all_defaults() -> None:
     config = parse_config("", "empty.yaml")
     assert config.listen is None and config.ready_timeout == 300 and config.stop_timeout == 10
-    assert not config.slot_persistence and all(not actions for actions in config.hooks.values())
+    assert not config.uses("slots") and all(not actions for actions in config.hooks.values())
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -70,7 +71,6 @@ def test_empty_config_is_all_defaults() -> None:
     ("hooks:\n  on_startup:\n    - name: x\n", "c.yaml:3: hooks.on_startup[0] needs exactly one of http, shell"),
     ("hooks:\n  on_startup:\n    - shell: a\n      exec: [b]\n",
      "needs exactly one of http, shell, exec, builtin (found 2)"),
-    ("hooks:\n  on_startup:\n    - builtin: slots.sav\n", "unknown built-in 'slots.sav' (did you mean 'slots.save'?)"),
     ("hooks:\n  on_startup:\n    - http: {method: GET}\n", "c.yaml:3: hooks.on_startup[0].http needs a url"),
     ("hooks:\n  on_startup:\n    - shell: x\n      retries: 100\n", "c.yaml:4: hooks.on_startup[0].retries must be"),
     ("hooks:\n  on_startup:\n    - shell: x\n      ignore_errors: maybe\n", "ignore_errors must be a bool"),
@@ -82,6 +82,29 @@ def test_bad_configs_name_file_and_line(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(text, "c.yaml")
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("    - builtin: slots.sav\n", "c.yaml:3: unknown built-in 'slots.sav' (did you mean 'slots.save'?)"),
+    ("    - builtin: slots.save\n      with: {x: 1}\n", "c.yaml:3: slots.save: takes no options (got x)"),
+    ("    - builtin: server.reload\n", "server.reload: says nothing to change"),
+    ("    - builtin: server.reload\n      with: {n_ctx: 8192, ctx: 1}\n", "unknown option(s) ctx"),
+    ("    - shell: x\n      with: {a: 1}\n", "c.yaml:4: hooks.on_startup[0].with: only a builtin action"),
+    ("    - builtin: server.reload\n      with: {n_ctx: '{{ nope }}'}\n", "unknown name 'nope'"),
+])
+def test_builtins_and_their_options_are_checked_at_load(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "c.yaml").write_text("hooks:\n  on_startup:\n" + text)
+    with pytest.raises(ConfigError) as caught:
+        extensions.load(tmp_path / "c.yaml")
+    assert message in str(caught.value).replace(str(tmp_path) + "/", "")
+
+
+def test_builtin_options_are_kept() -> None:
+    config = parse_config("hooks:\n  on_will_start:\n    - builtin: server.reload\n      with: {url: "
+                          "'http://127.0.0.1:8081', n_ctx: 4096}\n", "c.yaml")
+    action = config.hooks["on_will_start"][0]
+    assert action.options == {"url": "http://127.0.0.1:8081", "n_ctx": 4096}
+    assert extensions.problems(config) == []
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -13,7 +13,9 @@ from hooks.fitting import fit_for_slots
 from hooks.slotfile import SlotFileError, read
 from tests.slotfiles import slot_bytes
 from wrapper import argv as args
+from wrapper.config import Config, Listen
 from wrapper.gguf_meta import architecture_facts, read_metadata
+from wrapper.launch import Launch
 from wrapper.model import Model, fingerprint
 
 
@@ -98,12 +100,16 @@ def fake_server(tmp_path: Path, flags: str) -> str:
     return str(path)
 
 
+def _launch(argv: list[str]) -> Launch:
+    return Launch(argv=argv, port=1, listen=Listen("127.0.0.1", 2), model=Model(None, "m", "id1"), env={})
+
+
 def test_fitting_adds_what_persistence_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     binary = fake_server(tmp_path, "--slot-save-path PATH  -kvu, --kv-unified  --no-cache-idle-slots  --swa-full")
-    model = Model(None, "m", "id1")
-    fit = fit_for_slots([binary, "-c", "0", "--slot-save-path", "/elsewhere"], model, tmp_path / "s", "always")
-    assert args.get(fit.argv, args.SLOT_SAVE_PATH) == str(tmp_path / "s") and (tmp_path / "s").is_dir()
+    argv = [binary, "-c", "0", "--slot-save-path", "/elsewhere"]
+    fit = fit_for_slots(argv, _launch(argv), Config(slots_dir=tmp_path / "s", swa_full="always"))
+    assert args.get(fit.argv, args.SLOT_SAVE_PATH) == str(tmp_path / "s" / "id1") and fit.prepared.is_dir()
     assert args.has(fit.argv, args.KV_UNIFIED) and args.has(fit.argv, args.NO_CACHE_IDLE_SLOTS)
     assert args.has(fit.argv, args.SWA_FULL) and args.get(fit.argv, args.CTX_SIZE) == "4096"
     changes = " ".join(n["change"] for n in fit.notes)
@@ -113,7 +119,8 @@ def test_fitting_adds_what_persistence_needs(tmp_path: Path, monkeypatch: pytest
 def test_fitting_says_what_an_older_build_loses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     binary = fake_server(tmp_path, "--slot-save-path PATH  -cram, --cache-ram N")
-    fit = fit_for_slots([binary, "-c", "2048"], Model(None, "m", "id1"), tmp_path / "s", "always")
+    argv = [binary, "-c", "2048"]
+    fit = fit_for_slots(argv, _launch(argv), Config(slots_dir=tmp_path / "s", swa_full="always"))
     assert args.get(fit.argv, args.CTX_SIZE) == "2048" and args.get(fit.argv, args.CACHE_RAM) == "0"
     assert not args.has(fit.argv, args.SWA_FULL) and not args.has(fit.argv, args.KV_UNIFIED)
     assert any(n["change"].startswith("LOST: --swa-full") for n in fit.notes)

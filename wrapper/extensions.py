@@ -1,0 +1,97 @@
+"""The one place the wrapper meets its built-ins (hooks/registry.py): names, options, argv changes, observers,
+status and the reload hand-over, each asked of every built-in a config uses."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import click
+
+from hooks.registry import ACTIONS, BUILTINS, Builtin
+from wrapper.actions import BuiltinFn
+from wrapper.config import Config, ConfigError, load_config
+from wrapper.launch import Launch
+from wrapper.launch import prepare as prepare_launch
+from wrapper.proxy import Observer
+from wrapper.runtime import Runtime
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read a config and check its built-in actions and their options; ConfigError names every problem."""
+    config = load_config(path)
+    if found := problems(config):
+        raise ConfigError("\n".join(found))
+    return config
+
+
+def problems(config: Config) -> list[str]:
+    found = []
+    for action in config.all_actions():
+        if action.kind != "builtin":
+            continue
+        known = ACTIONS.get(action.builtin)
+        if known is None:
+            hint = difflib.get_close_matches(action.builtin, list(ACTIONS), n=1)
+            found.append(f"{action.where}: unknown built-in {action.builtin!r}"
+                         + (f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(ACTIONS)})"))
+        else:
+            found += [f"{action.where}: {action.builtin}: {problem}" for problem in known.check(action.options)]
+    return found
+
+
+def in_use(config: Config) -> list[Builtin]:
+    return [b for b in BUILTINS if config.uses(b.family)]
+
+
+def prepare(config: Config) -> Launch:
+    """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted."""
+    launch = prepare_launch(config)
+    argv, notes, prepared = list(launch.argv), list(launch.notes), dict(launch.prepared)
+    for builtin in in_use(config):
+        if builtin.fit is not None:
+            fit = builtin.fit(argv, launch, config)
+            argv, prepared[builtin.family] = fit.argv, fit.prepared
+            notes += fit.notes
+    return replace(launch, argv=argv, notes=notes, prepared=prepared)
+
+
+def bind(name: str, options: Mapping[str, Any], runtime: Runtime) -> BuiltinFn:
+    action = ACTIONS[name]
+    return lambda: action.run(runtime, options)
+
+
+def observer(runtime: Runtime) -> Observer | None:
+    """What watches proxied responses now; None when no built-in has anything to learn from them."""
+    watching = [o for b in in_use(runtime.config) if b.observer and (o := b.observer(runtime)) is not None]
+    if len(watching) <= 1:
+        return watching[0] if watching else None
+
+    def every(path: str, status: int, tail: bytes) -> None:
+        for watch in watching:
+            watch(path, status, tail)
+
+    return every
+
+
+def status(runtime: Runtime) -> dict[str, Any]:
+    return {b.family: b.status(runtime) for b in in_use(runtime.config) if b.status is not None}
+
+
+async def hand_over(runtime: Runtime) -> str | None:
+    """Before a reload replaces the generation (slots: save); None when no built-in has anything to do."""
+    done = [await b.hand_over(runtime) for b in in_use(runtime.config) if b.hand_over is not None]
+    return "; ".join(done) if done else None
+
+
+async def take_over(runtime: Runtime) -> str | None:
+    """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
+    done = [await b.take_over(runtime) for b in in_use(runtime.config) if b.take_over is not None]
+    return "; ".join(done) if done else None
+
+
+def commands() -> list[click.Command]:
+    return [command for b in BUILTINS for command in b.commands]
