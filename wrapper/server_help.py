@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 _FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
 _COLUMNS = re.compile(r"(?<![,\s])\s{2,}")  # a help line: flags (a comma between them), 2+ spaces, the text
@@ -28,30 +29,51 @@ def supported_flags(binary: str) -> frozenset[str] | None:
 
 def flag_arity(binary: str) -> dict[str, bool] | None:
     """Each flag `--help` lists, and whether it takes a value (a metavar follows its names); cached per binary."""
+    data = _asked(binary, "--help", lambda text: parse_help(text) or None)
+    return {str(k): bool(v) for k, v in data.items()} if isinstance(data, dict) else None
+
+
+def devices(binary: str) -> list[str] | None:
+    """The accelerators the binary sees (`--list-devices`: e.g. `CUDA0: NVIDIA H200 (143771 MiB, …)`); [] on a
+    CPU-only build, None when that cannot be learnt."""
+    data = _asked(binary, "--list-devices", parse_devices)
+    return [str(d) for d in data] if isinstance(data, list) else None
+
+
+def parse_devices(text: str) -> list[str] | None:
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip().startswith("Available devices")]
+    if not starts:
+        return None
+    found = [line.strip() for line in lines[starts[-1] + 1:] if line.startswith(" ") and line.strip()]
+    return [line for line in found if line != "(none)"]
+
+
+def _asked(binary: str, option: str, parse: Any) -> Any:
+    """What `binary option` says, parsed; cached per binary (path, size and mtime) under the user cache."""
     path = shutil.which(binary)
     if path is None:
         return None
     stat = os.stat(path)
     key = hashlib.sha256(f"{_FORMAT}\0{os.path.realpath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    cached = cache_dir() / f"{key.hexdigest()[:24]}.json"
+    suffix = "" if option == "--help" else option.strip("-") + "-"
+    cached = cache_dir() / f"{suffix}{key.hexdigest()[:24]}.json"
     try:
-        data = json.loads(cached.read_text())
-        if isinstance(data, dict):
-            return {str(k): bool(v) for k, v in data.items()}
+        return json.loads(cached.read_text())
     except (OSError, ValueError):
         pass
     try:
-        done = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run([path, option], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    arity = parse_help(done.stdout + done.stderr)
-    if not arity:
+    parsed = parse(done.stdout + done.stderr)
+    if parsed is None:
         return None
     cached.parent.mkdir(parents=True, exist_ok=True)
     temporary = cached.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(arity, sort_keys=True))
+    temporary.write_text(json.dumps(parsed, sort_keys=True))
     temporary.replace(cached)
-    return arity
+    return parsed
 
 
 def parse_help(text: str) -> dict[str, bool]:
