@@ -11,9 +11,8 @@ from typing import Any, Literal
 
 import yaml
 
-from hooks import BUILTIN_NAMES
 from wrapper import template
-from wrapper.units import parse_duration
+from wrapper.units import parse_duration, parse_size
 
 HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped", "on_reload")
 ACTION_KINDS = ("http", "shell", "exec", "builtin")
@@ -52,6 +51,7 @@ class Action:
     shell: str | None = None
     exec: tuple[str, ...] = ()
     builtin: str = ""
+    options: dict[str, Any] = field(default_factory=dict)  # a built-in's `with:` mapping (templates rendered)
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,30 @@ class Listen:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+LADDER_RUNGS = ("disable-spec", "mmproj-to-cpu", "quantize-kv-q8", "quantize-kv-q4", "swa-window")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A step of the degradation ladder: a built-in one by name, or the user's own argv edits."""
+
+    name: str
+    set: dict[str, str | bool] = field(default_factory=dict)
+    remove: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Degrade:
+    """`degrade:` — serve the most capable configuration that fits a memory budget, grow on demand."""
+
+    budget: int | None = None  # bytes; None: auto (free GPU memory, else MemAvailable minus `reserve`)
+    reserve: int = 1 << 30
+    ladder: tuple[Rung, ...] = tuple(Rung(name) for name in LADDER_RUNGS)
+    headroom: int = 1024  # tokens beyond a prompt that says no max_tokens
+    continue_truncated: bool = True  # `continue`: a generation cut by a full context goes on after the growth
+    relax_after: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -81,13 +105,13 @@ class Config:
     reload_hold_timeout: float = 60.0  # how long a request may be held during a reload before a 503
     reload_drain_timeout: float = 30.0  # how long in-flight requests may finish before a reload cuts them
     admin_token_file: Path | None = None  # POST /wrapper/* needs this token (or LLAMA_WRAPPER_ADMIN_TOKEN)
+    degrade: Degrade | None = None  # None: no budget, the argv as given
     hooks: dict[str, tuple[Action, ...]] = field(default_factory=lambda: {e: () for e in HOOK_EVENTS})
     warnings: tuple[str, ...] = ()  # file:line notes about things that work but are probably not meant
 
-    @property
-    def slot_persistence(self) -> bool:
-        """True when any hook saves or restores slots: the child is then made fit for it."""
-        return any(a.kind == "builtin" and a.builtin.startswith("slots.") for a in self.all_actions())
+    def uses(self, family: str) -> bool:
+        """True when a hook runs a built-in of this family (`slots` → the child is made fit for persistence)."""
+        return any(a.kind == "builtin" and a.builtin.startswith(f"{family}.") for a in self.all_actions())
 
     def all_actions(self) -> list[Action]:
         return [action for event in HOOK_EVENTS for action in self.hooks[event]]
@@ -197,7 +221,8 @@ def parse_config(text: str, name: str = "<config>") -> Config:
 
 
 def _read_root(r: _Reader, root: yaml.Node) -> Config:
-    top = r.mapping(root, "the config", ("listen", "server", "slots", "proxy", "reload", "admin", "hooks"))
+    top = r.mapping(root, "the config", ("listen", "server", "slots", "proxy", "reload", "admin", "degrade",
+                                               "hooks"))
     values: dict[str, Any] = {"source": r.path}
     if "listen" in top:
         values["listen"] = r.converted(top["listen"], "listen", lambda v: parse_listen(str(v)))
@@ -244,11 +269,74 @@ def _read_root(r: _Reader, root: yaml.Node) -> Config:
             token_file = r.scalar(admin["token_file"], "admin.token_file", (str,))
             if token_file:
                 values["admin_token_file"] = Path(os.path.expandvars(token_file)).expanduser()
+    if "degrade" in top:
+        values["degrade"] = _read_degrade(r, top["degrade"])
     if "hooks" in top:
         hooks = r.mapping(top["hooks"], "hooks", HOOK_EVENTS)
         values["hooks"] = {event: _read_actions(r, hooks[event], event) if event in hooks else ()
                            for event in HOOK_EVENTS}
     return Config(**{k: v for k, v in values.items() if v is not None})
+
+
+def _read_degrade(r: _Reader, node: yaml.Node) -> Degrade:
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return Degrade()
+    keys = r.mapping(node, "degrade", ("budget", "reserve", "ladder", "headroom", "continue", "relax_after"))
+    values: dict[str, Any] = {}
+    if "budget" in keys:
+        budget = r.value(keys["budget"])
+        if budget != "auto":
+            values["budget"] = r.converted(keys["budget"], "degrade.budget", parse_size)
+    if "reserve" in keys:
+        values["reserve"] = r.converted(keys["reserve"], "degrade.reserve", parse_size)
+    if "ladder" in keys:
+        values["ladder"] = _read_ladder(r, keys["ladder"])
+    if "headroom" in keys:
+        headroom = r.scalar(keys["headroom"], "degrade.headroom", (int,))
+        if headroom is not None and headroom < 0:
+            r.error(keys["headroom"], "degrade.headroom must be 0 or more tokens")
+        values["headroom"] = headroom
+    if "continue" in keys:
+        values["continue_truncated"] = r.scalar(keys["continue"], "degrade.continue", (bool,))
+    if "relax_after" in keys:
+        values["relax_after"] = r.converted(keys["relax_after"], "degrade.relax_after", parse_duration)
+    return Degrade(**{k: v for k, v in values.items() if v is not None})
+
+
+def _read_ladder(r: _Reader, node: yaml.Node) -> tuple[Rung, ...] | None:
+    if not isinstance(node, yaml.SequenceNode):
+        r.error(node, f"degrade.ladder must be a list of rungs ({', '.join(LADDER_RUNGS)}, or {{name, set, remove}})")
+        return None
+    rungs: list[Rung] = []
+    for index, item in enumerate(node.value):
+        what = f"degrade.ladder[{index}]"
+        if isinstance(item, yaml.ScalarNode):
+            known = str(item.value)
+            if known not in LADDER_RUNGS:
+                r.error(item, f"{what}: unknown rung {known!r}{_suggest(known, LADDER_RUNGS)}; "
+                              "a rung of your own is a mapping {name, set, remove}")
+            rungs.append(Rung(known))
+            continue
+        keys = r.mapping(item, what, ("name", "set", "remove"))
+        name = r.scalar(keys["name"], f"{what}.name", (str,)) if "name" in keys else None
+        if not name:
+            r.error(item, f"{what} needs a name")
+            continue
+        if name in LADDER_RUNGS:
+            r.error(item, f"{what}: {name!r} is a built-in rung; give yours another name")
+        edits = r.value(keys["set"]) if "set" in keys else {}
+        if not isinstance(edits, dict) or not all(str(k).startswith("-") for k in edits):
+            r.error(keys.get("set", item), f"{what}.set must map llama-server flags to values, e.g. {{-ub: 256}}")
+            edits = {}
+        removed = r.string_list(keys["remove"], f"{what}.remove") if "remove" in keys else ()
+        if not edits and not removed:
+            r.error(item, f"{what} changes nothing: give set or remove")
+        rungs.append(Rung(name, {str(k): v if isinstance(v, bool) else str(v) for k, v in edits.items()},
+                          tuple(removed)))
+    names = [rung.name for rung in rungs]
+    for name in {n for n in names if names.count(n) > 1}:
+        r.error(node, f"degrade.ladder names {name!r} twice")
+    return tuple(rungs)
 
 
 def _keys(node: yaml.Node) -> list[str]:
@@ -271,7 +359,7 @@ def _read_actions(r: _Reader, node: yaml.Node, event: str) -> tuple[Action, ...]
     return tuple(actions)
 
 
-_ACTION_KEYS = ("name", "timeout", "retries", "ignore_errors", "when", *ACTION_KINDS)
+_ACTION_KEYS = ("name", "timeout", "retries", "ignore_errors", "when", "with", *ACTION_KINDS)
 _HTTP_KEYS = ("method", "url", "headers", "json", "body", "expect")
 
 
@@ -291,10 +379,15 @@ def _read_action(r: _Reader, node: yaml.Node, what: str) -> Action | None:
     elif kind == "exec":
         fields["exec"] = r.string_list(body, f"{what}.exec")
     else:
-        name = r.scalar(body, f"{what}.builtin", (str,))
-        if name is not None and name not in BUILTIN_NAMES:
-            r.error(body, f"{what}: unknown built-in {name!r}{_suggest(name, BUILTIN_NAMES)}")
-        fields["builtin"] = name
+        fields["builtin"] = r.scalar(body, f"{what}.builtin", (str,))  # names are checked by wrapper/extensions
+    if "with" in keys:
+        options = r.value(keys["with"])
+        if kind != "builtin":
+            r.error(keys["with"], f"{what}.with: only a builtin action takes options")
+        elif not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            r.error(keys["with"], f"{what}.with must be a mapping of option names to values")
+        else:
+            fields["options"] = options
     if "name" in keys:
         fields["name"] = r.scalar(keys["name"], f"{what}.name", (str,))
     if "timeout" in keys:
@@ -329,6 +422,7 @@ def _template_problems(action: Action) -> list[str]:
     if action.http is not None:
         texts += [action.http.url, *action.http.headers.values(), action.http.body or "",
                   *_strings(action.http.json)]
+    texts += _strings(action.options)
     found = [problem for text in texts if "{" in text for problem in template.problems(text)]
     if action.when is not None:
         found += template.problems(action.when, expression=True)

@@ -8,7 +8,7 @@ import pytest
 
 from wrapper import extensions
 from wrapper.config import ConfigError, Listen, load_config, parse_config, parse_listen
-from wrapper.units import parse_duration
+from wrapper.units import parse_duration, parse_size
 
 FULL = """\
 listen: 127.0.0.1:9000
@@ -230,3 +230,43 @@ def test_a_port_out_of_range_in_the_server_argv_is_a_config_error(tmp_path: Path
                           capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "--port '70000' is not a port" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_degrade_settings() -> None:
+    config = parse_config("""\
+degrade:
+  budget: 3GiB
+  ladder: [quantize-kv-q8, {name: small-batch, set: {-ub: 256}, remove: [--mlock]}, quantize-kv-q4]
+  headroom: 512
+  continue: false
+  relax_after: 2m
+""", "c.yaml")
+    assert config.degrade is not None
+    assert config.degrade.budget == 3 << 30 and config.degrade.headroom == 512 and config.degrade.relax_after == 120
+    assert not config.degrade.continue_truncated
+    assert [r.name for r in config.degrade.ladder] == ["quantize-kv-q8", "small-batch", "quantize-kv-q4"]
+    assert config.degrade.ladder[1].set == {"-ub": "256"} and config.degrade.ladder[1].remove == ("--mlock",)
+    assert parse_config("degrade: {budget: auto}\n", "c.yaml").degrade.budget is None  # type: ignore[union-attr]
+    assert parse_config("", "c.yaml").degrade is None
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("degrade: {budget: lots}\n", "degrade.budget: not a size: 'lots'"),
+    ("degrade: {budget: 0}\n", "a size must be more than 0"),
+    ("degrade: {ladder: [quantize-kv-q3]}\n", "unknown rung 'quantize-kv-q3' (did you mean 'quantize-kv-q8'?)"),
+    ("degrade: {ladder: [{name: x}]}\n", "degrade.ladder[0] changes nothing"),
+    ("degrade: {ladder: [{name: x, set: {ub: 1}}]}\n", "degrade.ladder[0].set must map llama-server flags"),
+    ("degrade: {ladder: [quantize-kv-q8, quantize-kv-q8]}\n", "names 'quantize-kv-q8' twice"),
+    ("degrade: {headroom: -1}\n", "degrade.headroom must be 0 or more"),
+    ("degrade: {budgte: 1GiB}\n", "unknown key 'budgte' in degrade (did you mean 'budget'?)"),
+])
+def test_bad_degrade_settings(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "c.yaml")
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "size"), [("3GiB", 3 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                            ("800M", 800_000_000), (4096, 4096), ("2 gib", 2 << 30)])
+def test_sizes(text: object, size: int) -> None:
+    assert parse_size(text) == size
