@@ -7,18 +7,18 @@ wrapper's public modules (runtime, launch, config, llama, proxy, argv, model, gg
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
 
-from hooks import server_reload, slots, slots_cli
+from hooks import degrade, plan_cli, server_reload, slots, slots_cli
 from hooks.fitting import fit_for_slots
 from wrapper.config import Config
 from wrapper.launch import Fitting, Launch
 from wrapper.proxy import Observer
-from wrapper.runtime import Runtime
+from wrapper.runtime import Host, Runtime
 
 Options = Mapping[str, Any]
 ActionFn = Callable[[Runtime, Options], Awaitable[str | None]]
@@ -36,14 +36,28 @@ class BuiltinAction:
 
 
 @dataclass(frozen=True)
+class Route:
+    """An endpoint a built-in adds: `POST` ones need the admin token, `GET` ones one of the API keys."""
+
+    method: str
+    path: str
+    handler: Callable[[Host, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+@dataclass(frozen=True)
 class Builtin:
-    family: str  # actions are named `<family>.<verb>`; the built-in is in use when a hook names one
-    actions: Mapping[str, BuiltinAction]
-    fit: Callable[[list[str], Launch, Config], Fitting] | None = None  # its argv changes, when in use
+    family: str  # actions are named `<family>.<verb>`; by default in use when a hook names one
+    actions: Mapping[str, BuiltinAction] = field(default_factory=dict)
+    in_use: Callable[[Config], bool] | None = None  # otherwise: a hook names one of its actions
+    fit: Callable[[list[str], Launch, Config, dict[str, Any]], Fitting] | None = None  # argv changes
     observer: Callable[[Runtime], Observer | None] | None = None  # watches proxied responses
     status: Callable[[Runtime], dict[str, Any]] | None = None  # its part of /wrapper/status
     hand_over: Callable[[Runtime], Awaitable[str]] | None = None  # the old generation, before a reload
     take_over: Callable[[Runtime], Awaitable[str]] | None = None  # the new generation, before it serves
+    server_line: Callable[[Runtime, str], bool] | None = None  # False: log the line at debug level only
+    background: Callable[[Host], Coroutine[Any, Any, None]] | None = None  # runs from ready until the stop
+    grow: Callable[[Host, int], Awaitable[str | None]] | None = None  # a request needs this many tokens
+    routes: tuple[Route, ...] = ()
     commands: tuple[click.Command, ...] = ()  # its `llama-wrapper` subcommands
 
 
@@ -53,13 +67,21 @@ BUILTINS: tuple[Builtin, ...] = (
         actions={"slots.save": BuiltinAction(lambda rt, _: slots.save(rt), doc="save every slot that holds tokens"),
                  "slots.restore": BuiltinAction(lambda rt, _: slots.restore(rt),
                                                 doc="restore the saved slots the server can use")},
-        fit=fit_for_slots, observer=slots.observer, status=slots.status,
+        fit=lambda argv, launch, config, _: fit_for_slots(argv, launch, config),
+        observer=slots.observer, status=slots.status,
         hand_over=slots.save_step, take_over=slots.take_over, commands=(slots_cli.slots,),
     ),
     Builtin(
         family="server",
         actions={"server.reload": BuiltinAction(server_reload.run, server_reload.check,
                                                 doc="reconfigure a wrapper's llama-server (POST /wrapper/reload)")},
+    ),
+    Builtin(
+        family=degrade.FAMILY, in_use=degrade.in_use, fit=degrade.fit, observer=degrade.observer,
+        status=degrade.status, server_line=degrade.server_line, background=degrade.relax, grow=degrade.grow,
+        routes=(Route("GET", "/wrapper/memory", degrade.memory_route), Route("POST", "/wrapper/budget",
+                                                                              degrade.set_budget)),
+        commands=(plan_cli.plan,),
     ),
 )
 ACTIONS: dict[str, BuiltinAction] = {name: action for b in BUILTINS for name, action in b.actions.items()}

@@ -23,6 +23,7 @@ import structlog
 from hooks import kvconvert, slotdir, slotfile
 from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
+from wrapper import argv as args
 from wrapper.actions import ActionError
 from wrapper.llama import LlamaError
 from wrapper.proxy import Observer
@@ -76,6 +77,11 @@ def status(rt: Runtime) -> dict[str, Any]:
     return {"dir": str(directory) if directory else None, "restore": state.restore, "save": state.save}
 
 
+def restored_tokens(rt: Runtime) -> list[int]:
+    """Tokens of each slot restored (or prefilled) into this generation."""
+    return [int(e.get("tokens") or 0) for e in _state(rt).restore if e.get("outcome") in ("restored", "prefilled")]
+
+
 async def save_step(rt: Runtime) -> str:
     """The save before a reload: its failure is reported, never the end of the reload."""
     try:
@@ -109,6 +115,14 @@ async def save(rt: Runtime) -> str:
     directory = _directory(rt)
     started = time.monotonic()
     _sweep(directory)
+    window = rt.launch.facts.get("sliding_window")
+    if window and not args.has(rt.launch.argv, args.SWA_FULL) and (rt.launch.prepared.get("degrade") or {}).get(
+            "swa_dropped"):
+        reason = (f"the degradation ladder dropped --swa-full (window {window}): a restored slot would not be "
+                  "reused, so nothing is saved on this rung (the previous files stay)")
+        _state(rt).save = [{"outcome": "skipped", "reason": reason}]
+        log.info("slots.save_skipped", reason=reason)
+        return f"not saved: {reason}"
     try:
         slots = await rt.client.slots()
         settings = await _settings(rt)

@@ -49,8 +49,11 @@ def _load(config_path: str | None) -> Config:
              epilog=RUN_EXAMPLES + "\n\b\nSaved slots:\n  llama-wrapper slots ls\n"
                                    "  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/slot0.bin\n")
 @click.version_option(__version__, prog_name="llama-wrapper")
-def main() -> None:
-    """A supervising proxy for llama.cpp's llama-server: lifecycle hooks and slot persistence."""
+@click.pass_context
+def main(context: click.Context) -> None:
+    """A supervising proxy for llama.cpp's llama-server: lifecycle hooks, slot persistence, reloads and
+    degradation under a memory budget."""
+    context.obj = extensions.prepare  # what a built-in's command needs to build a launch as `run` does
 
 
 @main.command(epilog=RUN_EXAMPLES,
@@ -93,11 +96,12 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
         if server_argv:
             changes["argv"] = tuple(server_argv)
         config = replace(config, **changes)
-        launch = extensions.prepare(config)
+        shared: dict[str, Any] = {}
+        launch = extensions.prepare(config, shared)
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
-    sys.exit(asyncio.run(Supervisor(config, launch).run(serve)))
+    sys.exit(asyncio.run(Supervisor(config, launch, shared).run(serve)))
 
 
 @main.command()

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
 import click
 
-from hooks.registry import ACTIONS, BUILTINS, Builtin
+from hooks.registry import ACTIONS, BUILTINS, Builtin, Route
 from wrapper.actions import BuiltinFn
 from wrapper.config import Config, ConfigError, load_config
 from wrapper.launch import Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
-from wrapper.runtime import Runtime
+from wrapper.runtime import Host, Runtime
 
 
 def load(path: str | os.PathLike[str]) -> Config:
@@ -44,16 +44,17 @@ def problems(config: Config) -> list[str]:
 
 
 def in_use(config: Config) -> list[Builtin]:
-    return [b for b in BUILTINS if config.uses(b.family)]
+    return [b for b in BUILTINS if (b.in_use(config) if b.in_use is not None else config.uses(b.family))]
 
 
-def prepare(config: Config) -> Launch:
-    """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted."""
+def prepare(config: Config, shared: dict[str, Any]) -> Launch:
+    """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
+    `shared`: the built-ins' lifelong state (the supervisor's), which their choices may depend on."""
     launch = prepare_launch(config)
     argv, notes, prepared = list(launch.argv), list(launch.notes), dict(launch.prepared)
     for builtin in in_use(config):
         if builtin.fit is not None:
-            fit = builtin.fit(argv, launch, config)
+            fit = builtin.fit(argv, replace(launch, argv=argv), config, shared)
             argv, prepared[builtin.family] = fit.argv, fit.prepared
             notes += fit.notes
     return replace(launch, argv=argv, notes=notes, prepared=prepared)
@@ -91,6 +92,39 @@ async def take_over(runtime: Runtime) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
     done = [await b.take_over(runtime) for b in in_use(runtime.config) if b.take_over is not None]
     return "; ".join(done) if done else None
+
+
+def server_line(runtime: Runtime, line: str) -> bool:
+    """Show one line of llama-server's output to the built-ins; False when every one says it is only noise."""
+    shown = [b.server_line(runtime, line) for b in in_use(runtime.config) if b.server_line is not None]
+    return all(shown)
+
+
+def background(host: Host) -> list[Coroutine[Any, Any, None]]:
+    """The built-ins' work from ready until the stop (degrade: relax when idle)."""
+    return [b.background(host) for b in in_use(host.current.config) if b.background is not None]
+
+
+async def grow(host: Host, needed: int) -> str | None:
+    """A request needs `needed` tokens of context: None once a built-in made room (send it again), else why
+    not; without such a built-in, the overflow stands."""
+    growers = [b.grow for b in in_use(host.current.config) if b.grow is not None]
+    if not growers:
+        return ""
+    return await growers[0](host, needed)
+
+
+def growing(config: Config) -> bool:
+    return any(b.grow is not None for b in in_use(config))
+
+
+def routes(config: Config) -> list[Route]:
+    return [route for b in in_use(config) for route in b.routes]
+
+
+def all_routes() -> list[Route]:
+    """Every built-in's endpoints, in use or not (those not in use answer that they are off)."""
+    return [route for b in BUILTINS for route in b.routes]
 
 
 def commands() -> list[click.Command]:

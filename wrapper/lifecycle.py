@@ -44,8 +44,10 @@ class StartFailed(Exception):
 
 
 class Supervisor:
-    def __init__(self, config: Config, launch: Launch) -> None:
+    def __init__(self, config: Config, launch: Launch, shared: dict[str, Any] | None = None) -> None:
         self.config, self.launch = config, launch
+        self.shared: dict[str, Any] = shared if shared is not None else {}  # the built-ins' lifelong state
+        self._background: list[asyncio.Task[None]] = []
         self.gate = Gate(config.reload_hold_timeout)
         self.lifecycle = Lifecycle(self.gate.follow)
         self.child: Child | None = None
@@ -77,7 +79,7 @@ class Supervisor:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
             self.session = session
             client = LlamaClient(self.launch.url, session, self.launch.api_key)
-            self.runtime = Runtime(self.config, self.launch, client)
+            self.runtime = Runtime(self.config, self.launch, client, shared=self.shared, host=self)
             self.runner = HookRunner(session, self._builtin)
             for note in self.launch.notes:
                 log.info("argv.rewritten", **note)
@@ -133,6 +135,7 @@ class Supervisor:
         await self._hook("on_startup", start=True)
         self.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
+        self._background = [asyncio.ensure_future(work) for work in extensions.background(self)]
         log.info("wrapper.ready", listen=self.launch.listen.url, pid=self.child.pid,
                  start_s=round(self.ready_at - self.started_at, 3))
 
@@ -140,7 +143,7 @@ class Supervisor:
         """Start a llama-server generation and wait until it answers /health 200; StartFailed otherwise."""
         began = time.monotonic()
         try:
-            child = await spawn(launch.argv, launch.env, self._on_server_line)
+            child = await spawn(launch.argv, launch.env, lambda line: self._on_server_line(runtime, line))
         except OSError as exc:
             raise StartFailed(f"cannot start {launch.argv[0]!r}: {exc.strerror}") from exc
         runtime.child = child
@@ -172,14 +175,22 @@ class Supervisor:
 
     # -- reloading -----------------------------------------------------------------------------------------
 
-    async def reload(self, body: dict[str, Any]) -> dict[str, Any]:
+    @property
+    def current(self) -> Runtime:
+        return self.runtime
+
+    @property
+    def in_flight(self) -> int:
+        return self.gate.in_flight
+
+    async def reload(self, body: dict[str, Any], why: str | None = None) -> dict[str, Any]:
         """Reconfigure the running llama-server (see wrapper/reloader.py); one at a time, only when ready."""
         from wrapper.reloader import Reloader
 
         if self.lifecycle.state is not State.READY or self._reload_task is not None:
             raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: one reload at a time, when ready", 409)
         reloader = Reloader(self)
-        prepared = reloader.prepare(body)  # refusals come before anything stops
+        prepared = reloader.prepare(body, why)  # refusals come before anything stops
         task = asyncio.ensure_future(reloader.run(prepared))
         self._reload_task = task
         task.add_done_callback(self._reload_ended)
@@ -204,6 +215,8 @@ class Supervisor:
     async def _stop(self, started: bool, start_failed: bool) -> int:
         stop_began = time.monotonic()
         self.lifecycle.to(State.STOPPING)
+        for task in self._background:
+            task.cancel()
         if started and not self._force.is_set():
             await self.drain(self.config.drain_timeout)
         if started and self.child is not None and self.child.alive and not self._force.is_set():
@@ -301,8 +314,11 @@ class Supervisor:
         """What watches proxied responses, only while there is something to learn from them."""
         return extensions.observer(self.runtime)
 
-    def _on_server_line(self, line: str) -> None:
-        log.info("server.output", line=line)
+    def _on_server_line(self, runtime: Runtime, line: str) -> None:
+        if extensions.server_line(runtime, line):
+            log.info("server.output", line=line)
+        else:
+            log.debug("server.output", line=line)
 
     # -- for the admin endpoints ---------------------------------------------------------------------------
 

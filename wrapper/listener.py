@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
 
+from wrapper import extensions
 from wrapper.auth import ADMIN_TOKEN_ENV, allowed, presented_bearer, presented_key
+from wrapper.config import Config
 from wrapper.gate import Admission
 from wrapper.lifecycle import Supervisor
-from wrapper.proxy import STARTED, BadPath, broken_off, canonical_path, forward, json_error
+from wrapper.proxy import STARTED, BadPath, Caught, broken_off, canonical_path, forward, json_error
 from wrapper.reload import ReloadRefused
 from wrapper.state import State
 
 log = structlog.get_logger()
 
 RETRY_AFTER_S = "5"
+OVERFLOW = "exceed_context_size_error"
+GROWABLE = ("/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions", "/infill")
+GROWABLE_BODY_LIMIT = 32 << 20  # a completion request read whole, to be sent again after a growth
+MAX_GROWTHS = 2
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor", Supervisor)
 _READ_METHODS = ("GET", "HEAD")
 
@@ -90,6 +98,45 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     if _is_slot_action(request.method, path) and not supervisor.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
+    body: bytes | None = None
+    if (request.method == "POST" and path in GROWABLE and extensions.growing(supervisor.config)
+            and (request.content_length or 0) <= GROWABLE_BODY_LIMIT):
+        body = await _read_whole(request, GROWABLE_BODY_LIMIT)
+        if body is None:
+            return json_error(413, f"a completion request of more than {GROWABLE_BODY_LIMIT >> 20} MiB",
+                              "invalid_request_error")
+    growths = 0
+    while True:
+        result = await _exchange(request, supervisor, path, body)
+        if not isinstance(result, Caught):
+            return result
+        needed = _needed(result.payload, body, supervisor.config)
+        problem = await extensions.grow(supervisor, needed) if growths < MAX_GROWTHS else "it grew twice already"
+        if problem is not None:
+            error = dict(result.payload["error"])
+            if problem:
+                error["message"] = f"{problem} ({error.get('message')})"
+            log.info("degrade.overflow_refused", path=path, needed=needed, why=problem)
+            return web.json_response({**result.payload, "error": error}, status=result.status)
+        growths += 1
+        log.info("degrade.retry", path=path, needed=needed, growths=growths)
+
+
+async def _read_whole(request: web.Request, limit: int) -> bytes | None:
+    """The request body (kept to be sent again after a growth); None when it is longer than `limit`."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        parts.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return None
+    return b"".join(parts)
+
+
+async def _exchange(request: web.Request, supervisor: Supervisor, path: str,
+                    body: bytes | None) -> web.StreamResponse | Caught:
+    """One pass through the gate to llama-server; a context overflow is Caught when `body` can be sent again."""
     admission = await supervisor.gate.enter()
     if admission is Admission.REFUSED:
         return json_error(503, f"llama-wrapper is {supervisor.lifecycle.state}", "unavailable_error",
@@ -98,8 +145,9 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         return json_error(503, f"llama-wrapper is {supervisor.lifecycle.state} and held this request for "
                           f"reload.hold_timeout ({supervisor.config.reload_hold_timeout:g}s)", "unavailable_error",
                           {"Retry-After": RETRY_AFTER_S})
-    exchange = asyncio.ensure_future(
-        forward(request, supervisor.launch.url, supervisor.session, supervisor.observer(), path))
+    exchange = asyncio.ensure_future(forward(request, supervisor.launch.url, supervisor.session,
+                                             supervisor.observer(), path, body,
+                                             _overflowed if body is not None else None))
     supervisor.gate.track(exchange)
     try:
         return await exchange  # cancelled with us when the client hangs up: llama-server then stops the work
@@ -118,12 +166,58 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         supervisor.gate.leave(exchange)
 
 
+def _overflowed(payload: dict[str, Any]) -> bool:
+    error = payload.get("error")
+    return isinstance(error, dict) and error.get("type") == OVERFLOW and isinstance(error.get("n_prompt_tokens"), int)
+
+
+def _needed(payload: dict[str, Any], body: bytes | None, config: Config) -> int:
+    """The prompt's tokens plus what the request may generate (its max_tokens, else degrade.headroom)."""
+    prompt = int(payload["error"]["n_prompt_tokens"])
+    headroom = config.degrade.headroom if config.degrade is not None else 0
+    try:
+        asked = json.loads(body or b"{}")
+    except ValueError:
+        asked = {}
+    limit = next((asked.get(k) for k in ("max_completion_tokens", "max_tokens", "n_predict")
+                  if isinstance(asked, dict) and isinstance(asked.get(k), int) and asked.get(k, 0) > 0), None)
+    return prompt + (limit if limit is not None else headroom)
+
+
+async def builtin_route(request: web.Request) -> web.Response:
+    """An endpoint a built-in declares (GET /wrapper/memory, POST /wrapper/budget)."""
+    supervisor = request.app[SUPERVISOR]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
+    declared = next((r for r in extensions.all_routes() if r.path == route and r.method == request.method), None)
+    assert declared is not None
+    refusal = _not_admin(request) if request.method == "POST" else _unauthorized(request)
+    if refusal is not None:
+        return refusal
+    if declared not in extensions.routes(supervisor.config):
+        return json_error(409, f"{declared.path} is off: its built-in is not in use (degrade: needs a degrade: "
+                          "section in the config)", "conflict")
+    body: Any = {}
+    if request.method == "POST":
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return json_error(400, "the body must be a JSON object", "invalid_request_error")
+    if supervisor.lifecycle.state is not State.READY and request.method == "POST":
+        return json_error(409, f"llama-wrapper is {supervisor.lifecycle.state}", "conflict")
+    status_code, answer = await declared.handler(supervisor, body)
+    return web.json_response(answer, status=status_code)
+
+
 def application(supervisor: Supervisor) -> web.Application:
     app = web.Application()
     app[SUPERVISOR] = supervisor
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
     app.router.add_post("/wrapper/reload", reload)
+    for route in extensions.all_routes():
+        app.router.add_route(route.method, route.path, builtin_route)
     app.router.add_route("*", "/{tail:.*}", proxied)
     return app
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, unquote
 
 import aiohttp
@@ -58,6 +61,19 @@ def canonical_path(raw_path: str) -> str:
     return quote(path, safe=_PATH_SAFE)
 
 
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+async def _once(raw: bytes) -> AsyncIterator[bytes]:
+    if raw:
+        yield raw
+
+
 def broken_off(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
     """Headers are gone already: close the connection so the client sees a truncated answer, not a whole one."""
     if request.transport is not None:
@@ -79,23 +95,45 @@ def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
+@dataclass(frozen=True)
+class Caught:
+    """An error answer kept from the client (`catch` said so): its status and JSON body."""
+
+    status: int
+    payload: dict[str, Any]
+
+
+CAUGHT_LIMIT = 64 * 1024  # an error answer larger than this is passed on, never caught
+
+
 async def forward(
     request: web.Request, upstream: str, session: aiohttp.ClientSession, observer: Observer | None = None,
-    path: str | None = None,
-) -> web.StreamResponse:
-    """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies."""
+    path: str | None = None, body: bytes | None = None, catch: Callable[[dict[str, Any]], bool] | None = None,
+) -> web.StreamResponse | Caught:
+    """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies.
+    `body`: the request body, read already (else streamed from the client). `catch`: a 4xx JSON answer it
+    accepts is returned as Caught instead of being sent (the caller may send the request again)."""
     path = path if path is not None else request.rel_url.raw_path
     query = request.rel_url.raw_query_string
     url = URL(upstream + path + (f"?{query}" if query else ""), encoded=True)  # as checked: no re-normalising
     headers = _forwardable(request.headers)
-    if request.content_length is not None:
+    if body is not None:
+        headers["Content-Length"] = str(len(body))
+    elif request.content_length is not None:
         headers["Content-Length"] = str(request.content_length)  # else aiohttp sends the body chunked
     response: web.StreamResponse | None = None
     try:
         async with session.request(
-            request.method, url, headers=headers, data=request.content if request.body_exists else None,
+            request.method, url, headers=headers,
+            data=body if body is not None else request.content if request.body_exists else None,
             allow_redirects=False,
         ) as reply:
+            read: bytes | None = None  # an error answer read whole to be looked at
+            if catch is not None and 400 <= reply.status < 500 and (reply.content_length or 0) <= CAUGHT_LIMIT:
+                read = await reply.read()
+                payload = _json_object(read)
+                if payload is not None and catch(payload):
+                    return Caught(reply.status, payload)
             upstream_connection = reply.connection.protocol if reply.connection is not None else None
             if reply.content_length is None and upstream_connection is not None:
                 # llama-server closes the connection after a streamed (chunked) answer although it announced
@@ -111,7 +149,8 @@ async def forward(
             await response.prepare(request)
             request[STARTED] = response
             tail = b""
-            async for chunk in reply.content.iter_any():
+            chunks = _once(read) if read is not None else reply.content.iter_any()
+            async for chunk in chunks:
                 await response.write(chunk)
                 if observer is not None:
                     tail = (tail + chunk)[-TAP_LIMIT:]

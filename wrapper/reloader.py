@@ -24,6 +24,7 @@ from wrapper.reload import ReloadPlan, ReloadRefused, plan
 from wrapper.runtime import Runtime
 from wrapper.server_help import flag_arity
 from wrapper.state import State
+from wrapper.sysinfo import mem_available
 
 if TYPE_CHECKING:
     from wrapper.lifecycle import Supervisor
@@ -46,17 +47,25 @@ class Reloader:
     def __init__(self, supervisor: Supervisor) -> None:
         self.sup = supervisor
 
-    def prepare(self, body: dict[str, Any]) -> Prepared:
-        """Check the request and settle the new generation's argv; ReloadRefused before anything stops."""
+    def prepare(self, body: dict[str, Any], why: str | None = None) -> Prepared:
+        """Check the request and settle the new generation's argv; ReloadRefused before anything stops.
+        `why` (a built-in's reload, empty body): the built-ins' fit for the new generation is the change."""
         config = self.sup.config
-        reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
+        if why is not None and not body:
+            reload_plan = ReloadPlan(list(config.argv))
+        else:
+            reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
         new_config = replace(config, argv=tuple(reload_plan.argv), swa_full=reload_plan.swa_full or config.swa_full)
         try:
-            launch = replace(extensions.prepare(new_config), listen=self.sup.launch.listen)
+            launch = replace(extensions.prepare(new_config, self.sup.shared), listen=self.sup.launch.listen)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from exc
-        overlap, why = self._overlap(launch)
-        return Prepared(reload_plan, new_config, launch, overlap, why)
+        if why is not None:
+            reload_plan.changes = [why, *_argv_changes(self.sup.launch.argv, launch.argv)]
+            if args.remove(launch.argv, args.PORT) == args.remove(self.sup.launch.argv, args.PORT):
+                raise ReloadRefused(f"nothing to change ({why})", 409)
+        overlap, overlap_why = self._overlap(launch)
+        return Prepared(reload_plan, new_config, launch, overlap, overlap_why)
 
     def _overlap(self, launch: Launch) -> tuple[bool, str]:
         policy = self.sup.config.reload_overlap
@@ -66,7 +75,7 @@ class Reloader:
         if layers not in (None, "0"):
             return False, "weights offloaded to a GPU would be loaded twice (-ngl): one server at a time"
         model_bytes = Path(launch.model.path).stat().st_size if launch.model.path else 0
-        available = _mem_available()
+        available = mem_available()
         if available is None:
             return False, "available memory unknown"
         fits = available > OVERLAP_MEMORY_FACTOR * model_bytes
@@ -80,7 +89,8 @@ class Reloader:
         log.info("reload.begin", changes=prepared.plan.changes, overlap=prepared.overlap, why=prepared.overlap_why,
                  argv=prepared.launch.shown_argv)
         new_runtime = Runtime(prepared.config, prepared.launch,
-                              LlamaClient(prepared.launch.url, sup.session, prepared.launch.api_key))
+                              LlamaClient(prepared.launch.url, sup.session, prepared.launch.api_key),
+                              shared=sup.shared, host=sup)
         try:
             if prepared.overlap:  # blue-green: the old server keeps serving while the new one loads
                 try:
@@ -149,11 +159,9 @@ class Reloader:
         return answer
 
 
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+def _argv_changes(old: list[str], new: list[str]) -> list[str]:
+    """What differs between two generations' command lines, for the log and the answer (the port aside)."""
+    old_rest, new_rest = args.remove(old, args.PORT), args.remove(new, args.PORT)
+    gone = [arg for arg in old_rest if arg not in new_rest]
+    came = [arg for arg in new_rest if arg not in old_rest]
+    return ([f"removed {' '.join(gone)}"] if gone else []) + ([f"added {' '.join(came)}"] if came else [])

@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from wrapper.child import Child
 from wrapper.config import Config
 from wrapper.launch import Launch
 from wrapper.llama import LlamaClient
+
+
+class Host(Protocol):
+    """What built-ins may ask of the wrapper around them (the supervisor)."""
+
+    @property
+    def current(self) -> Runtime:
+        """The generation that serves now (a reload replaces it)."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being served now."""
+        ...
+
+    async def reload(self, body: dict[str, Any], why: str | None = None) -> dict[str, Any]:
+        """A reload as POST /wrapper/reload asks for it; with `why` and an empty body, the built-ins' own argv
+        changes (their fit for the new generation) are the whole change. Raises ReloadRefused."""
+        ...
 
 
 @dataclass
@@ -17,4 +36,6 @@ class Runtime:
     launch: Launch
     client: LlamaClient
     child: Child | None = None
-    state: dict[str, Any] = field(default_factory=dict)  # each built-in's own, under its family name
+    state: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for this generation
+    shared: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for the wrapper's whole life
+    host: Host | None = None
