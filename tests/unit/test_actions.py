@@ -70,7 +70,7 @@ async def no_builtin() -> str | None:
 @pytest.fixture
 async def runner() -> AsyncIterator[HookRunner]:
     async with aiohttp.ClientSession() as session:
-        yield HookRunner(session, lambda name: no_builtin)
+        yield HookRunner(session, lambda name, options: no_builtin)
 
 
 async def test_http_action_renders_url_headers_and_json(peer: tuple[Peer, str], runner: HookRunner) -> None:

@@ -85,7 +85,9 @@ async def test_unreachable_upstream_is_a_502_json_error() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     async with aiohttp.ClientSession() as session:
         async def handler(request: web.Request) -> web.StreamResponse:
-            return await forward(request, dead, session)
+            answer = await forward(request, dead, session)
+            assert isinstance(answer, web.StreamResponse)  # nothing is caught without `catch`
+            return answer
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handler)
