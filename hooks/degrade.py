@@ -294,7 +294,7 @@ async def relax(host: Host) -> None:
 async def relax_now(host: Host, state: DegradeState, degrade: Degrade, why: str) -> str | None:
     current = host.current.launch.prepared.get(FAMILY) or {}
     index = int(current.get("index", 0))
-    needed = max([*state.conversation.values(), *slots.restored_tokens(host.current), 0]) + degrade.headroom
+    needed = max([*_held(state, host.current), 0]) + degrade.headroom
     target = choose(state.rungs, needed)
     if target is None or (state.rungs.index(target) >= index and target.max_ctx <= int(current.get("n_ctx") or 0)):
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
@@ -327,7 +327,7 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
     base = state.rungs[0].argv if state.rungs else rt.launch.argv
     state.rungs = build(base, degrade.ladder, planner, flag_arity(base[0]), rt.config.argv,
                         planner.shape.swa_window is not None)
-    needed = max([*state.conversation.values(), *slots.restored_tokens(rt), 0]) + degrade.headroom
+    needed = max([*_held(state, rt), 0]) + degrade.headroom
     target = choose(state.rungs, max(needed, min(planner.ceiling, MIN_START_CTX))) or choose(state.rungs, needed)
     if target is None:
         state.budget, state.budget_source = old, state.budget_source
@@ -347,6 +347,11 @@ def _error(status: int, message: str, kind: str) -> dict[str, Any]:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
+
+
+def _held(state: DegradeState, rt: Runtime) -> list[int]:
+    """Tokens held per slot: as the last answers said, or as restored at the start before any answer."""
+    return list(state.conversation.values()) or slots.restored_tokens(rt)
 
 
 def _conversation_tokens(tail: bytes) -> tuple[int, int] | None:

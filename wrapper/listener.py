@@ -10,9 +10,11 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from wrapper import argv as args
 from wrapper import extensions
 from wrapper.auth import ADMIN_TOKEN_ENV, allowed, presented_bearer, presented_key
 from wrapper.config import Config
+from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
 from wrapper.gate import Admission
 from wrapper.lifecycle import Supervisor
 from wrapper.proxy import STARTED, BadPath, Caught, broken_off, canonical_path, forward, json_error
@@ -25,7 +27,8 @@ RETRY_AFTER_S = "5"
 OVERFLOW = "exceed_context_size_error"
 GROWABLE = ("/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions", "/infill")
 GROWABLE_BODY_LIMIT = 32 << 20  # a completion request read whole, to be sent again after a growth
-MAX_GROWTHS = 2
+MAX_GROWTHS = 3
+CONTINUABLE = ("/completion", *CHAT_PATHS)
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor", Supervisor)
 _READ_METHODS = ("GET", "HEAD")
 
@@ -105,21 +108,68 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         if body is None:
             return json_error(413, f"a completion request of more than {GROWABLE_BODY_LIMIT >> 20} MiB",
                               "invalid_request_error")
-    growths = 0
-    while True:
-        result = await _exchange(request, supervisor, path, body)
+    if body is None:
+        result = await _exchange(request, supervisor, path, None, None)
+        assert not isinstance(result, Caught)  # nothing is caught without a body to send again
+        return result
+    return await _growing(request, supervisor, path, body)
+
+
+async def _growing(request: web.Request, supervisor: Supervisor, path: str, body: bytes) -> web.StreamResponse:
+    """Send a completion request; on a context overflow grow the context and send it again. A non-streamed
+    answer cut by a full context is continued after a growth (degrade.continue): the client gets one answer."""
+    original = _json_object(body)
+    degrade = supervisor.config.degrade
+    continuing = (degrade is not None and degrade.continue_truncated and original is not None
+                  and original.get("stream") is not True and path in CONTINUABLE)
+    request_now, sent, earlier = original or {}, body, None
+    for _ in range(MAX_GROWTHS + 1):
+        n_ctx = int(args.get(supervisor.launch.argv, args.CTX_SIZE) or 0)
+
+        def wanted(payload: dict[str, Any], status: int, n_ctx: int = n_ctx, going_on: bool = earlier is not None,
+                   asked: dict[str, Any] = request_now) -> bool:
+            if status >= 400:
+                return _overflowed(payload)
+            return continuing and (going_on or cut_by_context(path, asked, payload, n_ctx) is not None)
+
+        result = await _exchange(request, supervisor, path, sent, wanted)
         if not isinstance(result, Caught):
             return result
-        needed = _needed(result.payload, body, supervisor.config)
-        problem = await extensions.grow(supervisor, needed) if growths < MAX_GROWTHS else "it grew twice already"
+        if result.status >= 400:
+            needed = _needed(result.payload, request_now, supervisor.config)
+            problem = await extensions.grow(supervisor, needed)
+            if problem is not None:
+                log.info("degrade.overflow_refused", path=path, needed=needed, why=problem)
+                if earlier is not None:
+                    return web.json_response(earlier)  # the continuation cannot go on: the answer so far
+                error = dict(result.payload["error"])
+                if problem:
+                    error["message"] = f"{problem} ({error.get('message')})"
+                return web.json_response({**result.payload, "error": error}, status=result.status)
+            log.info("degrade.retry", path=path, needed=needed)
+            continue
+        answer = merged(path, earlier, result.payload) if earlier is not None else result.payload
+        cut = cut_by_context(path, request_now, result.payload, n_ctx)
+        if cut is None:
+            return web.json_response(answer)
+        used, more = cut
+        problem = await extensions.grow(supervisor, used + (more or (degrade.headroom if degrade else 0)))
         if problem is not None:
-            error = dict(result.payload["error"])
-            if problem:
-                error["message"] = f"{problem} ({error.get('message')})"
-            log.info("degrade.overflow_refused", path=path, needed=needed, why=problem)
-            return web.json_response({**result.payload, "error": error}, status=result.status)
-        growths += 1
-        log.info("degrade.retry", path=path, needed=needed, growths=growths)
+            log.info("degrade.continuation_refused", path=path, why=problem)
+            return web.json_response(answer)  # as llama-server cut it
+        earlier, request_now = answer, continued(path, original or {}, answer)
+        sent = json.dumps(request_now).encode()
+        log.info("degrade.continue", path=path, used=used)
+    return web.json_response(earlier) if earlier is not None else json_error(
+        500, "the context grew several times for this request and it still did not fit", "server_error")
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 async def _read_whole(request: web.Request, limit: int) -> bytes | None:
@@ -134,8 +184,8 @@ async def _read_whole(request: web.Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-async def _exchange(request: web.Request, supervisor: Supervisor, path: str,
-                    body: bytes | None) -> web.StreamResponse | Caught:
+async def _exchange(request: web.Request, supervisor: Supervisor, path: str, body: bytes | None,
+                    catch: Callable[[dict[str, Any], int], bool] | None) -> web.StreamResponse | Caught:
     """One pass through the gate to llama-server; a context overflow is Caught when `body` can be sent again."""
     admission = await supervisor.gate.enter()
     if admission is Admission.REFUSED:
@@ -146,8 +196,7 @@ async def _exchange(request: web.Request, supervisor: Supervisor, path: str,
                           f"reload.hold_timeout ({supervisor.config.reload_hold_timeout:g}s)", "unavailable_error",
                           {"Retry-After": RETRY_AFTER_S})
     exchange = asyncio.ensure_future(forward(request, supervisor.launch.url, supervisor.session,
-                                             supervisor.observer(), path, body,
-                                             _overflowed if body is not None else None))
+                                             supervisor.observer(), path, body, catch))
     supervisor.gate.track(exchange)
     try:
         return await exchange  # cancelled with us when the client hangs up: llama-server then stops the work
@@ -171,16 +220,12 @@ def _overflowed(payload: dict[str, Any]) -> bool:
     return isinstance(error, dict) and error.get("type") == OVERFLOW and isinstance(error.get("n_prompt_tokens"), int)
 
 
-def _needed(payload: dict[str, Any], body: bytes | None, config: Config) -> int:
+def _needed(payload: dict[str, Any], asked: dict[str, Any], config: Config) -> int:
     """The prompt's tokens plus what the request may generate (its max_tokens, else degrade.headroom)."""
     prompt = int(payload["error"]["n_prompt_tokens"])
     headroom = config.degrade.headroom if config.degrade is not None else 0
-    try:
-        asked = json.loads(body or b"{}")
-    except ValueError:
-        asked = {}
-    limit = next((asked.get(k) for k in ("max_completion_tokens", "max_tokens", "n_predict")
-                  if isinstance(asked, dict) and isinstance(asked.get(k), int) and asked.get(k, 0) > 0), None)
+    limit = next((asked[k] for k in ("max_completion_tokens", "max_tokens", "n_predict")
+                  if isinstance(asked.get(k), int) and not isinstance(asked.get(k), bool) and asked[k] > 0), None)
     return prompt + (limit if limit is not None else headroom)
 
 

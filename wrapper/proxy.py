@@ -97,22 +97,23 @@ def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 @dataclass(frozen=True)
 class Caught:
-    """An error answer kept from the client (`catch` said so): its status and JSON body."""
+    """An answer kept from the client (`catch` said so): its status and JSON body."""
 
     status: int
     payload: dict[str, Any]
 
 
-CAUGHT_LIMIT = 64 * 1024  # an error answer larger than this is passed on, never caught
+CAUGHT_LIMIT = 8 << 20  # an answer larger than this is passed on, never caught
 
 
 async def forward(
     request: web.Request, upstream: str, session: aiohttp.ClientSession, observer: Observer | None = None,
-    path: str | None = None, body: bytes | None = None, catch: Callable[[dict[str, Any]], bool] | None = None,
+    path: str | None = None, body: bytes | None = None, catch: Callable[[dict[str, Any], int], bool] | None = None,
 ) -> web.StreamResponse | Caught:
     """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies.
-    `body`: the request body, read already (else streamed from the client). `catch`: a 4xx JSON answer it
-    accepts is returned as Caught instead of being sent (the caller may send the request again)."""
+    `body`: the request body, read already (else streamed from the client). `catch(payload, status)`: a whole
+    (not streamed) JSON answer it accepts is returned as Caught instead of being sent (the caller may send
+    the request again, or go on from it)."""
     path = path if path is not None else request.rel_url.raw_path
     query = request.rel_url.raw_query_string
     url = URL(upstream + path + (f"?{query}" if query else ""), encoded=True)  # as checked: no re-normalising
@@ -129,10 +130,11 @@ async def forward(
             allow_redirects=False,
         ) as reply:
             read: bytes | None = None  # an error answer read whole to be looked at
-            if catch is not None and 400 <= reply.status < 500 and (reply.content_length or 0) <= CAUGHT_LIMIT:
+            if (catch is not None and reply.content_length is not None and reply.content_length <= CAUGHT_LIMIT
+                    and reply.content_type == "application/json"):
                 read = await reply.read()
                 payload = _json_object(read)
-                if payload is not None and catch(payload):
+                if payload is not None and catch(payload, reply.status):
                     return Caught(reply.status, payload)
             upstream_connection = reply.connection.protocol if reply.connection is not None else None
             if reply.content_length is None and upstream_connection is not None:

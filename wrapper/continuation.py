@@ -1,0 +1,80 @@
+"""A generation that stopped because the context was full, continued after a growth: the partial answer goes
+back as an assistant prefix (chat) or appended to the prompt (/completion), and the two answers become one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
+
+
+def _limit(request: dict[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+        value = request.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def cut_by_context(path: str, request: dict[str, Any], answer: dict[str, Any], n_ctx: int) -> tuple[int, int] | None:
+    """(tokens used, tokens still wanted) when `answer` stopped at a full context with tokens left in the
+    request's limit; None otherwise."""
+    if path in CHAT_PATHS:
+        choices = answer.get("choices")
+        usage = answer.get("usage") or {}
+        if not isinstance(choices, list) or len(choices) != 1 or choices[0].get("finish_reason") != "length":
+            return None
+        used, generated = int(usage.get("total_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    elif path == "/completion":
+        if not answer.get("truncated") and answer.get("stop_type") != "limit":
+            return None
+        generated = int(answer.get("tokens_predicted") or 0)
+        used = int(answer.get("tokens_evaluated") or 0) + generated
+    else:
+        return None
+    if used < n_ctx - 1:
+        return None  # the request's own limit stopped it, not the context
+    limit = _limit(request)
+    wanted = (limit - generated) if limit is not None else None
+    if wanted is not None and wanted <= 0:
+        return None
+    return used, wanted if wanted is not None else 0
+
+
+def continued(path: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """The request that goes on where `answer` stopped."""
+    body = copy.deepcopy(request)
+    if path in CHAT_PATHS:
+        partial = answer["choices"][0]["message"].get("content") or ""
+        body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": partial}]
+        generated = int((answer.get("usage") or {}).get("completion_tokens") or 0)
+    else:
+        body["prompt"] = str(body.get("prompt", "")) + str(answer.get("content") or "")
+        generated = int(answer.get("tokens_predicted") or 0)
+    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            body[key] = max(1, value - generated)
+    return body
+
+
+def merged(path: str, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """One answer from the cut one and its continuation: text joined, token counts summed."""
+    out = copy.deepcopy(second)
+    if path in CHAT_PATHS:
+        before = first["choices"][0]["message"].get("content") or ""
+        after = second["choices"][0]["message"].get("content") or ""
+        # llama-server answers an assistant prefix with the prefix included; other servers without it
+        out["choices"][0]["message"]["content"] = after if after.startswith(before) else before + after
+        usage_a, usage_b = first.get("usage") or {}, second.get("usage") or {}
+        completion = int(usage_a.get("completion_tokens") or 0) + int(usage_b.get("completion_tokens") or 0)
+        prompt = int(usage_a.get("prompt_tokens") or 0)
+        out["usage"] = {**usage_b, "prompt_tokens": prompt, "completion_tokens": completion,
+                        "total_tokens": prompt + completion}
+    else:
+        out["content"] = str(first.get("content") or "") + str(second.get("content") or "")
+        out["tokens_predicted"] = int(first.get("tokens_predicted") or 0) + int(second.get("tokens_predicted") or 0)
+        out["tokens_evaluated"] = first.get("tokens_evaluated")
+    return out
