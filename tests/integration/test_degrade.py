@@ -1,0 +1,245 @@
+"""Degradation under a memory budget against the real llama-server: the planner's figures, growth on demand
+with the same request answered, continuation, budget changes and relaxing, nothing lost on the way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hooks.calibration import Measured
+from hooks.memory import MiB, Settings, largest_ctx, plan, read_shape
+from tests.helpers import Wrapper, http, running, wait_for
+
+TOKEN = "degrade-token-1c9e"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+STORY = "The lighthouse keeper counted the ships that passed the northern cape each night. "
+CONFIG = """
+slots: {{dir: {dir}}}
+degrade: {{budget: {budget}, relax_after: {relax}, headroom: {headroom}}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
+
+
+def config(tmp_path: Path, budget: int, relax: str = "10m", headroom: int = 256) -> str:
+    return CONFIG.format(dir=tmp_path / "slots", budget=budget, relax=relax, headroom=headroom)
+
+
+def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    status, _, raw = http("POST", f"{url}{path}", body, timeout=600, headers=headers)
+    return status, json.loads(raw)
+
+
+def complete(url: str, prompt: str, slot: int = 0, n_predict: int = 4, stream: bool = False) -> dict[str, Any]:
+    """A /completion on a pinned slot; streamed answers are read to their last event."""
+    status, raw = post_raw(url, {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True,
+                                 "id_slot": slot, "stream": stream})
+    assert status == 200, raw[:500]
+    if not stream:
+        return dict(json.loads(raw))
+    events = [json.loads(line[5:]) for line in raw.decode().splitlines() if line.startswith("data:")]
+    return {**events[-1], "content": "".join(e.get("content", "") for e in events)}
+
+
+def post_raw(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    status, _, raw = http("POST", f"{url}/completion", body, timeout=600)
+    return status, raw
+
+
+def degrade_status(wrapper: Wrapper) -> dict[str, Any]:
+    result: dict[str, Any] = wrapper.status()["degrade"]
+    return result
+
+
+# -- the planner against the server's own lines --------------------------------------------------------------
+
+
+def server_buffers(server_bin: str, argv: list[str]) -> Measured:
+    """Start llama-server at verbosity 4 until it has reported its buffers, then stop it."""
+    process = subprocess.Popen([server_bin, *argv, "--port", "0", "-lv", "4"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    measured = Measured()
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            measured.feed(line)
+            if measured.done:
+                break
+    finally:
+        process.kill()
+        process.wait(30)
+    assert measured.done, "llama-server never reported its compute buffer"
+    return measured
+
+
+@pytest.mark.parametrize("model", ["demo", "gemma"])
+def test_the_plan_matches_what_the_server_allocates(server_bin: str, demo_path: str, gemma_path: str,
+                                                    model: str) -> None:
+    """KV and model buffers within 1 % of the server's own lines, the total within 5 %: 3 contexts x 3 types."""
+    path = demo_path if model == "demo" else gemma_path
+    shape = read_shape(path)
+    for n_ctx in (4096, 16384, 32768):
+        for kind in ("f16", "q8_0", "q4_0"):
+            measured = server_buffers(server_bin, ["-m", path, "-c", str(n_ctx), "-ctk", kind, "-ctv", kind,
+                                                   "-np", "1", "-kvu", "--swa-full"])
+            planned = plan(shape, Settings(n_ctx=n_ctx, type_k=kind, type_v=kind, swa_full=True)).devices["CPU"]
+            seen = measured.devices["CPU"]
+            what = f"{model} -c {n_ctx} {kind}"
+            assert planned["kv"] == pytest.approx(seen["kv"], rel=0.01), what
+            assert planned["weights"] == pytest.approx(seen["weights"], rel=0.01), what
+            assert sum(planned.values()) == pytest.approx(sum(seen.values()), rel=0.05), what
+
+
+# -- growth ------------------------------------------------------------------------------------------------
+
+
+def gemma_budget(path: str) -> int:
+    """A budget under which f16 fits about 5k tokens and q4_0 15k (the sliding window kept full, two slots)."""
+    shape = read_shape(path)
+    at_15k = Settings(n_ctx=15104, type_k="q4_0", type_v="q4_0", swa_full=True, n_parallel=2)
+    budget = plan(shape, at_15k).total() + MiB
+    assert 4096 <= largest_ctx(shape, Settings(n_ctx=0, swa_full=True, n_parallel=2), budget, 32768) < 8192
+    return budget
+
+
+def test_a_conversation_grows_from_2k_to_14k_tokens_without_an_error(tmp_path: Path, server_bin: str,
+                                                                     gemma_path: str) -> None:
+    """Under a budget where f16 holds ~5k tokens and only q4_0 holds 14k: each overflowing turn is answered
+    after a growth (one streamed), the history is reused after each reload, 8 clients during a growth are
+    all answered, and the rungs show in status and in the log."""
+    argv = [server_bin, "-m", gemma_path, "-np", "2"]
+    with running(tmp_path, argv, config(tmp_path, gemma_budget(gemma_path)), timeout=180,
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        assert degrade_status(wrapper)["rung"] == "as-given"
+        history, previous, rungs_seen, per_char = "", 0, ["as-given"], 0.2
+        for turn, target in enumerate((2000, 5000, 8000, 11000, 14000)):
+            while len(history) * per_char < target:
+                history += STORY
+            before = degrade_status(wrapper)["rung"]
+            answers: list[int] = []
+
+            def hello(i: int, answers: list[int] = answers) -> None:
+                answers.append(post_raw(wrapper.url, {"prompt": f"Client {i} says hello.", "n_predict": 4,
+                                                      "id_slot": 1, "stream": True})[0])
+
+            clients = [threading.Thread(target=hello, args=(i,)) for i in range(8)]
+            if turn == 2:
+                for client in clients:
+                    client.start()
+            result = complete(wrapper.url, history, stream=turn == 3)
+            for client in clients:
+                if client.is_alive() or turn == 2:
+                    client.join(300)
+            if turn == 2:
+                assert answers == [200] * 8
+            rung = degrade_status(wrapper)["rung"]
+            if rung != before:
+                rungs_seen.append(rung)
+                # the turn after a reload: the conversation so far came back from the slot file
+                assert result["timings"]["cache_n"] >= 0.9 * previous, (turn, result["timings"], previous)
+            previous = result["timings"]["cache_n"] + result["timings"]["prompt_n"] + result["timings"]["predicted_n"]
+            per_char = result["tokens_evaluated"] / len(history)  # this tokenizer's tokens per character
+            history += result["content"]
+        assert previous > 13000
+        assert rungs_seen[0] == "as-given" and rungs_seen[-1] == "quantize-kv-q4" and len(rungs_seen) >= 3
+        steps = degrade_status(wrapper)["steps"]
+        assert all(step["success"] for step in steps) and len(steps) == len(rungs_seen) - 1
+        logged = [e["rung"] for e in wrapper.events("degrade.step")]
+        assert logged == rungs_seen[1:]
+        memory = json.loads(http("GET", f"{wrapper.url}/wrapper/memory")[2])
+        assert memory["rung"] == "quantize-kv-q4" and memory["measured"]["complete"]
+        assert memory["planned"]["bytes"]["kv"] == pytest.approx(memory["measured"]["devices"]["CPU"]["kv"], rel=0.01)
+        assert memory["planned"]["bytes"]["total"] <= memory["budget"]["bytes"]
+
+
+def test_what_no_rung_can_hold_is_a_400_that_says_why(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    shape = read_shape(demo_path)
+    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget)) as wrapper:
+        status, answer = post(wrapper.url, "/completion", {"prompt": STORY * 700, "n_predict": 4})
+        assert status == 400 and answer["error"]["type"] == "exceed_context_size_error"
+        assert "the largest context under the memory budget" in answer["error"]["message"]
+        assert answer["error"]["n_prompt_tokens"] > 8192
+        status, answer = post(wrapper.url, "/completion", {"prompt": "Still here?", "n_predict": 2})
+        assert status == 200
+
+
+def test_a_generation_cut_by_a_full_context_is_continued(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """The context fills during the answer: the wrapper grows it and goes on; the client sees one answer with
+    every token it asked for."""
+    shape = read_shape(demo_path)
+    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget)) as wrapper:
+        n_ctx = degrade_status(wrapper)["n_ctx"]
+        text = "Count on: one two three four five six seven eight nine ten " * 150
+        status, answer = post(wrapper.url, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": text}], "max_tokens": 300, "temperature": 0})
+        assert status == 200, answer
+        usage = answer["usage"]
+        assert usage["prompt_tokens"] < n_ctx < usage["total_tokens"]  # it went past the first context
+        assert usage["completion_tokens"] == 300 or answer["choices"][0]["finish_reason"] == "stop"
+        assert wrapper.events("degrade.continue") and degrade_status(wrapper)["rung"] != "as-given"
+
+
+# -- budget changes and relaxing -------------------------------------------------------------------------------
+
+
+def test_a_smaller_budget_degrades_a_running_server_and_a_larger_one_brings_it_back(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    shape = read_shape(demo_path)
+    small = plan(shape, Settings(n_ctx=2048, type_k="q4_0", type_v="q4_0")).total() + MiB
+    with running(tmp_path, [server_bin, "-m", demo_path, "-np", "2"], config(tmp_path, 400 * MiB),
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        assert degrade_status(wrapper)["n_ctx"] == 8192
+        history = STORY * 90
+        first = complete(wrapper.url, history)
+        tokens = first["tokens_evaluated"] + first["tokens_predicted"]
+        assert post(wrapper.url, "/wrapper/budget", {"budget": "1GiB"})[0] == 401
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def client() -> None:
+            while not stop.is_set():
+                statuses.append(post_raw(wrapper.url, {"prompt": "Short one.", "n_predict": 2, "id_slot": 1})[0])
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        status, answer = post(wrapper.url, "/wrapper/budget", {"budget": small}, ADMIN)
+        stop.set()
+        thread.join(120)
+        assert status == 200 and answer["reloaded"] and answer["rung"] != "as-given", answer
+        assert statuses and set(statuses) == {200}
+        nxt = complete(wrapper.url, history + first["content"] + " And then")
+        assert nxt["timings"]["cache_n"] >= 0.9 * tokens
+        status, answer = post(wrapper.url, "/wrapper/budget", {"budget": "400MiB"}, ADMIN)
+        assert status == 200 and answer["rung"] == "as-given" and answer["n_ctx"] == 8192
+        status, answer = post(wrapper.url, "/wrapper/budget", {"budget": "lots"}, ADMIN)
+        assert status == 400 and "not a size" in answer["error"]["message"]
+
+
+def test_an_idle_server_relaxes_back_up(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    shape = read_shape(demo_path)
+    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget, relax="3s")) as wrapper:
+        complete(wrapper.url, STORY * 200)  # ~3k tokens: grows past f16's 2k
+        assert degrade_status(wrapper)["rung"] != "as-given"
+        complete(wrapper.url, "A short new conversation.")  # the long one is gone from the slot
+        relaxed = wait_for(lambda: [s for s in degrade_status(wrapper)["steps"] if s["why"].startswith("relax")],
+                           60, "the wrapper to relax")
+        assert len(relaxed) == 1 and relaxed[0]["success"] and relaxed[0]["rung"] == "as-given", relaxed
+        assert degrade_status(wrapper)["rung"] == "as-given"
+
+
+def test_without_degrade_its_endpoints_say_so(tmp_path: Path, server_bin: str, tiny_path: str) -> None:
+    with running(tmp_path, [server_bin, "-m", tiny_path, "-c", "1024"],
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        status, _, raw = http("GET", f"{wrapper.url}/wrapper/memory")
+        assert status == 409 and "degrade" in json.loads(raw)["error"]["message"]
+        assert post(wrapper.url, "/wrapper/budget", {"budget": "1GiB"}, ADMIN)[0] == 409
+        assert "degrade" not in wrapper.status()
