@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from hooks import calibration, slots
+from hooks import calibration, slotdir, slots
 from hooks.ladder import Planner, RungPlan, build, choose
 from hooks.memory import ModelShape, Plan, PlanError, Settings, plan, read_shape
 from wrapper import argv as args
@@ -91,7 +91,7 @@ def planner_for(argv: Sequence[str], model_path: str, model_id: str, config: Con
     gpu = bool(devices(argv[0]))
     runs = calibration.load(model_id)
     user_ctx = _int(args.get(config.argv, args.CTX_SIZE))
-    ceiling = min(c for c in (shape.n_ctx_train or 1 << 20, user_ctx or 1 << 20))
+    ceiling = min(shape.n_ctx_train or 1 << 20, user_ctx or 1 << 20)
 
     def predict(s: Settings) -> Plan:
         return plan(shape, s, _file_size(s.mmproj), _draft(s))
@@ -135,7 +135,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any])
     rungs = build(argv, config.degrade.ladder, planner, flag_arity(argv[0]), config.argv,
                   planner.shape.swa_window is not None)
     state.rungs = rungs
-    chosen = _chosen(rungs, state, planner.ceiling)
+    chosen = _chosen(rungs, state, max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, config.degrade)))
     if chosen is None:
         smallest = min((r.plan.total(r.plan.budget_device) for r in rungs if r.plan), default=0)
         raise ConfigError(f"degrade.budget {format_size(state.budget)} ({state.budget_source}) holds no rung of the "
@@ -159,12 +159,29 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any])
     return out
 
 
-def _chosen(rungs: list[RungPlan], state: DegradeState, ceiling: int) -> RungPlan | None:
+def _chosen(rungs: list[RungPlan], state: DegradeState, wanted: int) -> RungPlan | None:
+    """The rung a growth, relax or budget change asked for; else the best one whose context reaches `wanted`,
+    else the one with the largest context."""
     if state.target is not None:
         named = next((r for r in rungs if r.name == state.target and r.skipped is None and r.max_ctx), None)
         if named is not None:
             return named
-    return choose(rungs, min(ceiling, MIN_START_CTX)) or choose(rungs, 1)
+    usable = [r for r in rungs if r.skipped is None and r.max_ctx > 0]
+    return choose(rungs, wanted) or (max(usable, key=lambda r: r.max_ctx) if usable else None)
+
+
+def _saved_tokens(launch: Launch, degrade: Degrade) -> int:
+    """The longest conversation saved for this model, plus headroom: a start should be able to restore it."""
+    directory = launch.prepared.get(slots.FAMILY)
+    if not isinstance(directory, Path):
+        return 0
+    tokens = []
+    for saved in slotdir.saved_slots(directory):
+        try:
+            tokens.append(int(slotdir.read_sidecar(saved.sidecar).get("tokens") or 0))
+        except (slotdir.SidecarError, ValueError, TypeError):
+            continue  # slots.restore reports it
+    return max(tokens) + degrade.headroom if tokens else 0
 
 
 # -- what a generation reports -------------------------------------------------------------------------------
@@ -288,7 +305,11 @@ async def relax(host: Host) -> None:
         await asyncio.sleep(min(RELAX_POLL_S, degrade.relax_after / 2 or RELAX_POLL_S))
         if host.in_flight or time.monotonic() - state.last_activity < degrade.relax_after:
             continue
-        await relax_now(host, state, degrade, "idle for degrade.relax_after")
+        try:
+            await relax_now(host, state, degrade, "idle for degrade.relax_after")
+        except Exception:  # a bug here must not end the relaxing for the wrapper's whole life
+            log.exception("degrade.relax_failed")
+            state.last_activity = time.monotonic()
 
 
 async def relax_now(host: Host, state: DegradeState, degrade: Degrade, why: str) -> str | None:

@@ -199,8 +199,7 @@ def _encode(values: np.ndarray[Any, np.dtype[np.float32]], target: str) -> np.nd
         d /= np.float32(127)
         scale = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
         np.multiply(blocks, scale[:, None], out=work)
-        np.rint(work, out=work)
-        np.copyto(out[:, 2:].view(np.int8), work, casting="unsafe")
+        np.rint(work, out=out[:, 2:].view(np.int8), casting="unsafe")  # rounded and narrowed in one pass
     else:  # q4_0, ggml's: d = (the value of largest magnitude) / -8, q = clamp(trunc(x / d + 8.5), 0, 15)
         d = _largest(blocks) / np.float32(-8)
         scale = np.divide(1, d, out=np.zeros_like(d), where=d != 0)

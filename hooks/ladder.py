@@ -10,7 +10,7 @@ model's training context and by the user's `-c` when given.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hooks.memory import ModelShape, Plan, Settings, largest_ctx, plan, settings_from_argv
@@ -61,7 +61,7 @@ class Planner:
     def plan(self, argv: Sequence[str], n_ctx: int | None = None) -> Plan:
         s = self.settings(argv)
         if n_ctx is not None:
-            s = Settings(**{**s.__dict__, "n_ctx": n_ctx})
+            s = replace(s, n_ctx=n_ctx)
         result = plan(self.shape, s, self.mmproj_bytes(s), self.draft(s))
         return self.calibrate(result, s) if self.calibrate is not None else result
 

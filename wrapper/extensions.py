@@ -54,7 +54,7 @@ def prepare(config: Config, shared: dict[str, Any]) -> Launch:
     argv, notes, prepared = list(launch.argv), list(launch.notes), dict(launch.prepared)
     for builtin in in_use(config):
         if builtin.fit is not None:
-            fit = builtin.fit(argv, replace(launch, argv=argv), config, shared)
+            fit = builtin.fit(argv, replace(launch, argv=argv, prepared=dict(prepared)), config, shared)
             argv, prepared[builtin.family] = fit.argv, fit.prepared
             notes += fit.notes
     return replace(launch, argv=argv, notes=notes, prepared=prepared)

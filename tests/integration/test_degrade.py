@@ -243,3 +243,21 @@ def test_without_degrade_its_endpoints_say_so(tmp_path: Path, server_bin: str, t
         assert status == 409 and "degrade" in json.loads(raw)["error"]["message"]
         assert post(wrapper.url, "/wrapper/budget", {"budget": "1GiB"}, ADMIN)[0] == 409
         assert "degrade" not in wrapper.status()
+
+
+def test_a_restart_starts_on_a_rung_that_holds_the_saved_conversation(tmp_path: Path, server_bin: str,
+                                                                       demo_path: str) -> None:
+    shape = read_shape(demo_path)
+    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    argv = [server_bin, "-m", demo_path, "-np", "1"]
+    history = STORY * 200  # ~3.4k tokens: past f16's 2k
+    with running(tmp_path, argv, config(tmp_path, budget)) as wrapper:
+        first = complete(wrapper.url, history)
+        grown = degrade_status(wrapper)["rung"]
+        assert grown != "as-given"
+        assert wrapper.stop() == 0
+    with running(tmp_path, argv, config(tmp_path, budget)) as again:
+        assert degrade_status(again)["rung"] == grown  # as-given could not restore it
+        assert again.status()["slots"]["restore"][0]["outcome"] == "restored"
+        nxt = complete(again.url, history + first["content"] + " And then")
+        assert nxt["timings"]["cache_n"] >= 0.9 * (first["tokens_evaluated"] + first["tokens_predicted"])
