@@ -17,7 +17,7 @@ from wrapper.config import Config
 from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
 from wrapper.gate import Admission
 from wrapper.lifecycle import Supervisor
-from wrapper.proxy import STARTED, BadPath, Caught, broken_off, canonical_path, forward, json_error
+from wrapper.proxy import STARTED, BadPath, Caught, broken_off, canonical_path, forward, json_error, json_object
 from wrapper.reload import ReloadRefused
 from wrapper.state import State
 
@@ -118,7 +118,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
 async def _growing(request: web.Request, supervisor: Supervisor, path: str, body: bytes) -> web.StreamResponse:
     """Send a completion request; on a context overflow grow the context and send it again. A non-streamed
     answer cut by a full context is continued after a growth (degrade.continue): the client gets one answer."""
-    original = _json_object(body)
+    original = json_object(body)
     degrade = supervisor.config.degrade
     continuing = (degrade is not None and degrade.continue_truncated and original is not None
                   and original.get("stream") is not True and path in CONTINUABLE)
@@ -162,14 +162,6 @@ async def _growing(request: web.Request, supervisor: Supervisor, path: str, body
         log.info("degrade.continue", path=path, used=used)
     return web.json_response(earlier) if earlier is not None else json_error(
         500, "the context grew several times for this request and it still did not fit", "server_error")
-
-
-def _json_object(raw: bytes) -> dict[str, Any] | None:
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 async def _read_whole(request: web.Request, limit: int) -> bytes | None:

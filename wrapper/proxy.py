@@ -61,7 +61,8 @@ def canonical_path(raw_path: str) -> str:
     return quote(path, safe=_PATH_SAFE)
 
 
-def _json_object(raw: bytes) -> dict[str, Any] | None:
+def json_object(raw: bytes) -> dict[str, Any] | None:
+    """`raw` as a JSON object, or None when it is not one."""
     try:
         value = json.loads(raw)
     except ValueError:
@@ -133,7 +134,7 @@ async def forward(
             if (catch is not None and reply.content_length is not None and reply.content_length <= CAUGHT_LIMIT
                     and reply.content_type == "application/json"):
                 read = await reply.read()
-                payload = _json_object(read)
+                payload = json_object(read)
                 if payload is not None and catch(payload, reply.status):
                     return Caught(reply.status, payload)
             upstream_connection = reply.connection.protocol if reply.connection is not None else None
