@@ -1,4 +1,5 @@
-"""The planner against what servers reported: the H200 table (../shared/data) and CPU starts of both models."""
+"""The planner against what a server reported: the H200 table (tests/data, a copy of ../shared/data); and the
+calibration from the server's own buffer lines."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hooks.calibration import Measured, calibrated, device_of, load, remember
 from hooks.memory import MiB, ModelShape, Plan, Settings, largest_ctx, plan
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "h200-kv-sweep.csv"
+DATA = Path(__file__).resolve().parents[1] / "data" / "h200-kv-sweep.csv"  # a copy of ../shared/data
 
 
 def h200_model() -> ModelShape:
