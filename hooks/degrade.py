@@ -257,6 +257,8 @@ async def grow(host: Host, needed: int) -> str | None:
     if state.lock is None:
         state.lock = asyncio.Lock()
     async with state.lock:
+        if not state.rungs:
+            return ""  # nothing was planned (no model file): the overflow stands as llama-server said it
         current = host.current.launch.prepared.get(FAMILY) or {}
         if int(current.get("n_ctx") or 0) >= needed:
             return None  # another request's growth got there first

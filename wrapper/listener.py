@@ -123,6 +123,7 @@ async def _growing(request: web.Request, supervisor: Supervisor, path: str, body
     continuing = (degrade is not None and degrade.continue_truncated and original is not None
                   and original.get("stream") is not True and path in CONTINUABLE)
     request_now, sent, earlier = original or {}, body, None
+    result: web.StreamResponse | Caught | None = None
     for _ in range(MAX_GROWTHS + 1):
         n_ctx = int(args.get(supervisor.launch.argv, args.CTX_SIZE) or 0)
 
@@ -160,8 +161,10 @@ async def _growing(request: web.Request, supervisor: Supervisor, path: str, body
         earlier, request_now = answer, continued(path, original or {}, answer)
         sent = json.dumps(request_now).encode()
         log.info("degrade.continue", path=path, used=used)
-    return web.json_response(earlier) if earlier is not None else json_error(
-        500, "the context grew several times for this request and it still did not fit", "server_error")
+    if earlier is not None:
+        return web.json_response(earlier)
+    assert isinstance(result, Caught)  # it overflowed after every growth: the client gets the last refusal
+    return web.json_response(result.payload, status=result.status)
 
 
 async def _read_whole(request: web.Request, limit: int) -> bytes | None:
