@@ -17,8 +17,9 @@ from wrapper.config import Config
 from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
 from wrapper.gate import Admission
 from wrapper.lifecycle import Supervisor
-from wrapper.proxy import STARTED, BadPath, Caught, broken_off, canonical_path, forward, json_error, json_object
+from wrapper.proxy import STARTED, BadPath, Caught, Held, broken_off, canonical_path, forward, json_error, json_object
 from wrapper.reload import ReloadRefused
+from wrapper.sse import Events, as_answer
 from wrapper.state import State
 
 log = structlog.get_logger()
@@ -110,7 +111,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
                               "invalid_request_error")
     if body is None:
         result = await _exchange(request, supervisor, path, None, None)
-        assert not isinstance(result, Caught)  # nothing is caught without a body to send again
+        assert isinstance(result, web.StreamResponse)  # nothing is caught or held without a body to send again
         return result
     return await _growing(request, supervisor, path, body)
 
@@ -120,10 +121,12 @@ async def _growing(request: web.Request, supervisor: Supervisor, path: str, body
     answer cut by a full context is continued after a growth (degrade.continue): the client gets one answer."""
     original = json_object(body)
     degrade = supervisor.config.degrade
-    continuing = (degrade is not None and degrade.continue_truncated and original is not None
-                  and original.get("stream") is not True and path in CONTINUABLE)
+    can_continue = degrade is not None and degrade.continue_truncated and original is not None and path in CONTINUABLE
+    if can_continue and original is not None and original.get("stream") is True:
+        return await _growing_stream(request, supervisor, path, body, original)
+    continuing = can_continue and original is not None and original.get("stream") is not True
     request_now, sent, earlier = original or {}, body, None
-    result: web.StreamResponse | Caught | None = None
+    result: web.StreamResponse | Caught | Held | None = None
     for _ in range(MAX_GROWTHS + 1):
         n_ctx = int(args.get(supervisor.launch.argv, args.CTX_SIZE) or 0)
 
@@ -135,20 +138,13 @@ async def _growing(request: web.Request, supervisor: Supervisor, path: str, body
 
         result = await _exchange(request, supervisor, path, sent, wanted)
         if not isinstance(result, Caught):
+            assert isinstance(result, web.StreamResponse)  # no events filter: nothing is held
             return result
         if result.status >= 400:
-            needed = _needed(result.payload, request_now, supervisor.config)
-            problem = await extensions.grow(supervisor, needed)
-            if problem is not None:
-                log.info("degrade.overflow_refused", path=path, needed=needed, why=problem)
-                if earlier is not None:
-                    return web.json_response(earlier)  # the continuation cannot go on: the answer so far
-                error = dict(result.payload["error"])
-                if problem:
-                    error["message"] = f"{problem} ({error.get('message')})"
-                return web.json_response({**result.payload, "error": error}, status=result.status)
-            log.info("degrade.retry", path=path, needed=needed)
-            continue
+            refusal = await _grown_for(supervisor, path, result, request_now)
+            if refusal is None:
+                continue
+            return web.json_response(earlier) if earlier is not None else refusal  # a continuation: what came
         answer = merged(path, earlier, result.payload) if earlier is not None else result.payload
         cut = cut_by_context(path, request_now, result.payload, n_ctx)
         if cut is None:
@@ -180,7 +176,8 @@ async def _read_whole(request: web.Request, limit: int) -> bytes | None:
 
 
 async def _exchange(request: web.Request, supervisor: Supervisor, path: str, body: bytes | None,
-                    catch: Callable[[dict[str, Any], int], bool] | None) -> web.StreamResponse | Caught:
+                    catch: Callable[[dict[str, Any], int], bool] | None, events: Events | None = None,
+                    going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held:
     """One pass through the gate to llama-server; a context overflow is Caught when `body` can be sent again."""
     admission = await supervisor.gate.enter()
     if admission is Admission.REFUSED:
@@ -191,7 +188,7 @@ async def _exchange(request: web.Request, supervisor: Supervisor, path: str, bod
                           f"reload.hold_timeout ({supervisor.config.reload_hold_timeout:g}s)", "unavailable_error",
                           {"Retry-After": RETRY_AFTER_S})
     exchange = asyncio.ensure_future(forward(request, supervisor.launch.url, supervisor.session,
-                                             supervisor.observer(), path, body, catch))
+                                             supervisor.observer(), path, body, catch, events, going_on))
     supervisor.gate.track(exchange)
     try:
         return await exchange  # cancelled with us when the client hangs up: llama-server then stops the work
@@ -208,6 +205,68 @@ async def _exchange(request: web.Request, supervisor: Supervisor, path: str, bod
                           "unavailable_error", {"Retry-After": RETRY_AFTER_S})
     finally:
         supervisor.gate.leave(exchange)
+
+
+async def _grown_for(supervisor: Supervisor, path: str, overflow: Caught, asked: dict[str, Any]) -> web.Response | None:
+    """Grow the context for a refused request: None when it may be sent again, else the refusal for the client
+    (llama-server's, its message saying why it could not grow)."""
+    needed = _needed(overflow.payload, asked, supervisor.config)
+    problem = await extensions.grow(supervisor, needed)
+    if problem is None:
+        log.info("degrade.retry", path=path, needed=needed)
+        return None
+    log.info("degrade.overflow_refused", path=path, needed=needed, why=problem)
+    error = dict(overflow.payload["error"])
+    if problem:
+        error["message"] = f"{problem} ({error.get('message')})"
+    return web.json_response({**overflow.payload, "error": error}, status=overflow.status)
+
+
+async def _growing_stream(request: web.Request, supervisor: Supervisor, path: str, body: bytes,
+                          original: dict[str, Any]) -> web.StreamResponse:
+    """A streamed completion request: grown and sent again on an overflow (before any event); an answer cut by
+    a full context goes on in the same stream after a growth, its stop event held back until then."""
+    chat = path in CHAT_PATHS
+    degrade = supervisor.config.degrade
+    request_now, sent, text, generated = original, body, "", 0
+    response: web.StreamResponse | None = None
+    held = b""  # the last events of the answer so far, sent when it cannot go on
+    for _ in range(MAX_GROWTHS + 1):
+        n_ctx = int(args.get(supervisor.launch.argv, args.CTX_SIZE) or 0)
+        events = Events(chat, skip=text if chat else "", continuing=response is not None)
+        result = await _exchange(request, supervisor, path, sent, lambda p, status: status >= 400 and _overflowed(p),
+                                 events, response)
+        if isinstance(result, Caught):
+            refusal = await _grown_for(supervisor, path, result, request_now)
+            if refusal is None:
+                continue
+            if response is None:
+                return refusal
+            break  # a continuation that cannot go on: end the stream as it ended before
+        if not isinstance(result, Held):
+            if response is None or result is response:
+                return result
+            break  # a refusal (held too long, stopping) after the stream began: end it as it ended before
+        response, held = result.response, result.events.release()
+        text += "".join(result.events.content)
+        final = result.events.final
+        cut = cut_by_context(path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
+        if cut is None:
+            break
+        used, more = cut
+        generated += int(((final or {}).get("timings") or {}).get("predicted_n") or (final or {}).get(
+            "tokens_predicted") or 0)
+        if await extensions.grow(supervisor, used + (more or (degrade.headroom if degrade else 0))) is not None:
+            break
+        so_far = ({"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": generated}} if chat
+                  else {"content": text, "tokens_predicted": generated})
+        request_now = continued(path, original, so_far)
+        sent = json.dumps(request_now).encode()
+        log.info("degrade.continue", path=path, used=used, stream=True)
+    assert response is not None
+    await response.write(held)
+    await response.write_eof()
+    return response
 
 
 def _overflowed(payload: dict[str, Any]) -> bool:

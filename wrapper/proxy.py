@@ -16,6 +16,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from wrapper.sse import Events
+
 log = structlog.get_logger()
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus those aiohttp must compute itself for the new connection.
@@ -104,17 +106,27 @@ class Caught:
     payload: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Held:
+    """A streamed answer passed on but for its last events (`events.held`); the response is still open."""
+
+    response: web.StreamResponse
+    events: Events
+
+
 CAUGHT_LIMIT = 8 << 20  # an answer larger than this is passed on, never caught
 
 
 async def forward(
     request: web.Request, upstream: str, session: aiohttp.ClientSession, observer: Observer | None = None,
     path: str | None = None, body: bytes | None = None, catch: Callable[[dict[str, Any], int], bool] | None = None,
-) -> web.StreamResponse | Caught:
+    events: Events | None = None, going_on: web.StreamResponse | None = None,
+) -> web.StreamResponse | Caught | Held:
     """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies.
     `body`: the request body, read already (else streamed from the client). `catch(payload, status)`: a whole
     (not streamed) JSON answer it accepts is returned as Caught instead of being sent (the caller may send
-    the request again, or go on from it)."""
+    the request again, or go on from it). `events`: an event stream is passed through it and returned Held when
+    it held something back; `going_on`: the client's response, still open, that this answer continues."""
     path = path if path is not None else request.rel_url.raw_path
     query = request.rel_url.raw_query_string
     url = URL(upstream + path + (f"?{query}" if query else ""), encoded=True)  # as checked: no re-normalising
@@ -143,20 +155,31 @@ async def forward(
                 # keep-alive; pooled again, the next request sent on it failed with "Server disconnected" (1
                 # streamed request in 8). Mark it now: aiohttp pools it the moment the body ends.
                 upstream_connection.force_close()
-            response = web.StreamResponse(status=reply.status, reason=reply.reason,
-                                          headers=_forwardable(reply.headers))
-            if reply.content_length is not None and "Content-Encoding" not in reply.headers:
-                response.content_length = reply.content_length
-            if reply.content_type == "text/event-stream":
-                response.headers["X-Accel-Buffering"] = "no"
-            await response.prepare(request)
-            request[STARTED] = response
+            if reply.content_type != "text/event-stream":
+                events = None  # an error answer: passed on whole, as it is
+            if going_on is not None:
+                response = going_on
+            else:
+                response = web.StreamResponse(status=reply.status, reason=reply.reason,
+                                              headers=_forwardable(reply.headers))
+                if reply.content_length is not None and "Content-Encoding" not in reply.headers:
+                    response.content_length = reply.content_length
+                if reply.content_type == "text/event-stream":
+                    response.headers["X-Accel-Buffering"] = "no"
+                await response.prepare(request)
+                request[STARTED] = response
             tail = b""
             chunks = _once(read) if read is not None else reply.content.iter_any()
             async for chunk in chunks:
-                await response.write(chunk)
+                passed = events.feed(chunk) if events is not None else chunk
+                if passed:
+                    await response.write(passed)
                 if observer is not None:
                     tail = (tail + chunk)[-TAP_LIMIT:]
+            if events is not None and events.held:
+                if observer is not None:
+                    observer(path, reply.status, tail)
+                return Held(response, events)
             await response.write_eof()
     except aiohttp.ClientError as exc:
         log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),

@@ -170,20 +170,36 @@ def test_what_no_rung_can_hold_is_a_400_that_says_why(tmp_path: Path, server_bin
         assert status == 200
 
 
-def test_a_generation_cut_by_a_full_context_is_continued(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generation_cut_by_a_full_context_is_continued(tmp_path: Path, server_bin: str, demo_path: str,
+                                                          stream: bool) -> None:
     """The context fills during the answer: the wrapper grows it and goes on; the client sees one answer with
-    every token it asked for."""
+    every token it asked for (streamed: one role chunk, one finish, one [DONE], the prefix not repeated)."""
     shape = read_shape(demo_path)
     budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget)) as wrapper:
         n_ctx = degrade_status(wrapper)["n_ctx"]
         text = "Count on: one two three four five six seven eight nine ten " * 150
-        status, answer = post(wrapper.url, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": text}], "max_tokens": 300, "temperature": 0})
-        assert status == 200, answer
-        usage = answer["usage"]
-        assert usage["prompt_tokens"] < n_ctx < usage["total_tokens"]  # it went past the first context
-        assert usage["completion_tokens"] == 300 or answer["choices"][0]["finish_reason"] == "stop"
+        asked = {"messages": [{"role": "user", "content": text}], "max_tokens": n_ctx // 3, "temperature": 0,
+                 "stream": stream}
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions", asked, timeout=600)
+        assert status == 200, raw[:300]
+        if stream:
+            events = [line[5:].strip() for line in raw.decode().splitlines() if line.startswith("data:")]
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            chunks = [json.loads(e) for e in events[:-1]]
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            assert sum("role" in d for d in deltas) == 1
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
+            generated = sum(1 for d in deltas if d.get("content"))  # one token per delta from llama-server
+            prompt = json.loads(http("POST", f"{wrapper.url}/tokenize", {"content": text})[2])["tokens"]
+            assert len(prompt) < n_ctx < len(prompt) + generated  # it went past the first context
+            assert generated == n_ctx // 3
+        else:
+            answer = json.loads(raw)
+            usage = answer["usage"]
+            assert usage["prompt_tokens"] < n_ctx < usage["total_tokens"]  # it went past the first context
+            assert usage["completion_tokens"] == n_ctx // 3 or answer["choices"][0]["finish_reason"] == "stop"
         assert wrapper.events("degrade.continue") and degrade_status(wrapper)["rung"] != "as-given"
 
 

@@ -1,0 +1,114 @@
+"""A llama-server event stream passed through event by event, its last events held back, so that a streamed
+answer cut by a full context can go on in the same stream after a growth.
+
+Held back: the event that says why the generation stopped (a chat chunk with a `finish_reason`, a
+`/completion` event with `stop: true`) and whatever follows it (`data: [DONE]`). In a continuation, the
+role-only first chunk is dropped and the assistant prefix llama-server echoes at the start is cut off, so the
+client sees one answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class Events:
+    def __init__(self, chat: bool, skip: str = "", continuing: bool = False) -> None:
+        self.chat = chat
+        self.continuing = continuing
+        self._skip = skip  # text the continuation echoes first (the assistant prefix), not shown again
+        self._buffer = b""
+        self.held: list[bytes] = []
+        self.final: dict[str, Any] | None = None
+        self.content: list[str] = []  # the text passed on (after the cut prefix)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of `chunk` goes to the client now: whole events, the held ones excepted."""
+        self._buffer += chunk
+        out: list[bytes] = []
+        while b"\n\n" in self._buffer:
+            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+            passed = self._event(raw + b"\n\n")
+            if passed:
+                out.append(passed)
+        return b"".join(out)
+
+    def release(self) -> bytes:
+        """The held events and any unfinished rest, for when the stream ends as llama-server ended it."""
+        return b"".join(self.held) + self._buffer
+
+    def _event(self, raw: bytes) -> bytes | None:
+        if self.held:
+            self.held.append(raw)
+            return None
+        text = raw.decode("utf-8", "replace").strip()
+        if not text.startswith("data:"):
+            return raw
+        data = text[5:].strip()
+        if data == "[DONE]":
+            self.held.append(raw)
+            return None
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return raw
+        if not isinstance(payload, dict):
+            return raw
+        return self._chat(raw, payload) if self.chat else self._completion(raw, payload)
+
+    def _chat(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return raw
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self.final = payload
+            self.held.append(raw)
+            return None
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return raw
+        content = delta.get("content")
+        if not isinstance(content, str) or not content:
+            return None if self.continuing and "role" in delta else raw
+        kept = self._cut_prefix(content)
+        if kept != content:
+            if not kept:
+                return None
+            delta["content"] = kept
+            raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+        self.content.append(kept)
+        return raw
+
+    def _completion(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
+        if payload.get("stop"):
+            self.final = payload
+            self.held.append(raw)
+            return None
+        content = payload.get("content")
+        if isinstance(content, str):
+            self.content.append(content)
+        return raw
+
+    def _cut_prefix(self, content: str) -> str:
+        if not self._skip:
+            return content
+        if content.startswith(self._skip):
+            content, self._skip = content[len(self._skip):], ""
+        elif self._skip.startswith(content):
+            content, self._skip = "", self._skip[len(content):]
+        else:
+            self._skip = ""  # not an echo after all: show everything from here
+        return content
+
+
+def as_answer(chat: bool, final: dict[str, Any]) -> dict[str, Any]:
+    """A stream's last event in the shape of a whole answer, for wrapper/continuation.py."""
+    if not chat:
+        return final
+    timings = final.get("timings") or {}
+    generated = int(timings.get("predicted_n") or 0)
+    used = int(timings.get("cache_n") or 0) + int(timings.get("prompt_n") or 0) + generated
+    usage = final.get("usage") or {"total_tokens": used, "completion_tokens": generated}
+    return {"choices": [{"finish_reason": final["choices"][0].get("finish_reason"), "message": {}}], "usage": usage}
