@@ -14,7 +14,7 @@ import yaml
 from wrapper import __version__, extensions, logs
 from wrapper.config import EXIT_CONFIG, HOOK_EVENTS, Config, ConfigError, parse_listen
 from wrapper.reload_cli import reload
-from wrapper.units import parse_duration
+from wrapper.units import format_size, parse_duration
 
 RUN_EXAMPLES = """
 \b
@@ -139,7 +139,22 @@ def _resolved(config: Config) -> dict[str, Any]:
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
         "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else None},
+        "degrade": _degrade(config),
         "hooks": hooks,
+    }
+
+
+def _degrade(config: Config) -> Any:
+    degrade = config.degrade
+    if degrade is None:
+        return "off"
+    return {
+        "budget": format_size(degrade.budget) if degrade.budget is not None else
+        f"auto (free GPU memory, else MemAvailable - {format_size(degrade.reserve)})",
+        "ladder": [r.name if not (r.set or r.remove) else {"name": r.name, "set": r.set, "remove": list(r.remove)}
+                   for r in degrade.ladder],
+        "headroom": degrade.headroom, "continue": degrade.continue_truncated,
+        "relax_after": f"{degrade.relax_after:g}s",
     }
 
 

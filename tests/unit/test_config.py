@@ -180,9 +180,12 @@ def test_options_come_from_the_environment(tmp_path: Path) -> None:
     assert done.returncode == 2 and "listen must be HOST:PORT" in done.stderr
 
 
-def test_the_shipped_examples_are_valid() -> None:
-    done = _check(Path(__file__).resolve().parents[2] / "examples" / "hooks.yaml")
+@pytest.mark.parametrize("name", ["hooks.yaml", "degrade.yaml"])
+def test_the_shipped_examples_are_valid(name: str) -> None:
+    done = _check(Path(__file__).resolve().parents[2] / "examples" / name)
     assert done.returncode == 0, done.stderr
+    if name == "degrade.yaml":
+        assert "budget: 3.00 GiB" in done.stdout and "smaller-batch" in done.stdout
 
 
 @pytest.mark.parametrize(("hook", "message"), [
