@@ -26,7 +26,7 @@ from hooks.memory import ModelShape, Plan, PlanError, Settings, plan, read_shape
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError, Degrade
 from wrapper.launch import Fitting, Launch
-from wrapper.reload import ReloadRefused
+from wrapper.reload import BUSY_RELOADING, ReloadRefused
 from wrapper.runtime import Host, Runtime
 from wrapper.server_help import devices, flag_arity
 from wrapper.sysinfo import gpu_free, mem_available
@@ -277,11 +277,12 @@ async def _move(host: Host, state: DegradeState, target: RungPlan, why: str) -> 
     state.target = target.name
     began = time.monotonic()
     answer: dict[str, Any] | None = None
+    deadline = began + host.current.config.reload_hold_timeout
     while answer is None:
         try:
             answer = await host.reload({}, f"degrade: {why}")
         except ReloadRefused as exc:
-            if exc.status != 409 or "nothing to change" in str(exc):
+            if str(exc) != BUSY_RELOADING or time.monotonic() > deadline:
                 state.target = before
                 return None if "nothing to change" in str(exc) else str(exc)
             await asyncio.sleep(BUSY_RETRY_S)  # another reload runs: wait for it, then ours

@@ -26,7 +26,7 @@ from wrapper.gate import Gate
 from wrapper.launch import PRIVATE_HOST, Launch
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.proxy import Observer
-from wrapper.reload import ReloadRefused
+from wrapper.reload import BUSY_RELOADING, ReloadRefused
 from wrapper.runtime import Runtime
 from wrapper.state import Lifecycle, State
 
@@ -187,8 +187,10 @@ class Supervisor:
         """Reconfigure the running llama-server (see wrapper/reloader.py); one at a time, only when ready."""
         from wrapper.reloader import Reloader
 
-        if self.lifecycle.state is not State.READY or self._reload_task is not None:
-            raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: one reload at a time, when ready", 409)
+        if self._reload_task is not None:
+            raise ReloadRefused(BUSY_RELOADING, 409)
+        if self.lifecycle.state is not State.READY:
+            raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: it reloads only when ready", 409)
         reloader = Reloader(self)
         prepared = reloader.prepare(body, why)  # refusals come before anything stops
         task = asyncio.ensure_future(reloader.run(prepared))

@@ -23,6 +23,9 @@ PROTECTED = {"--host": "the wrapper's private address", "--port": "the wrapper's
 _MMPROJ_PATHS = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
 
 
+BUSY_RELOADING = "a reload is running: one at a time"  # the 409 that means "try again after it"
+
+
 class ReloadRefused(Exception):
     """A reload that cannot be done as asked; nothing was stopped. `status` is the HTTP answer."""
 
