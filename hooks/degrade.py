@@ -35,6 +35,7 @@ from wrapper.units import format_size, parse_size
 log = structlog.get_logger()
 
 FAMILY = "degrade"
+TURN_ON = "add a degrade: section to the config (at least degrade: {budget: auto})"
 MIN_START_CTX = 1024  # the first rung whose context reaches this (or the ceiling) is where a start begins
 VERBOSITY = ("-lv", "--verbosity", "--log-verbosity")
 RELAX_POLL_S = 5.0
@@ -221,7 +222,7 @@ def status(rt: Runtime) -> dict[str, Any]:
         "n_ctx": prepared.get("n_ctx"), "ladder": [r.as_dict() for r in state.rungs],
         "steps": state.steps[-20:],
         "swa_window_note": ("the sliding-window cache is not full: restored slots would not be reused, so slots "
-                            "are not saved on this rung") if prepared.get("rung") == "swa-window" else None,
+                            "are not saved on this rung") if prepared.get("swa_dropped") else None,
     }
 
 
@@ -332,7 +333,7 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
     rt = host.current
     degrade = rt.config.degrade
     if degrade is None:
-        return 409, _error(409, "degradation is off: add a degrade: section to the config", "conflict")
+        return 409, _error(409, f"degradation is off: {TURN_ON}", "conflict")
     value = body.get("budget")
     try:
         if value == "auto":

@@ -42,6 +42,7 @@ class Route:
     method: str
     path: str
     handler: Callable[[Host, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+    off: str = ""  # how to turn it on, for the 409 it answers while its built-in is not in use
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,8 @@ BUILTINS: tuple[Builtin, ...] = (
     Builtin(
         family=degrade.FAMILY, in_use=degrade.in_use, fit=degrade.fit, observer=degrade.observer,
         status=degrade.status, server_line=degrade.server_line, background=degrade.relax, grow=degrade.grow,
-        routes=(Route("GET", "/wrapper/memory", degrade.memory_route), Route("POST", "/wrapper/budget",
-                                                                              degrade.set_budget)),
+        routes=(Route("GET", "/wrapper/memory", degrade.memory_route, degrade.TURN_ON),
+                Route("POST", "/wrapper/budget", degrade.set_budget, degrade.TURN_ON)),
         commands=(plan_cli.plan,),
     ),
 )

@@ -43,8 +43,18 @@ def problems(config: Config) -> list[str]:
     return found
 
 
+_IN_USE: dict[int, tuple[Config, list[Builtin]]] = {}  # by config: asked on every proxied request
+
+
 def in_use(config: Config) -> list[Builtin]:
-    return [b for b in BUILTINS if (b.in_use(config) if b.in_use is not None else config.uses(b.family))]
+    known = _IN_USE.get(id(config))
+    if known is not None and known[0] is config:
+        return known[1]
+    found = [b for b in BUILTINS if (b.in_use(config) if b.in_use is not None else config.uses(b.family))]
+    if len(_IN_USE) > 64:  # configs of generations long gone
+        _IN_USE.clear()
+    _IN_USE[id(config)] = (config, found)
+    return found
 
 
 def prepare(config: Config, shared: dict[str, Any]) -> Launch:

@@ -293,8 +293,7 @@ async def builtin_route(request: web.Request) -> web.Response:
     if refusal is not None:
         return refusal
     if declared not in extensions.routes(supervisor.config):
-        return json_error(409, f"{declared.path} is off: its built-in is not in use (degrade: needs a degrade: "
-                          "section in the config)", "conflict")
+        return json_error(409, f"{declared.path} is off: {declared.off}", "conflict")
     body: Any = {}
     if request.method == "POST":
         try:

@@ -168,17 +168,19 @@ async def forward(
                     response.headers["X-Accel-Buffering"] = "no"
                 await response.prepare(request)
                 request[STARTED] = response
-            tail = b""
+            tail = bytearray()
             chunks = _once(read) if read is not None else reply.content.iter_any()
             async for chunk in chunks:
                 passed = events.feed(chunk) if events is not None else chunk
                 if passed:
                     await response.write(passed)
                 if observer is not None:
-                    tail = (tail + chunk)[-TAP_LIMIT:]
+                    tail += chunk
+                    if len(tail) > 2 * TAP_LIMIT:  # trimmed now and then: no copy of the window per chunk
+                        del tail[:-TAP_LIMIT]
             if events is not None and events.held:
                 if observer is not None:
-                    observer(path, reply.status, tail)
+                    observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
                 return Held(response, events)
             await response.write_eof()
     except aiohttp.ClientError as exc:
@@ -188,5 +190,5 @@ async def forward(
             return broken_off(request, response)
         return json_error(502, f"llama-server could not be reached: {exc}", "bad_gateway")
     if observer is not None:
-        observer(path, reply.status, tail)
+        observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
     return response
