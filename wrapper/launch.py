@@ -86,6 +86,8 @@ def prepare(config: Config) -> Launch:
         notes.append({"change": f"removed --host/--port ({user_host or '-'}:{user_port or '-'})",
                       "why": f"llama-server listens privately; the wrapper serves {listen.url}"})
     port = free_port()
+    while port == listen.port:  # not bound yet when we pick: the kernel may offer the public port again
+        port = free_port()
     argv = [*args.remove(args.remove(argv, args.HOST), args.PORT), "--host", PRIVATE_HOST, "--port", str(port)]
     model = from_argv(argv)
     env = {**os.environ, **config.env}
