@@ -40,6 +40,7 @@ MIN_START_CTX = 1024  # the first rung whose context reaches this (or the ceilin
 VERBOSITY = ("-lv", "--verbosity", "--log-verbosity")
 RELAX_POLL_S = 5.0
 BUSY_RETRY_S = 0.2
+GATHER_S = 0.05
 
 
 @dataclass
@@ -54,6 +55,7 @@ class DegradeState:
     last_activity: float = field(default_factory=time.monotonic)
     conversation: dict[int, int] = field(default_factory=dict)  # slot -> tokens, from proxied answers
     lock: asyncio.Lock | None = None
+    waiting: list[int] = field(default_factory=list)  # the tokens each request waiting for a growth needs
     shape: ModelShape | None = None
 
 
@@ -251,26 +253,55 @@ async def memory_route(host: Host, body: dict[str, Any]) -> tuple[int, dict[str,
 # -- growing, relaxing, budget changes --------------------------------------------------------------------
 
 
-async def grow(host: Host, needed: int) -> str | None:
-    """Make the context hold `needed` tokens by reloading to the first rung that does; None when done (send
-    the request again), else why it cannot be done. Concurrent callers share one reload."""
+async def grow(host: Host, needed: int, pool_full: bool = False) -> str | None:
+    """Make the context hold `needed` more tokens for one request by reloading to the first rung that does;
+    None when done (send the request again), else why it cannot be done. Overflows that come together share
+    one reload sized for all of them (as many as run at once). `pool_full`: llama-server ran out of cells in
+    its unified KV while the slots filled it together: the next larger context at least."""
     state = state_of(host.current.shared)
     if state.lock is None:
         state.lock = asyncio.Lock()
-    async with state.lock:
-        if not state.rungs:
-            return ""  # nothing was planned (no model file): the overflow stands as llama-server said it
-        current = host.current.launch.prepared.get(FAMILY) or {}
-        if int(current.get("n_ctx") or 0) >= needed:
-            return None  # another request's growth got there first
-        target = choose(state.rungs, needed)
-        if target is None:
-            best = max(state.rungs, key=lambda r: r.max_ctx, default=None)
-            return (f"this request needs {needed} tokens of context; the largest context under the memory budget "
-                    f"{format_size(state.budget or 0)} is {best.max_ctx if best else 0} tokens (rung "
-                    f"{best.name if best else '-'}); raise degrade.budget or shorten the conversation")
-        return await _move(host, state, target, f"grow to {target.name}, n_ctx {target.max_ctx}, for a request of "
-                                                f"{needed} tokens")
+    state.waiting.append(needed)
+    try:
+        async with state.lock:
+            if not state.rungs:
+                return ""  # nothing was planned (no model file): the overflow stands as llama-server said it
+            await asyncio.sleep(GATHER_S)  # the other requests of a burst get to say what they need
+            current = host.current.launch.prepared.get(FAMILY) or {}
+            n_ctx = int(current.get("n_ctx") or 0)
+            wanted = context_for(host.current.launch.argv, state, state.waiting)
+            if pool_full:
+                wanted = max(wanted, n_ctx + 1)
+            if n_ctx >= wanted:
+                return None  # another request's growth got there first
+            target = choose(state.rungs, wanted)
+            if target is None:
+                best = max(state.rungs, key=lambda r: r.max_ctx, default=None)
+                return (f"this request needs {needed} tokens of context ({wanted} for every slot's conversation); "
+                        f"the largest context under the memory budget {format_size(state.budget or 0)} is "
+                        f"{best.max_ctx if best else 0} tokens (rung {best.name if best else '-'}); raise "
+                        "degrade.budget or shorten the conversation")
+            return await _move(host, state, target, f"grow to {target.name}, n_ctx {target.max_ctx}, for "
+                                                    f"{len(state.waiting)} request(s) of up to {max(state.waiting)} "
+                                                    f"tokens ({wanted} in all)")
+    finally:
+        state.waiting.remove(needed)
+
+
+def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]) -> int:
+    """The `-c` that holds `demands` (the tokens requests need) beside what the other slots hold. With one KV
+    for all slots (-kvu) their cells add up: the demands that can run at once, plus the conversations they
+    do not replace; without it every slot gets -c / -np cells, so the largest demand times -np."""
+    parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
+    running = sorted(demands, reverse=True)[:parallel]
+    if not running:
+        return 0
+    if parallel == 1:
+        return running[0]
+    if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED):
+        held = sorted(state.conversation.values(), reverse=True)[len(running):]  # slots the requests do not use
+        return sum(running) + sum(held)
+    return running[0] * parallel
 
 
 async def _move(host: Host, state: DegradeState, target: RungPlan, why: str) -> str | None:
@@ -319,7 +350,7 @@ async def relax(host: Host) -> None:
 async def relax_now(host: Host, state: DegradeState, degrade: Degrade, why: str) -> str | None:
     current = host.current.launch.prepared.get(FAMILY) or {}
     index = int(current.get("index", 0))
-    needed = max([*_held(state, host.current), 0]) + degrade.headroom
+    needed = context_for(host.current.launch.argv, state, [t + degrade.headroom for t in _held(state, host.current)])
     target = choose(state.rungs, needed)
     if target is None or (state.rungs.index(target) >= index and target.max_ctx <= int(current.get("n_ctx") or 0)):
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
@@ -352,7 +383,7 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
     base = state.rungs[0].argv if state.rungs else rt.launch.argv
     state.rungs = build(base, degrade.ladder, planner, flag_arity(base[0]), rt.config.argv,
                         planner.shape.swa_window is not None)
-    needed = max([*_held(state, rt), 0]) + degrade.headroom
+    needed = context_for(rt.launch.argv, state, [t + degrade.headroom for t in _held(state, rt)])
     target = choose(state.rungs, max(needed, min(planner.ceiling, MIN_START_CTX))) or choose(state.rungs, needed)
     if target is None:
         state.budget, state.budget_source = old, state.budget_source

@@ -57,7 +57,7 @@ class Builtin:
     take_over: Callable[[Runtime], Awaitable[str]] | None = None  # the new generation, before it serves
     server_line: Callable[[Runtime, str], bool] | None = None  # False: log the line at debug level only
     background: Callable[[Host], Coroutine[Any, Any, None]] | None = None  # runs from ready until the stop
-    grow: Callable[[Host, int], Awaitable[str | None]] | None = None  # a request needs this many tokens
+    grow: Callable[[Host, int, bool], Awaitable[str | None]] | None = None  # a request needs this many tokens
     routes: tuple[Route, ...] = ()
     commands: tuple[click.Command, ...] = ()  # its `llama-wrapper` subcommands
 

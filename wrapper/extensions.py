@@ -115,13 +115,13 @@ def background(host: Host) -> list[Coroutine[Any, Any, None]]:
     return [b.background(host) for b in in_use(host.current.config) if b.background is not None]
 
 
-async def grow(host: Host, needed: int) -> str | None:
-    """A request needs `needed` tokens of context: None once a built-in made room (send it again), else why
-    not; without such a built-in, the overflow stands."""
+async def grow(host: Host, needed: int, pool_full: bool = False) -> str | None:
+    """A request needs `needed` tokens of context (`pool_full`: the slots' shared KV ran out): None once a
+    built-in made room (send it again), else why not; without such a built-in, the overflow stands."""
     growers = [b.grow for b in in_use(host.current.config) if b.grow is not None]
     if not growers:
         return ""
-    return await growers[0](host, needed)
+    return await growers[0](host, needed, pool_full)
 
 
 def growing(config: Config) -> bool:

@@ -26,6 +26,7 @@ log = structlog.get_logger()
 
 RETRY_AFTER_S = "5"
 OVERFLOW = "exceed_context_size_error"
+POOL_FULL = "Context size has been exceeded."  # llama-server's 500 when the shared KV (-kvu) ran out
 GROWABLE = ("/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions", "/infill")
 GROWABLE_BODY_LIMIT = 32 << 20  # a completion request read whole, to be sent again after a growth
 MAX_GROWTHS = 3
@@ -128,7 +129,7 @@ async def _growing(request: web.Request, supervisor: Supervisor, path: str, body
     request_now, sent, earlier = original or {}, body, None
     result: web.StreamResponse | Caught | Held | None = None
     for _ in range(MAX_GROWTHS + 1):
-        n_ctx = int(args.get(supervisor.launch.argv, args.CTX_SIZE) or 0)
+        n_ctx = _slot_ctx(supervisor.launch.argv)
 
         def wanted(payload: dict[str, Any], status: int, n_ctx: int = n_ctx, going_on: bool = earlier is not None,
                    asked: dict[str, Any] = request_now) -> bool:
@@ -210,8 +211,9 @@ async def _exchange(request: web.Request, supervisor: Supervisor, path: str, bod
 async def _grown_for(supervisor: Supervisor, path: str, overflow: Caught, asked: dict[str, Any]) -> web.Response | None:
     """Grow the context for a refused request: None when it may be sent again, else the refusal for the client
     (llama-server's, its message saying why it could not grow)."""
-    needed = _needed(overflow.payload, asked, supervisor.config)
-    problem = await extensions.grow(supervisor, needed)
+    pool_full = overflow.payload["error"].get("message") == POOL_FULL
+    needed = 0 if pool_full else _needed(overflow.payload, asked, supervisor.config)
+    problem = await extensions.grow(supervisor, needed, pool_full)
     if problem is None:
         log.info("degrade.retry", path=path, needed=needed)
         return None
@@ -232,7 +234,7 @@ async def _growing_stream(request: web.Request, supervisor: Supervisor, path: st
     response: web.StreamResponse | None = None
     held = b""  # the last events of the answer so far, sent when it cannot go on
     for _ in range(MAX_GROWTHS + 1):
-        n_ctx = int(args.get(supervisor.launch.argv, args.CTX_SIZE) or 0)
+        n_ctx = _slot_ctx(supervisor.launch.argv)
         events = Events(chat, skip=text if chat else "", continuing=response is not None)
         result = await _exchange(request, supervisor, path, sent, lambda p, status: status >= 400 and _overflowed(p),
                                  events, response)
@@ -270,8 +272,20 @@ async def _growing_stream(request: web.Request, supervisor: Supervisor, path: st
 
 
 def _overflowed(payload: dict[str, Any]) -> bool:
+    """llama-server's refusal of a prompt longer than a slot's context, or its 500 when the slots' shared KV
+    ran out of cells while they filled it together."""
     error = payload.get("error")
-    return isinstance(error, dict) and error.get("type") == OVERFLOW and isinstance(error.get("n_prompt_tokens"), int)
+    if not isinstance(error, dict):
+        return False
+    return (error.get("type") == OVERFLOW and isinstance(error.get("n_prompt_tokens"), int)) or \
+        error.get("message") == POOL_FULL
+
+
+def _slot_ctx(argv: list[str]) -> int:
+    """The context one slot has: -c, or -c / -np when every slot has its own KV (no -kvu)."""
+    n_ctx = int(args.get(argv, args.CTX_SIZE) or 0)
+    parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
+    return n_ctx if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED) else n_ctx // parallel
 
 
 def _needed(payload: dict[str, Any], asked: dict[str, Any], config: Config) -> int:

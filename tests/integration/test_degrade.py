@@ -277,3 +277,24 @@ def test_a_restart_starts_on_a_rung_that_holds_the_saved_conversation(tmp_path: 
         assert again.status()["slots"]["restore"][0]["outcome"] == "restored"
         nxt = complete(again.url, history + first["content"] + " And then")
         assert nxt["timings"]["cache_n"] >= 0.9 * (first["tokens_evaluated"] + first["tokens_predicted"])
+
+
+def test_overflows_at_once_cause_one_reload(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """Three clients overflow the context together (two slots, a third queued): one growth, three answers."""
+    shape = read_shape(demo_path)
+    budget = plan(shape, Settings(n_ctx=2048, n_parallel=2)).total() + MiB
+    with running(tmp_path, [server_bin, "-m", demo_path, "-np", "2"], config(tmp_path, budget)) as wrapper:
+        answers: list[int] = []
+
+        def long_one(i: int) -> None:
+            answers.append(post_raw(wrapper.url, {"prompt": f"Client {i}. " + STORY * 140, "n_predict": 4})[0])
+
+        clients = [threading.Thread(target=long_one, args=(i,)) for i in range(3)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(600)
+        assert answers == [200, 200, 200]
+        steps = degrade_status(wrapper)["steps"]
+        assert len(steps) == 1 and steps[0]["success"] and steps[0]["why"].startswith("grow"), steps
+        assert len(wrapper.events("reload.done")) == 1

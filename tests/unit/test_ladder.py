@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hooks.degrade import DegradeState, context_for
 from hooks.ladder import Planner, build, choose
 from hooks.memory import Settings, plan
 from tests.unit.test_memory import h200_model
@@ -45,3 +46,15 @@ def test_a_sliding_window_model_can_drop_the_full_window() -> None:
     rungs = build(argv, LADDER, Planner(h200_model(), gpu=False, budget=8 << 30, ceiling=8192), None, argv, True)
     swa = next(r for r in rungs if r.name == "swa-window")
     assert swa.skipped is None and "--swa-full" not in swa.argv
+
+
+def test_the_context_a_burst_of_requests_needs() -> None:
+    state = DegradeState(conversation={0: 3000, 1: 500, 2: 100})
+    one_slot = ["llama-server", "-np", "1"]
+    assert context_for(one_slot, state, [2000, 4000]) == 4000  # one at a time
+    unified = ["llama-server", "-np", "3", "-kvu"]
+    # two requests run at once in one KV: their tokens add up, with the conversation they do not replace
+    assert context_for(unified, state, [2000, 4000]) == 6000 + 100
+    assert context_for(unified, state, [1000, 1000, 1000, 1000]) == 3000  # three run at once
+    per_slot = ["llama-server", "-np", "2"]  # every slot its own -c / -np cells
+    assert context_for(per_slot, state, [2000, 1500]) == 4000
