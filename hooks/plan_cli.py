@@ -6,7 +6,6 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import click
@@ -44,7 +43,8 @@ Examples:
 def plan(prepare: Prepare, budget: str | None, config_path: str | None, as_json: bool,
          server_argv: tuple[str, ...]) -> None:
     """Plan the memory of a llama-server command line and print the degradation ladder: each rung, the largest
-    context it fits under the budget, and the bytes it needs. Exit 2 on a bad command line or config."""
+    context it fits under the budget, and the bytes it needs. Exit 1 when no rung fits the budget (a start would
+    fail), 2 on a bad command line or config."""
     try:
         config = load_config(config_path) if config_path else Config()
         setting = replace(config.degrade or Degrade(), budget=_size(budget) if budget else (
@@ -68,18 +68,17 @@ def plan(prepare: Prepare, budget: str | None, config_path: str | None, as_json:
         click.echo(f"llama-wrapper: nothing to plan: {notes or 'no model file'}", err=True)
         sys.exit(EXIT_CONFIG)
     report = _report(config, state, launch, problem)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
-    click.echo(_table(report))
+    click.echo(json.dumps(report, indent=2) if as_json else _table(report))
+    if problem:
+        sys.exit(1)  # a start with this budget would fail
 
 
 def _report(config: Config, state: degrade.DegradeState, launch: Launch | None, problem: str | None) -> dict[str, Any]:
     shape = state.shape
     assert shape is not None
     first = state.rungs[0]
-    planner = degrade.planner_for(first.argv, str(Path(config.argv[config.argv.index("-m") + 1]))
-                                  if "-m" in config.argv else "", launch.model.id if launch else "", config, state,
+    # the model's shape was read by the fit already (state.shape): the path is not read again
+    planner = degrade.planner_for(first.argv, "", launch.model.id if launch else "", config, state,
                                   state.budget or 0)
     as_given = planner.plan(first.argv, planner.settings(config.argv).n_ctx)
     chosen = (launch.prepared.get("degrade") or {}).get("rung") if launch else None

@@ -4,7 +4,9 @@ with the same request answered, continuation, budget changes and relaxing, nothi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import pytest
 
 from hooks.calibration import Measured
 from hooks.memory import MiB, Settings, largest_ctx, plan, read_shape
-from tests.helpers import Wrapper, http, running, wait_for
+from tests.helpers import ROOT, Wrapper, http, running, wait_for
 
 TOKEN = "degrade-token-1c9e"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -298,3 +300,23 @@ def test_overflows_at_once_cause_one_reload(tmp_path: Path, server_bin: str, dem
         steps = degrade_status(wrapper)["steps"]
         assert len(steps) == 1 and steps[0]["success"] and steps[0]["why"].startswith("grow"), steps
         assert len(wrapper.events("reload.done")) == 1
+
+
+def test_plan_prints_the_ladder_without_a_server(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    def plan_cli(*options: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "wrapper.cli", "plan", *options, "--", server_bin,
+                               "--model", demo_path], capture_output=True, text=True, check=False, cwd=ROOT,
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+
+    table = plan_cli("--budget", "200MiB")
+    assert table.returncode == 0, table.stderr
+    assert "as-given" in table.stdout and "quantize-kv-q4" in table.stdout and "skipped: no mmproj" in table.stdout
+    report = json.loads(plan_cli("--budget", "200MiB", "--json").stdout)
+    shape = read_shape(demo_path)
+    assert report["current"]["bytes"]["kv"] == plan(shape, Settings(n_ctx=8192)).component("kv")
+    rungs = {r["name"]: r for r in report["rungs"]}
+    assert 0 < rungs["as-given"]["max_ctx"] < rungs["quantize-kv-q8"]["max_ctx"] <= 8192
+    assert all(r["bytes"]["total"] <= 200 * MiB for r in report["rungs"] if "bytes" in r)
+    nothing = plan_cli("--budget", "1MiB")
+    assert nothing.returncode == 1 and "holds no rung of the ladder" in nothing.stdout
+    assert plan_cli("--budget", "lots").returncode == 2
