@@ -160,8 +160,23 @@ class Reloader:
 
 
 def _argv_changes(old: list[str], new: list[str]) -> list[str]:
-    """What differs between two generations' command lines, for the log and the answer (the port aside)."""
-    old_rest, new_rest = args.remove(old, args.PORT), args.remove(new, args.PORT)
-    gone = [arg for arg in old_rest if arg not in new_rest]
-    came = [arg for arg in new_rest if arg not in old_rest]
-    return ([f"removed {' '.join(gone)}"] if gone else []) + ([f"added {' '.join(came)}"] if came else [])
+    """What differs between two generations' command lines, flag by flag (`-c 2048 -> 3584`), the port aside."""
+    before, after = _options(args.remove(old, args.PORT)), _options(args.remove(new, args.PORT))
+    changes = [f"{flag} {before.get(flag) or 'on'} -> {after[flag] or 'on'}" if flag in before
+               else f"{flag}{' ' + after[flag] if after[flag] else ''} added"
+               for flag in after if before.get(flag, "\0") != after[flag]]
+    return changes + [f"{flag} removed" for flag in before if flag not in after]
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    """Each flag of a command line with the value that follows it ("" for a switch); the last one wins."""
+    def is_flag(arg: str) -> bool:
+        return arg.startswith("-") and not arg.lstrip("-").replace(".", "").isdigit()  # -1 is a value
+
+    found: dict[str, str] = {}
+    for index, arg in enumerate(argv[1:], start=1):
+        if is_flag(arg):
+            name, eq, inline = arg.partition("=")
+            following = argv[index + 1] if index + 1 < len(argv) else ""
+            found[name] = inline if eq else following if following and not is_flag(following) else ""
+    return found

@@ -53,3 +53,12 @@ def test_nothing_to_change_and_quantized_v_without_flash_attention_are_refused()
 def test_without_help_flags_are_taken_as_given() -> None:
     result = plan(["llama-server", "-m", "m.gguf"], {"args": {"set": {"--anything": "1"}}}, None)
     assert result.argv[-2:] == ["--anything", "1"]
+
+
+def test_a_builtins_reload_says_what_changed_flag_by_flag() -> None:
+    from wrapper.reloader import _argv_changes
+
+    old = ["llama-server", "-m", "m.gguf", "--port", "1", "-c", "2048", "-ngl", "-1", "--swa-full", "-lv", "4"]
+    new = ["llama-server", "-m", "m.gguf", "--port", "2", "-c", "3584", "-ngl", "-1", "-ctk", "q8_0", "-lv", "4"]
+    assert _argv_changes(old, new) == ["-c 2048 -> 3584", "-ctk q8_0 added", "--swa-full removed"]
+    assert _argv_changes(old, [*old[:4], "9", *old[5:]]) == []  # only the private port differs
