@@ -25,9 +25,9 @@ from hooks.ladder import Planner, RungPlan, build, choose
 from hooks.memory import ModelShape, Plan, PlanError, Settings, plan, read_shape
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError, Degrade
+from wrapper.generation import Generation, Host
 from wrapper.launch import Fitting, Launch
-from wrapper.reload import BUSY_RELOADING, ReloadRefused
-from wrapper.runtime import Host, Runtime
+from wrapper.reload_plan import BUSY_RELOADING, ReloadRefused
 from wrapper.server_help import devices, flag_arity
 from wrapper.sysinfo import gpu_free, mem_available
 from wrapper.units import format_size, parse_size
@@ -60,7 +60,7 @@ class DegradeState:
 
 
 @dataclass
-class Generation:
+class Measuring:
     """What degrade knows of one child: the rung it runs and the buffers it reported."""
 
     measured: calibration.Measured = field(default_factory=calibration.Measured)
@@ -77,9 +77,9 @@ def state_of(shared: dict[str, Any]) -> DegradeState:
     return state
 
 
-def _generation(rt: Runtime) -> Generation:
-    generation = rt.state.setdefault(FAMILY, Generation())
-    assert isinstance(generation, Generation)
+def _generation(rt: Generation) -> Measuring:
+    generation = rt.state.setdefault(FAMILY, Measuring())
+    assert isinstance(generation, Measuring)
     return generation
 
 
@@ -190,7 +190,7 @@ def _saved_tokens(launch: Launch, degrade: Degrade) -> int:
 # -- what a generation reports -------------------------------------------------------------------------------
 
 
-def server_line(rt: Runtime, line: str) -> bool:
+def server_line(rt: Generation, line: str) -> bool:
     """Feed the start-up buffer lines to the calibration; False for the lines -lv 4 added that are not news."""
     generation = _generation(rt)
     prepared = rt.launch.prepared.get(FAMILY) or {}
@@ -204,7 +204,7 @@ def server_line(rt: Runtime, line: str) -> bool:
     return not prepared.get("verbosity_added") or " I srv " in line or " W " in line or " E " in line
 
 
-def observer(rt: Runtime) -> Any:
+def observer(rt: Generation) -> Any:
     state = state_of(rt.shared)
 
     def seen(path: str, status: int, tail: bytes) -> None:
@@ -216,7 +216,7 @@ def observer(rt: Runtime) -> Any:
     return seen
 
 
-def status(rt: Runtime) -> dict[str, Any]:
+def status(rt: Generation) -> dict[str, Any]:
     state = state_of(rt.shared)
     prepared = rt.launch.prepared.get(FAMILY) or {}
     return {
@@ -228,7 +228,7 @@ def status(rt: Runtime) -> dict[str, Any]:
     }
 
 
-def memory(rt: Runtime) -> dict[str, Any]:
+def memory(rt: Generation) -> dict[str, Any]:
     """GET /wrapper/memory: planned and measured bytes per device and component."""
     state = state_of(rt.shared)
     prepared = rt.launch.prepared.get(FAMILY) or {}
@@ -405,7 +405,7 @@ def _error(status: int, message: str, kind: str) -> dict[str, Any]:
 # -- helpers -----------------------------------------------------------------------------------------------
 
 
-def _held(state: DegradeState, rt: Runtime) -> list[int]:
+def _held(state: DegradeState, rt: Generation) -> list[int]:
     """Tokens held per slot: as the last answers said, or as restored at the start before any answer."""
     return list(state.conversation.values()) or slots.restored_tokens(rt)
 

@@ -6,12 +6,13 @@ and each KV section (two for sliding-window models: the global one, then the SWA
 layer: dequantize, undo the source's Hadamard rotation, apply the target's, quantize. Quantized caches are
 rotated by default: each chunk of `n_rot` values of a row is multiplied by the orthonormal Sylvester
 Hadamard matrix H (H·H = I), so undoing and applying are the same product. Files with a transposed V
-(flash attention off), several sequences per cell or another section after the KV are not converted.
+(flash attention off) or several sequences per cell are not converted; M-RoPE cells are copied as they are.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import struct
 import time
@@ -23,7 +24,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as QType
 from gguf.quants import Q4_0, Q8_0
 
-from hooks.slotfile import MAGIC
+from hooks import slotfile
 
 TYPES = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
 _BY_ID = {int(qtype): name for name, qtype in TYPES.items()}
@@ -78,81 +79,54 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
     if dst.exists() and dst.samefile(src):
         raise NotConvertible("the converted file must go to another path than its source")
     started = time.monotonic()
-    size = os.path.getsize(src)
-    data = np.memmap(src, dtype=np.uint8, mode="r")
     try:
+        data, size = slotfile.open_map(src)
+    except OSError as exc:
+        raise NotConvertible(f"cannot read {src}: {exc.strerror}") from exc
+    try:
+        head = slotfile.header(data, str(src))
+        if head.version < 3:
+            raise NotConvertible(f"not a slot file with a KV layout this converter knows (version {head.version})")
+        sections = list(slotfile.walk(data, head.words_end))  # the whole layout checked before a byte is written
         with open(dst, "wb") as out:
-            reader = _Cursor(data)
-            magic, version, n_words = reader.u32(), reader.u32(), reader.u32()
-            if magic != MAGIC or version < 3:
-                raise NotConvertible(f"not a slot file with a KV layout this converter knows (version {version})")
-            reader.take(4 * n_words)
-            out.write(data[: reader.pos].tobytes())
-            while reader.pos < size:
-                _section(reader, out, type_k, type_v, rot_k, rot_v)
+            out.write(data[:head.words_end])
+            for section in sections:
+                _section(data, section, out, type_k, type_v, rot_k, rot_v)
             out.flush()
             os.fsync(out.fileno())
+    except slotfile.SlotFileError as exc:
+        raise NotConvertible(str(exc)) from exc
     finally:
-        del data
+        if isinstance(data, mmap.mmap):
+            data.close()
     return Conversion(size, os.path.getsize(dst), time.monotonic() - started)
 
 
-class _Cursor:
-    def __init__(self, data: np.memmap[Any, np.dtype[np.uint8]]) -> None:
-        self.data, self.pos = data, 0
-
-    def take(self, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        if self.pos + n > len(self.data):
-            raise NotConvertible(f"truncated at byte {self.pos}")
-        chunk = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return chunk
-
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.take(4).tobytes())[0])
-
-    def i32(self) -> int:
-        return int(struct.unpack("<i", self.take(4).tobytes())[0])
-
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.take(8).tobytes())[0])
-
-
-def _section(r: _Cursor, out: BinaryIO, type_k: str, type_v: str, rot_k: int, rot_v: int) -> None:
-    n_stream = r.u32()
-    if not 0 < n_stream <= 4096:
-        raise NotConvertible(f"a section this converter does not know follows (stream count {n_stream})")
-    out.write(struct.pack("<I", n_stream))
-    for _ in range(n_stream):
-        cells = r.u32()
-        out.write(struct.pack("<I", cells))
-        if cells == 0:
+def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, type_k: str, type_v: str,
+             rot_k: int, rot_v: int) -> None:
+    out.write(struct.pack("<I", len(section.streams)))
+    for stream in section.streams:
+        out.write(struct.pack("<I", stream.cells))
+        if stream.cells == 0:
             continue
-        meta_start = r.pos
-        _skip_cell_meta(r, cells)
-        out.write(r.data[meta_start:r.pos].tobytes())
-        v_trans, n_layer, src_rot_k, src_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
-        if v_trans:
+        if stream.v_trans:
             raise NotConvertible("V is stored transposed (flash attention off): not converted")
-        out.write(struct.pack("<IIII", 0, n_layer, rot_k, rot_v))
-        for _ in range(n_layer):
-            _layer(r, out, cells, type_k, src_rot_k, rot_k)
-        for _ in range(n_layer):
-            _layer(r, out, cells, type_v, src_rot_v, rot_v)
+        if not stream.one_sequence:
+            raise NotConvertible("cells with several sequences: not converted")
+        out.write(data[stream.meta_start:stream.meta_end])
+        out.write(struct.pack("<IIII", 0, len(stream.k), rot_k, rot_v))
+        for layer in stream.k:
+            _layer(data, layer, out, stream.cells, type_k, stream.n_rot_k, rot_k)
+        for layer in stream.v:
+            _layer(data, layer, out, stream.cells, type_v, stream.n_rot_v, rot_v)
 
 
-def _skip_cell_meta(r: _Cursor, cells: int) -> None:
-    """Cells of one sequence each: i32 pos, u32 n_seq_id (1), i32 seq_id. M-RoPE's 12 more bytes: not handled."""
-    block = r.take(12 * cells).view("<u4").reshape(cells, 3)
-    if not bool((block[:, 1] == 1).all()):
-        raise NotConvertible("cells with several sequences (or M-RoPE positions): not converted")
-
-
-def _layer(r: _Cursor, out: BinaryIO, cells: int, target: str, src_rot: int, dst_rot: int) -> None:
-    type_id, row_size = r.i32(), r.u64()
-    source = _BY_ID.get(type_id)
+def _layer(data: slotfile.Buffer, layer: slotfile.Layer, out: BinaryIO, cells: int, target: str, src_rot: int,
+           dst_rot: int) -> None:
+    source = _BY_ID.get(layer.type_id)
     if source is None:
-        raise NotConvertible(f"cache type id {type_id} cannot be converted from")
+        raise NotConvertible(f"cache type id {layer.type_id} cannot be converted from")
+    row_size = layer.row_size
     per_block, block_bytes = _ELEMENTS[source]
     if row_size % block_bytes:
         raise NotConvertible(f"a row of {row_size} bytes is not whole {source} blocks")
@@ -161,7 +135,7 @@ def _layer(r: _Cursor, out: BinaryIO, cells: int, target: str, src_rot: int, dst
     if n_embd % out_per_block or (src_rot and n_embd % src_rot) or (dst_rot and n_embd % dst_rot):
         raise NotConvertible(f"rows of {n_embd} values do not split into {target} blocks or rotation chunks")
     out.write(struct.pack("<iQ", int(TYPES[target]), n_embd // out_per_block * out_block_bytes))
-    rows = r.take(cells * row_size).reshape(cells, row_size)
+    rows = np.frombuffer(data, dtype=np.uint8, count=cells * row_size, offset=layer.start).reshape(cells, row_size)
     for first in range(0, cells, ROWS_PER_PIECE):
         piece = np.ascontiguousarray(rows[first:first + ROWS_PER_PIECE])
         if source == target and src_rot == dst_rot:

@@ -16,8 +16,8 @@ from typing import Any
 from hooks.memory import ModelShape, Plan, Settings, largest_ctx, plan, settings_from_argv
 from wrapper import argv as args
 from wrapper.config import Rung
-from wrapper.reload import ReloadRefused
-from wrapper.reload import plan as edit_argv
+from wrapper.reload_plan import ReloadRefused
+from wrapper.reload_plan import plan as edit_argv
 
 _PRECISION = {"f32": 4, "f16": 3, "bf16": 3, "q8_0": 2, "q5_1": 2, "q5_0": 2, "q4_1": 1, "q4_0": 1, "iq4_nl": 1}
 _SPEC_FLAGS = ("-md", "--model-draft", "-hfd", "--hf-repo-draft", "--spec-type", "--spec-draft-n-max")

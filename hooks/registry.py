@@ -16,12 +16,12 @@ import click
 from hooks import degrade, plan_cli, server_reload, slots, slots_cli
 from hooks.fitting import fit_for_slots
 from wrapper.config import Config
+from wrapper.generation import Generation, Host
 from wrapper.launch import Fitting, Launch
 from wrapper.proxy import Observer
-from wrapper.runtime import Host, Runtime
 
 Options = Mapping[str, Any]
-ActionFn = Callable[[Runtime, Options], Awaitable[str | None]]
+ActionFn = Callable[[Generation, Options], Awaitable[str | None]]
 
 
 def _no_options(options: Options) -> list[str]:
@@ -51,11 +51,11 @@ class Builtin:
     actions: Mapping[str, BuiltinAction] = field(default_factory=dict)
     in_use: Callable[[Config], bool] | None = None  # otherwise: a hook names one of its actions
     fit: Callable[[list[str], Launch, Config, dict[str, Any]], Fitting] | None = None  # argv changes
-    observer: Callable[[Runtime], Observer | None] | None = None  # watches proxied responses
-    status: Callable[[Runtime], dict[str, Any]] | None = None  # its part of /wrapper/status
-    hand_over: Callable[[Runtime], Awaitable[str]] | None = None  # the old generation, before a reload
-    take_over: Callable[[Runtime], Awaitable[str]] | None = None  # the new generation, before it serves
-    server_line: Callable[[Runtime, str], bool] | None = None  # False: log the line at debug level only
+    observer: Callable[[Generation], Observer | None] | None = None  # watches proxied responses
+    status: Callable[[Generation], dict[str, Any]] | None = None  # its part of /wrapper/status
+    hand_over: Callable[[Generation], Awaitable[str]] | None = None  # the old generation, before a reload
+    take_over: Callable[[Generation], Awaitable[str]] | None = None  # the new generation, before it serves
+    server_line: Callable[[Generation, str], bool] | None = None  # False: log the line at debug level only
     background: Callable[[Host], Coroutine[Any, Any, None]] | None = None  # runs from ready until the stop
     grow: Callable[[Host, int, bool], Awaitable[str | None]] | None = None  # a request needs this many tokens
     routes: tuple[Route, ...] = ()

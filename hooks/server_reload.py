@@ -17,8 +17,8 @@ import aiohttp
 
 from wrapper.actions import ActionError
 from wrapper.auth import admin_token
-from wrapper.reload import FIELDS
-from wrapper.runtime import Runtime
+from wrapper.generation import Generation
+from wrapper.reload_plan import FIELDS
 
 OPTIONS = ("url", "token_file", *FIELDS)
 
@@ -31,7 +31,7 @@ def check(options: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _token(rt: Runtime, url: str, token_file: Any) -> str | None:
+def _token(rt: Generation, url: str, token_file: Any) -> str | None:
     """token_file, else LLAMA_WRAPPER_ADMIN_TOKEN, else this wrapper's own token when the url is its own."""
     try:
         token = admin_token(Path(str(token_file)).expanduser() if token_file else None, os.environ)
@@ -42,7 +42,7 @@ def _token(rt: Runtime, url: str, token_file: Any) -> str | None:
     return token
 
 
-async def run(rt: Runtime, options: Mapping[str, Any]) -> str:
+async def run(rt: Generation, options: Mapping[str, Any]) -> str:
     url = str(options.get("url") or rt.launch.listen.url).rstrip("/")
     token = _token(rt, url, options.get("token_file"))
     body = {key: value for key, value in options.items() if key in FIELDS}

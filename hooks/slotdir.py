@@ -127,6 +127,24 @@ def remove(saved: SavedSlot) -> list[Path]:
     return removed
 
 
+SET_ASIDE = "set-aside"
+
+
+def set_aside(saved: SavedSlot, reason: str) -> Path:
+    """Move a pair that made the server fail out of the way (`<dir>/set-aside/`), with a note of why: it is
+    kept for a look, never restored again. The KV file goes first, then the sidecar (nothing points at a
+    half-moved pair)."""
+    folder = saved.sidecar.parent / SET_ASIDE
+    folder.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for path in (saved.kv_file, saved.sidecar):
+        with contextlib.suppress(FileNotFoundError):
+            path.replace(folder / f"{stamp}-{path.name}")
+    note = folder / f"{stamp}-slot{saved.slot}.reason.txt"
+    note.write_text(reason + "\n")
+    return folder
+
+
 def sweep(directory: Path, now: float | None = None) -> list[str]:
     """Remove what dead saves left: temporaries of processes that are gone, KV files no sidecar names."""
     if not directory.is_dir():

@@ -3,15 +3,24 @@
 Layout (little-endian, as every host llama.cpp runs on writes it): u32 magic 'ggsq', u32 version, u32 n_words,
 i32 words[n_words]; the words are either plain tokens (older servers) or the server's token state
 (-1, u32 1, u32 n, tokens, u32 n_media, ...).
-Then the KV cache: u32 n_stream, per stream u32 cell_count and, when cells, their metadata and data.
+Then one KV section per cache (two for sliding-window models: the global one, then the SWA one): u32 n_stream,
+per stream u32 cell_count and, when cells, their metadata (i32 pos, u32 n_seq_id, [12 bytes of M-RoPE
+positions], i32 seq_id x n_seq_id), u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v, per layer K
+(i32 type, u64 row size, rows), per layer V (the same, or i32 type, u32 element size, u32 n_embd_v and the
+transposed data).
+
+`walk` is the one reader of that layout: `read` (summary and validation), `kvconvert` (rewriting the rows) and
+the state-version probe all use it. Every span is checked against the file size before anyone relies on it.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -19,10 +28,60 @@ MAGIC = 0x67677371  # 'ggsq'
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16",
               39: "mxfp4", 41: "iq4_nl"}
 _CELL_EXT_CHOICES = (0, 12)  # M-RoPE models store 12 more bytes per cell; the file does not say which
+MAX_STREAMS = 4096
+MAX_LAYERS = 1024
+
+Buffer = bytes | mmap.mmap | memoryview
 
 
 class SlotFileError(Exception):
     """Not a slot file this reader understands, or a damaged one."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's K or V rows: `cells` rows of `row_size` bytes from `start` (transposed V: element size x
+    n_embd_v per cell, stored column by column)."""
+
+    type_id: int
+    row_size: int
+    start: int
+    header: int  # where its type record begins
+    transposed: bool = False
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES.get(self.type_id, str(self.type_id))
+
+
+@dataclass(frozen=True)
+class Stream:
+    cells: int
+    meta_start: int = 0
+    meta_end: int = 0
+    cell_ext: int = 0  # 12 for M-RoPE
+    one_sequence: bool = True  # every cell belongs to one sequence (the slot case)
+    v_trans: bool = False
+    n_rot_k: int = 0
+    n_rot_v: int = 0
+    k: tuple[Layer, ...] = ()
+    v: tuple[Layer, ...] = ()
+
+
+@dataclass(frozen=True)
+class Section:
+    start: int
+    end: int
+    streams: tuple[Stream, ...]
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    words_end: int  # where the tokens end and the KV sections begin
+    token_format: str  # "server-state-1" or "plain"
+    tokens: list[int]
+    n_media: int
 
 
 @dataclass
@@ -35,6 +94,7 @@ class KvLayout:
     n_rot_v: int | None = None
     k_types: list[str] = field(default_factory=list)
     v_types: list[str] = field(default_factory=list)
+    sections: int = 1
 
 
 @dataclass
@@ -42,7 +102,7 @@ class SlotFile:
     path: str
     bytes: int
     version: int
-    token_format: str  # "server-state-1" or "plain"
+    token_format: str
     tokens: list[int]
     n_media: int
     kv: KvLayout | None
@@ -57,6 +117,7 @@ class SlotFile:
             "path": self.path, "bytes": self.bytes, "state_version": self.version,
             "token_format": self.token_format, "tokens": self.n_tokens, "media": self.n_media,
             "streams": kv.n_stream if kv else None, "cells": kv.cells if kv else None,
+            "sections": kv.sections if kv else None,
             "layers": kv.n_layer if kv else None, "v_transposed": kv.v_trans if kv else None,
             "rotation": {"k": kv.n_rot_k, "v": kv.n_rot_v} if kv and kv.n_layer is not None else None,
             "type_k": _one(kv.k_types) if kv else None, "type_v": _one(kv.v_types) if kv else None,
@@ -69,58 +130,44 @@ def _one(types: list[str]) -> str | list[str] | None:
     return types[0] if len(set(types)) == 1 else types
 
 
-class _Reader:
-    def __init__(self, handle: BinaryIO, size: int) -> None:
-        self.handle, self.size = handle, size
+class _Cursor:
+    """Reads little-endian integers from a buffer, never past its end."""
 
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.exact(4))[0])
+    def __init__(self, data: Buffer, pos: int = 0) -> None:
+        self.data, self.pos, self.size = data, pos, len(data)
 
-    def i32(self) -> int:
-        return int(struct.unpack("<i", self.exact(4))[0])
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise SlotFileError(f"truncated: {what} needs {n} bytes at byte {self.pos}, the file has {self.size}")
 
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.exact(8))[0])
+    def unpack(self, fmt: str, what: str) -> tuple[int, ...]:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        values = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += n
+        return tuple(int(v) for v in values)
 
-    def exact(self, n: int) -> bytes:
-        data = self.handle.read(n)
-        if len(data) != n:
-            raise SlotFileError(f"truncated at byte {self.handle.tell()} (wanted {n} more)")
-        return data
+    def u32(self, what: str) -> int:
+        return self.unpack("<I", what)[0]
 
-    def remaining(self) -> int:
-        return self.size - self.handle.tell()
-
-    def skip(self, n: int) -> None:
-        if self.handle.tell() + n > self.size:
-            raise SlotFileError(f"truncated: {n} bytes of data expected at byte {self.handle.tell()}")
-        self.handle.seek(n, os.SEEK_CUR)
+    def skip(self, n: int, what: str) -> None:
+        self.need(n, what)
+        self.pos += n
 
 
-def read(path: str | os.PathLike[str]) -> SlotFile:
-    """Parse a slot file's header, tokens and KV layout (skipping the tensor data)."""
-    name = os.fspath(path)
-    try:
-        size = os.path.getsize(name)
-        with open(name, "rb") as handle:
-            return _parse(_Reader(handle, size), name, size)
-    except OSError as exc:
-        raise SlotFileError(f"cannot read {name}: {exc.strerror}") from exc
-    except (struct.error, MemoryError, ValueError) as exc:  # whatever a damaged file makes of the reader
-        raise SlotFileError(f"{name}: damaged: {exc!r}") from exc
-
-
-def _parse(r: _Reader, name: str, size: int) -> SlotFile:
-    magic, version = r.u32(), r.u32()
+def header(data: Buffer, name: str = "") -> Header:
+    """Magic, version and the token words."""
+    r = _Cursor(data)
+    magic = r.u32("the magic") if r.size >= 4 else 0
     if magic != MAGIC:
-        raise SlotFileError(f"{name}: not a llama.cpp slot file (magic {magic:#010x})")
-    n_words = r.u32()
-    if n_words * 4 > r.remaining():
+        raise SlotFileError(f"{name}: not a llama.cpp slot file (magic {magic:#010x}); slot files are the "
+                            "slotN-<fingerprint>.bin files, not their .json sidecars")
+    version, n_words = r.unpack("<II", "the header")
+    if n_words * 4 > r.size - r.pos:
         raise SlotFileError(f"{name}: token count {n_words} exceeds the file size")
-    words = np.frombuffer(r.exact(n_words * 4), dtype="<i4")
+    words = np.frombuffer(data, dtype="<i4", count=n_words, offset=r.pos)
     tokens, token_format, n_media = _tokens(words, name)
-    kv = _kv_layout(r) if version >= 3 else None
-    return SlotFile(name, size, version, token_format, tokens, n_media, kv)
+    return Header(version, r.pos + n_words * 4, token_format, tokens, n_media)
 
 
 def _tokens(words: np.ndarray[Any, np.dtype[np.int32]], name: str) -> tuple[list[int], str, int]:
@@ -135,78 +182,142 @@ def _tokens(words: np.ndarray[Any, np.dtype[np.int32]], name: str) -> tuple[list
     return words[3:3 + n_tokens].tolist(), f"server-state-{state_version}", n_media
 
 
-def _kv_layout(r: _Reader) -> KvLayout:
-    n_stream = r.u32()
-    if not 0 < n_stream <= 4096:
-        raise SlotFileError(f"implausible KV stream count {n_stream}")
-    layout = KvLayout(n_stream=n_stream, cells=[])
+def walk(data: Buffer, start: int) -> Iterator[Section]:
+    """Every KV section from `start` to the end of the file, each span checked against the file size.
+    SlotFileError when a section is cut short or does not parse."""
+    r = _Cursor(data, start)
+    while r.pos < r.size:
+        yield _section(r)
+
+
+def _section(r: _Cursor) -> Section:
+    begin = r.pos
+    n_stream = r.u32("a section's stream count")
+    if not 0 < n_stream <= MAX_STREAMS:
+        raise SlotFileError(f"implausible KV stream count {n_stream} at byte {begin} (damaged, or a section "
+                            "this reader does not know)")
+    streams = []
     for _ in range(n_stream):
-        cell_count = r.u32()
-        layout.cells.append(cell_count)
-        if cell_count == 0:
+        cells = r.u32("a stream's cell count")
+        if cells == 0:
+            streams.append(Stream(0))
             continue
-        if layout.n_layer is not None:  # the first stream with cells tells the layout; stop there
-            break
-        if cell_count * 12 > r.remaining():  # each cell takes 12 bytes at least: never trust a count blindly
-            raise SlotFileError(f"KV cell count {cell_count} does not fit the {r.size}-byte file (damaged)")
-        start = r.handle.tell()
+        if cells * 12 > r.size - r.pos:  # each cell takes 12 bytes at least: never trust a count blindly
+            raise SlotFileError(f"KV cell count {cells} does not fit the {r.size}-byte file (truncated or damaged)")
+        stream, problem, at = None, "", r.pos
         for ext in _CELL_EXT_CHOICES:
-            r.handle.seek(start)
-            if _cells_and_layers(r, cell_count, ext, layout):
+            r.pos = at
+            try:
+                stream = _stream(r, cells, ext)
                 break
+            except SlotFileError as exc:
+                problem = problem or str(exc)
+        if stream is None:
+            raise SlotFileError(f"the KV section at byte {begin} does not parse: {problem}")
+        streams.append(stream)
+    return Section(begin, r.pos, tuple(streams))
+
+
+def _stream(r: _Cursor, cells: int, ext: int) -> Stream:
+    meta_start = r.pos
+    one_sequence = _cells(r, cells, ext)
+    meta_end = r.pos
+    v_trans, n_layer, n_rot_k, n_rot_v = r.unpack("<IIII", "the layer header")
+    if v_trans > 1 or not 0 < n_layer <= MAX_LAYERS:
+        raise SlotFileError(f"implausible layer header (v_trans {v_trans}, {n_layer} layers)")
+    k = []
+    for index in range(n_layer):
+        at = r.pos
+        type_id, row = r.unpack("<iQ", f"K layer {index}")
+        if not 0 <= type_id < 64:
+            raise SlotFileError(f"K layer {index}: unknown type {type_id}")
+        k.append(Layer(type_id, row, r.pos, at))
+        r.skip(row * cells, f"K layer {index}'s {cells} rows")
+    v = []
+    for index in range(n_layer):
+        at = r.pos
+        if v_trans:
+            type_id, element, n_embd_v = r.unpack("<iII", f"V layer {index}")
+            row, transposed = element * n_embd_v, True
         else:
-            raise SlotFileError("the KV section does not parse (damaged, or a layout this reader does not know)")
-        break
-    return layout
+            type_id, row = r.unpack("<iQ", f"V layer {index}")
+            transposed = False
+        if not 0 <= type_id < 64:
+            raise SlotFileError(f"V layer {index}: unknown type {type_id}")
+        v.append(Layer(type_id, row, r.pos, at, transposed))
+        r.skip(row * cells, f"V layer {index}'s {cells} rows")
+    return Stream(cells, meta_start, meta_end, ext, one_sequence, bool(v_trans), n_rot_k, n_rot_v,
+                  tuple(k), tuple(v))
 
 
-def _skip_cells(r: _Reader, cell_count: int, ext: int) -> bool:
-    """Step over the per-cell metadata: in one read when every cell has one sequence (the slot case)."""
+def _cells(r: _Cursor, cells: int, ext: int) -> bool:
+    """Step over the per-cell metadata; True when every cell has one sequence (read in one block then)."""
     record = 12 + ext  # i32 pos, u32 n_seq_id, [ext], i32 seq_id
-    start = r.handle.tell()
-    if cell_count * record > r.remaining():
-        return False
-    block = r.handle.read(cell_count * record)
-    if len(block) == cell_count * record:
-        cells = np.frombuffer(block, dtype="<u4").reshape(cell_count, record // 4)
-        if bool((cells[:, 1] == 1).all()):
+    if cells * record <= r.size - r.pos:
+        block = np.frombuffer(r.data, dtype="<u4", count=cells * record // 4, offset=r.pos)
+        if bool((block.reshape(cells, record // 4)[:, 1] == 1).all()):
+            r.pos += cells * record
             return True
-    r.handle.seek(start)
-    for _ in range(cell_count):
-        r.skip(4)  # pos
-        n_seq = r.u32()
-        if n_seq > 4096:
-            return False
-        r.skip(ext + 4 * n_seq)
-    return True
+    for _ in range(cells):
+        r.skip(4, "a cell's position")
+        n_seq = r.u32("a cell's sequence count")
+        if n_seq > MAX_STREAMS:
+            raise SlotFileError(f"implausible sequence count {n_seq} in a cell")
+        r.skip(ext + 4 * n_seq, "a cell's sequences")
+    return False
 
 
-def _cells_and_layers(r: _Reader, cell_count: int, ext: int, layout: KvLayout) -> bool:
+def open_map(path: str | os.PathLike[str]) -> tuple[Buffer, int]:
+    """The file mapped read-only (b"" when empty) and its size."""
+    name = os.fspath(path)
+    with open(name, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            return b"", 0
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ), size
+
+
+def version(path: str | os.PathLike[str]) -> int:
+    """The state version a file was written with (the probe a server writes tells what it reads)."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if len(head) < 8:
+        raise SlotFileError(f"{os.fspath(path)}: truncated header")
+    return int.from_bytes(head[4:8], "little")
+
+
+def read(path: str | os.PathLike[str]) -> SlotFile:
+    """Parse a slot file's header and tokens and walk every KV section (skipping the tensor data): a file cut
+    short anywhere, or whose counts do not add up to its size, is a SlotFileError."""
+    name = os.fspath(path)
     try:
-        if not _skip_cells(r, cell_count, ext):
-            return False
-        v_trans, n_layer, n_rot_k, n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
-        if v_trans > 1 or not 0 < n_layer <= 1024:
-            return False
-        k_types = []
-        for _ in range(n_layer):
-            k_type, row = r.i32(), r.u64()
-            if k_type not in GGML_TYPES and not 0 <= k_type < 64:
-                return False
-            r.skip(row * cell_count)
-            k_types.append(GGML_TYPES.get(k_type, str(k_type)))
-        v_types = []
-        for _ in range(n_layer):
-            v_type = r.i32()
-            if v_trans:
-                elem, n_embd_v = r.u32(), r.u32()
-                r.skip(elem * n_embd_v * cell_count)
-            else:
-                r.skip(r.u64() * cell_count)
-            v_types.append(GGML_TYPES.get(v_type, str(v_type)))
-    except SlotFileError:
-        return False
-    layout.v_trans, layout.n_layer = bool(v_trans), n_layer
-    layout.n_rot_k, layout.n_rot_v = n_rot_k, n_rot_v
-    layout.k_types, layout.v_types = k_types, v_types
-    return True
+        data, size = open_map(name)
+    except OSError as exc:
+        raise SlotFileError(f"cannot read {name}: {exc.strerror}") from exc
+    try:
+        head = header(data, name)
+        kv = _layout(list(walk(data, head.words_end))) if head.version >= 3 else None
+        return SlotFile(name, size, head.version, head.token_format, head.tokens, head.n_media, kv)
+    except SlotFileError as exc:
+        message = str(exc)
+        raise SlotFileError(message if message.startswith(name) else f"{name}: {message}") from exc
+    except (struct.error, MemoryError, ValueError) as exc:  # whatever a damaged file makes of the reader
+        raise SlotFileError(f"{name}: damaged: {exc!r}") from exc
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
+
+
+def _layout(sections: list[Section]) -> KvLayout:
+    """The summary: stream cell counts of the first section, the layer layout of its first stream with cells."""
+    if not sections:
+        raise SlotFileError("no KV section after the tokens (truncated)")
+    first = sections[0]
+    layout = KvLayout(n_stream=len(first.streams), cells=[s.cells for s in first.streams], sections=len(sections))
+    stream = next((s for s in first.streams if s.cells), None)
+    if stream is not None:
+        layout.v_trans, layout.n_layer = stream.v_trans, len(stream.k)
+        layout.n_rot_k, layout.n_rot_v = stream.n_rot_k, stream.n_rot_v
+        layout.k_types = [layer.type_name for layer in stream.k]
+        layout.v_types = [layer.type_name for layer in stream.v]
+    return layout

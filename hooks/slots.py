@@ -25,9 +25,9 @@ from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from wrapper import argv as args
 from wrapper.actions import ActionError
+from wrapper.generation import Generation, ServerLost
 from wrapper.llama import LlamaError
 from wrapper.proxy import Observer
-from wrapper.runtime import Runtime
 
 log = structlog.get_logger()
 
@@ -44,19 +44,19 @@ class SlotState:
     restore: list[dict[str, Any]] = field(default_factory=list)
     reuse: ReuseTracker | None = None
 
-    def tracker(self, rt: Runtime) -> ReuseTracker:
+    def tracker(self, rt: Generation) -> ReuseTracker:
         if self.reuse is None:
             self.reuse = ReuseTracker(rt.client)
         return self.reuse
 
 
-def _state(rt: Runtime) -> SlotState:
+def _state(rt: Generation) -> SlotState:
     state = rt.state.setdefault(FAMILY, SlotState())
     assert isinstance(state, SlotState)
     return state
 
 
-def _directory(rt: Runtime) -> Path:
+def _directory(rt: Generation) -> Path:
     directory = rt.launch.prepared.get(FAMILY)
     if not isinstance(directory, Path):
         raise ActionError("slot persistence is off: the wrapper did not prepare a slot folder")
@@ -66,23 +66,23 @@ def _directory(rt: Runtime) -> Path:
 # -- what the registry declares (hooks/registry.py) -------------------------------------------------------
 
 
-def observer(rt: Runtime) -> Observer | None:
+def observer(rt: Generation) -> Observer | None:
     reuse = _state(rt).reuse
     return reuse.observer() if reuse is not None else None
 
 
-def status(rt: Runtime) -> dict[str, Any]:
+def status(rt: Generation) -> dict[str, Any]:
     directory = rt.launch.prepared.get(FAMILY)
     state = _state(rt)
     return {"dir": str(directory) if directory else None, "restore": state.restore, "save": state.save}
 
 
-def restored_tokens(rt: Runtime) -> list[int]:
+def restored_tokens(rt: Generation) -> list[int]:
     """Tokens of each slot restored (or prefilled) into this generation."""
     return [int(e.get("tokens") or 0) for e in _state(rt).restore if e.get("outcome") in ("restored", "prefilled")]
 
 
-async def save_step(rt: Runtime) -> str:
+async def save_step(rt: Generation) -> str:
     """The save before a reload: its failure is reported, never the end of the reload."""
     try:
         return await save(rt)
@@ -91,7 +91,7 @@ async def save_step(rt: Runtime) -> str:
         return f"slots.save failed: {exc}"
 
 
-async def take_over(rt: Runtime) -> str:
+async def take_over(rt: Generation) -> str:
     """Into a new generation: restore what it can use, prefill what it cannot (other cache types)."""
     try:
         summary = await restore(rt)
@@ -102,7 +102,7 @@ async def take_over(rt: Runtime) -> str:
     return f"{summary}; {warmed}" if warmed else summary
 
 
-async def _settings(rt: Runtime) -> dict[str, Any]:
+async def _settings(rt: Generation) -> dict[str, Any]:
     props = await rt.client.props()
     return server_settings(rt.launch.argv, rt.launch.env, props, rt.launch.facts)
 
@@ -110,7 +110,7 @@ async def _settings(rt: Runtime) -> dict[str, Any]:
 # -- save -------------------------------------------------------------------------------------------------
 
 
-async def save(rt: Runtime) -> str:
+async def save(rt: Generation) -> str:
     """Save every slot that holds tokens; keep the previous file whenever a save is empty or fails."""
     directory = _directory(rt)
     started = time.monotonic()
@@ -140,7 +140,7 @@ async def save(rt: Runtime) -> str:
     return summary
 
 
-async def _save_one(rt: Runtime, directory: Path, slot: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+async def _save_one(rt: Generation, directory: Path, slot: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     number = int(slot["id"])
     entry: dict[str, Any] = {"slot": number, "outcome": "empty", "tokens": 0, "bytes": 0}
     if slot.get("n_prompt_tokens") == 0:  # absent after a restore: such a slot is saved again
@@ -176,7 +176,7 @@ async def _save_one(rt: Runtime, directory: Path, slot: dict[str, Any], settings
 # -- restore ----------------------------------------------------------------------------------------------
 
 
-async def restore(rt: Runtime) -> str:
+async def restore(rt: Generation) -> str:
     """Restore each saved slot the running server can use; skip the rest with a reason. Never fails a start."""
     directory = _directory(rt)
     _sweep(directory)
@@ -205,19 +205,18 @@ async def restore(rt: Runtime) -> str:
             f"in {time.monotonic() - started:.3f}s")
 
 
-async def _state_version(rt: Runtime, directory: Path) -> int:
+async def _state_version(rt: Generation, directory: Path) -> int:
     """The slot-file version this server writes, learnt by saving the (still empty) slot 0 once."""
     probe = directory / f".probe-state-version.{os.getpid()}.bin"
     try:
         await rt.client.slot_action(0, "save", probe.name)
-        with open(probe, "rb") as handle:
-            return int.from_bytes(handle.read(8)[4:8], "little")
+        return slotfile.version(probe)
     finally:
         with contextlib.suppress(FileNotFoundError):
             probe.unlink()
 
 
-async def _restore_one(rt: Runtime, saved: slotdir.SavedSlot, settings: dict[str, Any],
+async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[str, Any],
                        state_version: int) -> dict[str, Any]:
     number, path = saved.slot, saved.kv_file
     entry: dict[str, Any] = {"slot": number, "file": str(path), "outcome": "skipped", "tokens": 0}
@@ -245,7 +244,14 @@ async def _restore_one(rt: Runtime, saved: slotdir.SavedSlot, settings: dict[str
     try:
         answer = await rt.client.slot_action(number, "restore", path.name)
     except LlamaError as exc:
-        return _skipped(entry, f"the server refused it: {exc}{await _server_says(rt, mark)}", failed=True)
+        said = await _server_says(rt, mark)
+        if exc.status is None and await _died(rt):  # no answer at all: did it die?
+            reason = f"llama-server died restoring it: {exc}{said}"
+            folder = slotdir.set_aside(saved, reason)
+            log.error("slots.set_aside", slot=number, file=str(path), to=str(folder), reason=reason)
+            raise ServerLost(f"llama-server died restoring slot {number} from {path.name}; the file was set "
+                             f"aside in {folder}") from exc
+        return _skipped(entry, f"the server refused it: {exc}{said}", failed=True)
     entry.update(outcome="restored", tokens=int(answer.get("n_restored", header.n_tokens)),
                  server_ms=(answer.get("timings") or {}).get("restore_ms"),
                  total_ms=round((time.monotonic() - started) * 1000, 1), saved_at=sidecar.get("saved_at"))
@@ -258,7 +264,7 @@ _WARMABLE = ("cache types", "flash attention", "the file has", "KV rotation", "s
              "sliding-window model without")
 
 
-async def warm(rt: Runtime) -> str:
+async def warm(rt: Generation) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
     entries = [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
@@ -286,7 +292,7 @@ async def warm(rt: Runtime) -> str:
     return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
 
 
-def _converted(rt: Runtime, saved: slotdir.SavedSlot, sidecar: dict[str, Any], settings: dict[str, Any],
+def _converted(rt: Generation, saved: slotdir.SavedSlot, sidecar: dict[str, Any], settings: dict[str, Any],
                entry: dict[str, Any]) -> tuple[dict[str, Any], slotfile.SlotFile, Path] | None:
     """Rewrite a slot's KV file into the server's cache types and make it the slot's current pair."""
     directory = saved.kv_file.parent
@@ -322,6 +328,8 @@ async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> di
     """One slot's save or restore; a bug there is that slot's failure, never the others' or the start's."""
     try:
         return await work
+    except ServerLost:
+        raise
     except Exception as exc:
         log.exception("slots.internal_error", slot=entry.get("slot"))
         entry.setdefault("file", None)
@@ -340,7 +348,18 @@ def _skipped(entry: dict[str, Any], reason: str, failed: bool = False) -> dict[s
     return entry
 
 
-async def _server_says(rt: Runtime, mark: int) -> str:
+async def _died(rt: Generation, within: float = 2.0) -> bool:
+    """Whether llama-server is gone (a failed request may come just before its exit is seen)."""
+    if rt.child is None:
+        return False
+    for _ in range(int(within / 0.05)):
+        if not rt.child.alive:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def _server_says(rt: Generation, mark: int) -> str:
     """The real cause of a failed restore is only in the server's log: wait briefly for it and quote it."""
     if rt.child is None:
         return ""

@@ -10,11 +10,19 @@ from hooks.slotfile import MAGIC
 
 
 def slot_bytes(tokens: list[int], n_layer: int = 2, cells: int = 3, row: int = 8, k_type: int = 1,
-               v_trans: int = 0, server_state: bool = True, version: int = 4) -> bytes:
-    """A slot file in the documented layout (one stream, one sequence)."""
+               v_trans: int = 0, server_state: bool = True, version: int = 4, swa: tuple[int, int] | None = None) -> bytes:
+    """A slot file in the documented layout (one stream, one sequence); `swa` (layers, cells): a second KV
+    section, as sliding-window models write it after the global one."""
     words = [-1, 1, len(tokens), *tokens, 0] if server_state else tokens
     out = struct.pack("<III", MAGIC, version, len(words)) + struct.pack(f"<{len(words)}i", *words)
-    out += struct.pack("<II", 1, cells)
+    out += _section(n_layer, cells, row, k_type, v_trans)
+    if swa is not None:
+        out += _section(swa[0], swa[1], row, k_type, v_trans)
+    return out
+
+
+def _section(n_layer: int, cells: int, row: int, k_type: int, v_trans: int) -> bytes:
+    out = struct.pack("<II", 1, cells)
     for pos in range(cells):
         out += struct.pack("<iIi", pos, 1, 0)
     out += struct.pack("<IIII", v_trans, n_layer, 0, 0)

@@ -17,6 +17,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from wrapper import template
 from wrapper.child import Child, spawn
 from wrapper.config import Action
+from wrapper.generation import ServerLost
 
 log = structlog.get_logger()
 
@@ -131,6 +132,9 @@ class HookRunner:
             return record("ok", detail)
         except (ActionError, template.TemplateError) as exc:
             return record("ignored" if action.ignore_errors else "failed", str(exc))
+        except ServerLost as exc:  # not the action's failure: the supervisor starts llama-server again
+            self.history.append(record("failed", str(exc)))
+            raise
         except Exception as exc:  # a bug in a built-in must not take the stop sequence down with it
             log.exception("hook.internal_error", hook=event, action=action.name)
             return record("ignored" if action.ignore_errors else "failed", f"internal error: {exc!r}")

@@ -78,8 +78,8 @@ def main(context: click.Context) -> None:
 def run(config_path: str | None, listen: str | None, ready_timeout: float | None, stop_timeout: float | None,
         slots_dir: str | None, log_format: logs.LogFormat, log_level: str, server_argv: tuple[str, ...]) -> None:
     """Start llama-server behind the wrapper and supervise it until a signal stops it."""
-    from wrapper.lifecycle import Supervisor
     from wrapper.listener import serve
+    from wrapper.supervisor import Supervisor
 
     logs.configure(log_format, log_level)
     try:

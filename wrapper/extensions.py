@@ -14,10 +14,10 @@ import click
 from hooks.registry import ACTIONS, BUILTINS, Builtin, Route
 from wrapper.actions import BuiltinFn
 from wrapper.config import Config, ConfigError, load_config
+from wrapper.generation import Generation, Host
 from wrapper.launch import Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
-from wrapper.runtime import Host, Runtime
 
 
 def load(path: str | os.PathLike[str]) -> Config:
@@ -70,12 +70,12 @@ def prepare(config: Config, shared: dict[str, Any]) -> Launch:
     return replace(launch, argv=argv, notes=notes, prepared=prepared)
 
 
-def bind(name: str, options: Mapping[str, Any], runtime: Runtime) -> BuiltinFn:
+def bind(name: str, options: Mapping[str, Any], runtime: Generation) -> BuiltinFn:
     action = ACTIONS[name]
     return lambda: action.run(runtime, options)
 
 
-def observer(runtime: Runtime) -> Observer | None:
+def observer(runtime: Generation) -> Observer | None:
     """What watches proxied responses now; None when no built-in has anything to learn from them."""
     watching = [o for b in in_use(runtime.config) if b.observer and (o := b.observer(runtime)) is not None]
     if len(watching) <= 1:
@@ -88,23 +88,23 @@ def observer(runtime: Runtime) -> Observer | None:
     return every
 
 
-def status(runtime: Runtime) -> dict[str, Any]:
+def status(runtime: Generation) -> dict[str, Any]:
     return {b.family: b.status(runtime) for b in in_use(runtime.config) if b.status is not None}
 
 
-async def hand_over(runtime: Runtime) -> str | None:
+async def hand_over(runtime: Generation) -> str | None:
     """Before a reload replaces the generation (slots: save); None when no built-in has anything to do."""
     done = [await b.hand_over(runtime) for b in in_use(runtime.config) if b.hand_over is not None]
     return "; ".join(done) if done else None
 
 
-async def take_over(runtime: Runtime) -> str | None:
+async def take_over(runtime: Generation) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
     done = [await b.take_over(runtime) for b in in_use(runtime.config) if b.take_over is not None]
     return "; ".join(done) if done else None
 
 
-def server_line(runtime: Runtime, line: str) -> bool:
+def server_line(runtime: Generation, line: str) -> bool:
     """Show one line of llama-server's output to the built-ins; False when every one says it is only noise."""
     shown = [b.server_line(runtime, line) for b in in_use(runtime.config) if b.server_line is not None]
     return all(shown)

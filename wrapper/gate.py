@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any
 
 from wrapper.aio import first_of
-from wrapper.state import State
+from wrapper.lifecycle import State
 
 
 class Admission(Enum):

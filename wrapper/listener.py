@@ -16,11 +16,11 @@ from wrapper.auth import ADMIN_TOKEN_ENV, allowed, presented_bearer, presented_k
 from wrapper.config import Config
 from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
 from wrapper.gate import Admission
-from wrapper.lifecycle import Supervisor
+from wrapper.lifecycle import State
 from wrapper.proxy import STARTED, BadPath, Caught, Held, broken_off, canonical_path, forward, json_error, json_object
-from wrapper.reload import ReloadRefused
+from wrapper.reload_plan import ReloadRefused
 from wrapper.sse import Events, as_answer
-from wrapper.state import State
+from wrapper.supervisor import Supervisor
 
 log = structlog.get_logger()
 

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from wrapper.auth import ADMIN_TOKEN_ENV, admin_token
-from wrapper.reload import CACHE_TYPES
+from wrapper.reload_plan import CACHE_TYPES
 
 
 def _assignment(text: str) -> tuple[str, Any]:

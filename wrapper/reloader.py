@@ -18,16 +18,16 @@ import structlog
 from wrapper import argv as args
 from wrapper import extensions
 from wrapper.config import Config, ConfigError
+from wrapper.generation import Generation
 from wrapper.launch import Launch
+from wrapper.lifecycle import State
 from wrapper.llama import LlamaClient, LlamaError
-from wrapper.reload import ReloadPlan, ReloadRefused, plan
-from wrapper.runtime import Runtime
+from wrapper.reload_plan import ReloadPlan, ReloadRefused, plan
 from wrapper.server_help import flag_arity
-from wrapper.state import State
 from wrapper.sysinfo import mem_available
 
 if TYPE_CHECKING:
-    from wrapper.lifecycle import Supervisor
+    from wrapper.supervisor import Supervisor
 
 log = structlog.get_logger()
 
@@ -88,7 +88,7 @@ class Reloader:
         assert old_child is not None
         log.info("reload.begin", changes=prepared.plan.changes, overlap=prepared.overlap, why=prepared.overlap_why,
                  argv=prepared.launch.shown_argv)
-        new_runtime = Runtime(prepared.config, prepared.launch,
+        new_runtime = Generation(prepared.config, prepared.launch,
                               LlamaClient(prepared.launch.url, sup.session, prepared.launch.api_key),
                               shared=sup.shared, host=sup)
         try:
@@ -119,7 +119,7 @@ class Reloader:
                 await sup.stop_child(new_child)
         return await self._answer(prepared, True, "reloaded", downtime_ms, saved, restored, new_runtime)
 
-    async def _roll_back(self, prepared: Prepared, old_config: Config, old_launch: Launch, old_runtime: Runtime,
+    async def _roll_back(self, prepared: Prepared, old_config: Config, old_launch: Launch, old_runtime: Generation,
                          began: float | None, reason: str) -> dict[str, Any]:
         """`began` is None when the new server failed before anything was held (overlap): nothing to undo."""
         sup = self.sup
@@ -139,7 +139,7 @@ class Reloader:
                                   downtime_ms, None, None, sup.runtime)
 
     async def _answer(self, prepared: Prepared, success: bool, message: str, downtime_ms: float,
-                      saved: str | None, restored: str | None, runtime: Runtime) -> dict[str, Any]:
+                      saved: str | None, restored: str | None, runtime: Generation) -> dict[str, Any]:
         try:
             props = await runtime.client.props()
             n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)

@@ -63,7 +63,8 @@ def slot_file(path: Path, k: np.ndarray, v: np.ndarray, v_trans: int = 0, sectio
         for layer in range(layers):
             out += struct.pack("<iQ", 1, 2 * n_embd) + k[layer].astype("<f2").tobytes()
         for layer in range(layers):
-            out += struct.pack("<iQ", 1, 2 * n_embd) + v[layer].astype("<f2").tobytes()
+            record = struct.pack("<iII", 1, 2, n_embd) if v_trans else struct.pack("<iQ", 1, 2 * n_embd)
+            out += record + v[layer].astype("<f2").tobytes()
     path.write_bytes(out)
 
 

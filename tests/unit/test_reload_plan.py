@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wrapper.reload import ReloadRefused, plan
+from wrapper.reload_plan import ReloadRefused, plan
 
 ARITY = {"-c": True, "--ctx-size": True, "-ctk": True, "--cache-type-k": True, "-ctv": True, "--cache-type-v": True,
          "--swa-full": False, "-kvu": False, "--kv-unified": False, "-no-kvu": False, "--no-kv-unified": False,

@@ -12,8 +12,8 @@ from hooks.compat import server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from hooks.slotfile import read
 from tests.slotfiles import slot_bytes
+from wrapper.lifecycle import IllegalTransition, Lifecycle, State
 from wrapper.llama import LlamaClient
-from wrapper.state import IllegalTransition, Lifecycle, State
 
 PROPS = {"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}, "build_info": "b11434-abc"}
 

@@ -11,11 +11,16 @@ from wrapper.launch import Launch
 from wrapper.llama import LlamaClient
 
 
+class ServerLost(Exception):
+    """llama-server died under a built-in's step (a restore it could not survive). The built-in has set aside
+    what caused it; the wrapper starts the generation's server again instead of failing."""
+
+
 class Host(Protocol):
     """What built-ins may ask of the wrapper around them (the supervisor)."""
 
     @property
-    def current(self) -> Runtime:
+    def current(self) -> Generation:
         """The generation that serves now (a reload replaces it)."""
         ...
 
@@ -31,7 +36,7 @@ class Host(Protocol):
 
 
 @dataclass
-class Runtime:
+class Generation:
     config: Config
     launch: Launch
     client: LlamaClient
