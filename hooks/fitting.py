@@ -1,4 +1,4 @@
-"""Make the child fit for slot persistence (the three traps in docs: SWA reuse, idle wipes, layout).
+"""Make the child fit for slot persistence (the three traps of slot files: SWA reuse, idle wipes, layout).
 
 Each change is added only if this llama-server binary has the flag (its own `--help` says), and every
 change or missing flag is returned as a note for the log.
@@ -6,6 +6,7 @@ change or missing flag is returned as a note for the log.
 
 from __future__ import annotations
 
+from hooks.slots import SLOTS
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.launch import Fitting, Launch
@@ -16,7 +17,7 @@ FALLBACK_CTX = 4096
 
 def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
     """The slot built-ins' argv changes; `prepared` is this model's slot folder."""
-    slot_dir = config.slots_dir / launch.model.id
+    slot_dir = SLOTS.of(config).dir / launch.model.id
     fit = Fitting(list(argv), prepared=slot_dir)
     facts = launch.facts
     flags = supported_flags(argv[0])
@@ -68,7 +69,7 @@ def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
                  "fails when the tokens no longer fit; pass -c yourself to choose")
 
     window = facts.get("sliding_window")
-    wants_swa_full = config.swa_full == "always" or (config.swa_full == "auto" and window)
+    wants_swa_full = SLOTS.of(config).swa_full == "always" or (SLOTS.of(config).swa_full == "auto" and window)
     if wants_swa_full and not args.has(fit.argv, args.SWA_FULL):
         if has("--swa-full"):
             fit.argv.append("--swa-full")
@@ -78,7 +79,7 @@ def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
         else:
             fit.note("LOST: --swa-full is not supported",
                      "restored slots of this sliding-window model would be re-processed; slots.restore skips them")
-    elif window and config.swa_full == "never":
+    elif window and SLOTS.of(config).swa_full == "never":
         fit.note("no --swa-full (slots.swa_full: never)",
                  "this sliding-window model will not reuse restored slots; slots.restore skips them")
     return fit

@@ -142,13 +142,13 @@ def settings_from_argv(argv: Sequence[str], shape: ModelShape, gpu: bool) -> Set
             return default
 
     n_ctx = number(args.CTX_SIZE, 0) or shape.n_ctx_train or 4096
-    ngl_text = args.get(argv, ("-ngl", "--gpu-layers", "--n-gpu-layers"))
+    ngl_text = args.get(argv, args.GPU_LAYERS)
     if not gpu:
         layers = 0
     elif ngl_text is None or ngl_text in ("auto", "all", "-1"):
         layers = shape.n_layer + 1
     else:
-        layers = number(("-ngl", "--gpu-layers", "--n-gpu-layers"), 0)
+        layers = number(args.GPU_LAYERS, 0)
     draft_ngl = number(("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), layers)
     return Settings(
         n_ctx=n_ctx, type_k=(args.get(argv, args.CACHE_TYPE_K) or "f16").lower(),

@@ -28,10 +28,22 @@ from wrapper.actions import ActionError
 from wrapper.generation import Generation, ServerLost
 from wrapper.llama import LlamaError
 from wrapper.proxy import Observer
+from wrapper.settings import PATH, Section, choice, setting
 
 log = structlog.get_logger()
 
 FAMILY = "slots"
+
+
+@dataclass(frozen=True)
+class SlotSettings:
+    dir: Path = setting(Path("~/.cache/llama-wrapper/slots").expanduser(), PATH,
+                        "where slot files are kept, one folder per model id (also `--slots-dir`)")
+    swa_full: str = setting("auto", choice("auto", "always", "never"),
+                            "add `--swa-full` so that restored slots of sliding-window models are reused")
+
+
+SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)")
 
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
 
@@ -77,6 +89,19 @@ def status(rt: Generation) -> dict[str, Any]:
     return {"dir": str(directory) if directory else None, "restore": state.restore, "save": state.save}
 
 
+def restore_report(rt: Generation) -> list[dict[str, Any]]:
+    """The last restore into this generation, one entry per saved slot."""
+    return _state(rt).restore
+
+
+def _saved_with_swa_full(directory: Path) -> bool:
+    for saved in slotdir.saved_slots(directory):
+        with contextlib.suppress(slotdir.SidecarError):
+            if slotdir.read_sidecar(saved.sidecar).get("swa_full"):
+                return True
+    return False
+
+
 def restored_tokens(rt: Generation) -> list[int]:
     """Tokens of each slot restored (or prefilled) into this generation."""
     return [int(e.get("tokens") or 0) for e in _state(rt).restore if e.get("outcome") in ("restored", "prefilled")]
@@ -116,10 +141,9 @@ async def save(rt: Generation) -> str:
     started = time.monotonic()
     _sweep(directory)
     window = rt.launch.facts.get("sliding_window")
-    if window and not args.has(rt.launch.argv, args.SWA_FULL) and (rt.launch.prepared.get("degrade") or {}).get(
-            "swa_dropped"):
-        reason = (f"the degradation ladder dropped --swa-full (window {window}): a restored slot would not be "
-                  "reused, so nothing is saved on this rung (the previous files stay)")
+    if window and not args.has(rt.launch.argv, args.SWA_FULL) and _saved_with_swa_full(directory):
+        reason = (f"this sliding-window model runs without --swa-full now (window {window}): a restored slot "
+                  "would not be reused, so the slots saved with a full cache are kept")
         _state(rt).save = [{"outcome": "skipped", "reason": reason}]
         log.info("slots.save_skipped", reason=reason)
         return f"not saved: {reason}"

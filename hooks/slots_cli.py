@@ -10,18 +10,22 @@ from typing import Any
 import click
 
 from hooks import slotdir, slotfile
-from wrapper.config import EXIT_CONFIG, Config, ConfigError, load_config
+from hooks.slots import SLOTS
+from wrapper.commands import Commands
+from wrapper.config import ConfigError, parse_config
+from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
 
 
 def _slots_dir(directory: str | None, config_path: str | None) -> Path:
     if directory:
         return Path(directory).expanduser()
+    commands = click.get_current_context().find_object(Commands)
     try:
-        config = load_config(config_path) if config_path else Config()
+        config = commands.load(config_path) if commands else parse_config("", "<defaults>", (SLOTS,))
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
-    return config.slots_dir
+    return SLOTS.of(config).dir
 
 
 _DIR = click.option("--dir", "directory", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
@@ -85,7 +89,7 @@ def inspect(path: str) -> None:
         summary = slotfile.read(path).summary()
     except slotfile.SlotFileError as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
     for saved in slotdir.saved_slots(Path(path).parent):
         if saved.kv_file.name == Path(path).name:
             try:
@@ -105,11 +109,12 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
     folder = _slots_dir(directory, config_path) / model_id
     if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
         click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
     chosen = [saved for saved in slotdir.saved_slots(folder) if slot is None or saved.slot == slot]
     if not chosen:
-        click.echo(f"llama-wrapper: model {model_id} has no slot {slot}", err=True)
-        sys.exit(1)
+        click.echo(f"llama-wrapper: model {model_id} has no saved slot {slot}" if slot is not None
+                   else f"llama-wrapper: model {model_id} has no saved slots", err=True)
+        sys.exit(EXIT_FAILED)
     for saved in chosen:
         for file in slotdir.remove(saved):
             click.echo(f"removed {file}")

@@ -10,7 +10,8 @@ from hooks.slotfile import MAGIC
 
 
 def slot_bytes(tokens: list[int], n_layer: int = 2, cells: int = 3, row: int = 8, k_type: int = 1,
-               v_trans: int = 0, server_state: bool = True, version: int = 4, swa: tuple[int, int] | None = None) -> bytes:
+               v_trans: int = 0, server_state: bool = True, version: int = 4,
+               swa: tuple[int, int] | None = None) -> bytes:
     """A slot file in the documented layout (one stream, one sequence); `swa` (layers, cells): a second KV
     section, as sliding-window models write it after the global one."""
     words = [-1, 1, len(tokens), *tokens, 0] if server_state else tokens

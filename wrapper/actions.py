@@ -18,6 +18,7 @@ from wrapper import template
 from wrapper.child import Child, spawn
 from wrapper.config import Action
 from wrapper.generation import ServerLost
+from wrapper.hook_context import environment
 
 log = structlog.get_logger()
 
@@ -56,26 +57,6 @@ class HookRun:
             "duration_ms": round(self.duration_s * 1000, 1), "attempts": self.attempts, "detail": self.detail,
             "finished_at": self.finished_at,
         }
-
-
-def environment(context: Mapping[str, Any]) -> dict[str, str]:
-    """The LLAMA_* variables shell and exec actions get, from the template context."""
-    server, listen, model = context["server"], context["listen"], context["model"]
-    pairs = {
-        "LLAMA_WRAPPER_EVENT": context["event"],
-        "LLAMA_WRAPPER_RESULT": context["result"],
-        "LLAMA_WRAPPER_EXIT_CODE": context["exit_code"],
-        "LLAMA_WRAPPER_EXIT_SIGNAL": context["exit_signal"],
-        "LLAMA_WRAPPER_URL": listen["url"],
-        "LLAMA_SERVER_URL": server["url"],
-        "LLAMA_SERVER_HOST": server["host"],
-        "LLAMA_SERVER_PORT": server["port"],
-        "LLAMA_SERVER_PID": server["pid"],
-        "LLAMA_MODEL_PATH": model["path"],
-        "LLAMA_MODEL_NAME": model["name"],
-        "LLAMA_MODEL_ID": model["id"],
-    }
-    return {key: "" if value is None else str(value) for key, value in pairs.items()}
 
 
 class HookRunner:

@@ -22,6 +22,7 @@ CACHE_IDLE_SLOTS = ("--cache-idle-slots",)
 NO_CACHE_IDLE_SLOTS = ("--no-cache-idle-slots",)
 CACHE_RAM = ("-cram", "--cache-ram")
 MMPROJ = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
+GPU_LAYERS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
 
 
 def _matches(arg: str, names: Sequence[str]) -> tuple[bool, str | None]:
@@ -80,3 +81,8 @@ def replace(argv: Sequence[str], names: Sequence[str], value: str | None) -> lis
     if value is not None:
         out.append(value)
     return out
+
+
+def offloaded(argv: Sequence[str]) -> bool:
+    """Whether layers go to a GPU (-ngl given and not 0)."""
+    return get(argv, GPU_LAYERS) not in (None, "0")

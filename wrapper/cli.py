@@ -12,9 +12,10 @@ import click
 import yaml
 
 from wrapper import __version__, extensions, logs
-from wrapper.config import EXIT_CONFIG, HOOK_EVENTS, Config, ConfigError, parse_listen
+from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
+from wrapper.exits import EXIT_CONFIG
 from wrapper.reload_cli import reload
-from wrapper.units import format_size, parse_duration
+from wrapper.units import parse_duration
 
 RUN_EXAMPLES = """
 \b
@@ -41,19 +42,16 @@ class _Duration(click.ParamType):  # type: ignore[type-arg]
 DURATION = _Duration()
 
 
-def _load(config_path: str | None) -> Config:
-    return extensions.load(config_path) if config_path else Config()
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
              epilog=RUN_EXAMPLES + "\n\b\nSaved slots:\n  llama-wrapper slots ls\n"
-                                   "  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/slot0.bin\n")
+                                   "  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/"
+                                   "slot0-<fingerprint>.bin\n")
 @click.version_option(__version__, prog_name="llama-wrapper")
 @click.pass_context
 def main(context: click.Context) -> None:
     """A supervising proxy for llama.cpp's llama-server: lifecycle hooks, slot persistence, reloads and
     degradation under a memory budget."""
-    context.obj = extensions.prepare  # what a built-in's command needs to build a launch as `run` does
+    context.obj = extensions.commands_context()  # a built-in's command loads and prepares as `run` does
 
 
 @main.command(epilog=RUN_EXAMPLES,
@@ -83,7 +81,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
 
     logs.configure(log_format, log_level)
     try:
-        config = _load(config_path)
+        config = extensions.load(config_path)
         changes: dict[str, Any] = {}
         if listen:
             changes["listen"] = parse_listen(listen)
@@ -91,11 +89,11 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
             changes["ready_timeout"] = ready_timeout
         if stop_timeout is not None:
             changes["stop_timeout"] = stop_timeout
-        if slots_dir:
-            changes["slots_dir"] = Path(slots_dir).expanduser()
         if server_argv:
             changes["argv"] = tuple(server_argv)
         config = replace(config, **changes)
+        if slots_dir:
+            config = config.with_settings({"slots": {"dir": Path(slots_dir).expanduser()}})
         shared: dict[str, Any] = {}
         launch = extensions.prepare(config, shared)
     except (ConfigError, ValueError) as exc:
@@ -133,28 +131,13 @@ def _resolved(config: Config) -> dict[str, Any]:
         "server": {"argv": list(config.argv) or "(after --)", "ready_timeout": f"{config.ready_timeout:g}s",
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
-        "slots": {"dir": str(config.slots_dir), "swa_full": config.swa_full,
-                  "persistence": config.uses("slots")},
+        **{section.name: section.shown(config) for section in extensions.sections()},
+        "built-ins": [b.family for b in extensions.in_use(config)],
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
         "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else None},
-        "degrade": _degrade(config),
         "hooks": hooks,
-    }
-
-
-def _degrade(config: Config) -> Any:
-    degrade = config.degrade
-    if degrade is None:
-        return "off"
-    return {
-        "budget": format_size(degrade.budget) if degrade.budget is not None else
-        f"auto (free GPU memory, else MemAvailable - {format_size(degrade.reserve)})",
-        "ladder": [r.name if not (r.set or r.remove) else {"name": r.name, "set": r.set, "remove": list(r.remove)}
-                   for r in degrade.ladder],
-        "headroom": degrade.headroom, "continue": degrade.continue_truncated,
-        "relax_after": f"{degrade.relax_after:g}s",
     }
 
 

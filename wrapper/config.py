@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -12,14 +12,13 @@ from typing import Any, Literal
 import yaml
 
 from wrapper import template
-from wrapper.units import parse_duration, parse_size
+from wrapper.settings import Section
+from wrapper.units import parse_duration
+from wrapper.yamlread import Reader
 
 HOOK_EVENTS = ("on_will_start", "on_startup", "on_will_stop", "on_stopped", "on_reload")
 ACTION_KINDS = ("http", "shell", "exec", "builtin")
-SWA_FULL_POLICIES = ("auto", "always", "never")
 OVERLAP_POLICIES = ("auto", "always", "never")
-EXIT_CONFIG = 2  # the exit status for a configuration error, before anything is spawned
-DEFAULT_SLOTS_DIR = "~/.cache/llama-wrapper/slots"
 
 ActionKind = Literal["http", "shell", "exec", "builtin"]
 
@@ -65,30 +64,6 @@ class Listen:
         return f"http://{host}:{self.port}"
 
 
-LADDER_RUNGS = ("disable-spec", "mmproj-to-cpu", "quantize-kv-q8", "quantize-kv-q4", "swa-window")
-
-
-@dataclass(frozen=True)
-class Rung:
-    """A step of the degradation ladder: a built-in one by name, or the user's own argv edits."""
-
-    name: str
-    set: dict[str, str | bool] = field(default_factory=dict)
-    remove: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Degrade:
-    """`degrade:` — serve the most capable configuration that fits a memory budget, grow on demand."""
-
-    budget: int | None = None  # bytes; None: auto (free GPU memory, else MemAvailable minus `reserve`)
-    reserve: int = 1 << 30
-    ladder: tuple[Rung, ...] = tuple(Rung(name) for name in LADDER_RUNGS)
-    headroom: int = 1024  # tokens beyond a prompt that says no max_tokens
-    continue_truncated: bool = True  # `continue`: a generation cut by a full context goes on after the growth
-    relax_after: float = 600.0
-
-
 @dataclass(frozen=True)
 class Config:
     source: str | None = None
@@ -98,14 +73,12 @@ class Config:
     stop_timeout: float = 10.0
     drain_timeout: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
-    slots_dir: Path = field(default_factory=lambda: Path(DEFAULT_SLOTS_DIR).expanduser())
-    swa_full: str = "auto"
     allow_slot_actions: bool = False
     reload_overlap: str = "auto"  # start the new llama-server before stopping the old one
     reload_hold_timeout: float = 60.0  # how long a request may be held during a reload before a 503
     reload_drain_timeout: float = 30.0  # how long in-flight requests may finish before a reload cuts them
     admin_token_file: Path | None = None  # POST /wrapper/* needs this token (or LLAMA_WRAPPER_ADMIN_TOKEN)
-    degrade: Degrade | None = None  # None: no budget, the argv as given
+    settings: Mapping[str, Any] = field(default_factory=dict)  # each built-in's section (wrapper/settings.py)
     hooks: dict[str, tuple[Action, ...]] = field(default_factory=lambda: {e: () for e in HOOK_EVENTS})
     warnings: tuple[str, ...] = ()  # file:line notes about things that work but are probably not meant
 
@@ -115,6 +88,15 @@ class Config:
 
     def all_actions(self) -> list[Action]:
         return [action for event in HOOK_EVENTS for action in self.hooks[event]]
+
+    def with_settings(self, changes: Mapping[str, Mapping[str, Any]]) -> Config:
+        """The config with some built-in settings changed ({section: {field: value}}); the sections must exist."""
+        if not changes:
+            return self
+        settings = dict(self.settings)
+        for name, fields in changes.items():
+            settings[name] = dataclasses.replace(settings[name], **fields)
+        return replace(self, settings=settings)
 
 
 def parse_listen(text: str) -> Listen:
@@ -126,104 +108,39 @@ def parse_listen(text: str) -> Listen:
     return Listen(host, int(port))
 
 
-def _suggest(name: str, known: tuple[str, ...]) -> str:
-    hint = difflib.get_close_matches(name, known, n=1)
-    return f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
-
-
-class _Reader:
-    """Walks the YAML node tree so that every key and value keeps its line for error messages."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.errors: list[str] = []
-        self.warnings: list[str] = []
-        self._constructor = yaml.SafeLoader("")
-
-    def where(self, node: yaml.Node) -> str:
-        return f"{self.path}:{node.start_mark.line + 1}"
-
-    def error(self, node: yaml.Node, message: str) -> None:
-        self.errors.append(f"{self.where(node)}: {message}")
-
-    def warn(self, node: yaml.Node, message: str) -> None:
-        self.warnings.append(f"{self.where(node)}: {message}")
-
-    def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
-        if not isinstance(node, yaml.MappingNode):
-            self.error(node, f"{what} must be a mapping")
-            return {}
-        out: dict[str, yaml.Node] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            if key is None:
-                self.error(key_node, f"{what}: keys must be plain names")
-            elif key not in allowed:
-                self.error(key_node, f"unknown key {key!r} in {what}{_suggest(key, allowed)}")
-            elif key in out:
-                self.error(key_node, f"{what}: key {key!r} given twice")
-            else:
-                out[key] = value_node
-        return out
-
-    def value(self, node: yaml.Node) -> Any:
-        return self._constructor.construct_object(node, deep=True)
-
-    def scalar(self, node: yaml.Node, what: str, kinds: tuple[type, ...]) -> Any:
-        value = self.value(node)
-        if not isinstance(node, yaml.ScalarNode) or not isinstance(value, kinds) or (
-            isinstance(value, bool) and bool not in kinds
-        ):
-            names = " or ".join(k.__name__.replace("str", "string") for k in kinds)
-            self.error(node, f"{what} must be a {names}, not {value!r}")
-            return None
-        return value
-
-    def converted(self, node: yaml.Node, what: str, convert: Callable[[Any], Any]) -> Any:
-        try:
-            return convert(self.value(node))
-        except (ValueError, TypeError) as exc:
-            self.error(node, f"{what}: {exc}")
-            return None
-
-    def string_list(self, node: yaml.Node, what: str) -> tuple[str, ...]:
-        if not isinstance(node, yaml.SequenceNode) or not node.value:
-            self.error(node, f"{what} must be a non-empty list of strings")
-            return ()
-        items = [self.scalar(item, f"{what} item", (str, int, float)) for item in node.value]
-        return tuple(str(item) for item in items if item is not None)
-
-
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and check a config file; raises ConfigError listing every problem with file:line."""
+def load_config(path: str | os.PathLike[str], sections: Sequence[Section[Any]] = ()) -> Config:
+    """Read and check a config file; raises ConfigError listing every problem with file:line. `sections`: the
+    built-ins' own (wrapper/extensions.py passes them)."""
     name = os.fspath(path)
     try:
         text = Path(name).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{name}: cannot read the config: {exc.strerror}") from exc
-    return parse_config(text, name)
+    return parse_config(text, name, sections)
 
 
-def parse_config(text: str, name: str = "<config>") -> Config:
+def parse_config(text: str, name: str = "<config>", sections: Sequence[Section[Any]] = ()) -> Config:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{name}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    defaults = {section.name: section.kind() for section in sections if not section.optional}
     if root is None:
-        return Config(source=name)
-    reader = _Reader(name)
-    config = _read_root(reader, root)
+        return Config(source=name, settings=defaults)
+    reader = Reader(name)
+    config = _read_root(reader, root, sections)
     if reader.errors:
         raise ConfigError("\n".join(reader.errors))
-    return replace(config, warnings=tuple(reader.warnings))
+    return replace(config, warnings=tuple(reader.warnings), settings={**defaults, **config.settings})
 
 
-def _read_root(r: _Reader, root: yaml.Node) -> Config:
-    top = r.mapping(root, "the config", ("listen", "server", "slots", "proxy", "reload", "admin", "degrade",
-                                               "hooks"))
-    values: dict[str, Any] = {"source": r.path}
+def _read_root(r: Reader, root: yaml.Node, sections: Sequence[Section[Any]]) -> Config:
+    top = r.mapping(root, "the config", ("listen", "server", *(s.name for s in sections), "proxy", "reload",
+                                               "admin", "hooks"))
+    values: dict[str, Any] = {"source": r.path,
+                              "settings": {s.name: s.read(r, top[s.name]) for s in sections if s.name in top}}
     if "listen" in top:
         values["listen"] = r.converted(top["listen"], "listen", lambda v: parse_listen(str(v)))
     if "server" in top:
@@ -238,17 +155,6 @@ def _read_root(r: _Reader, root: yaml.Node) -> Config:
         if "env" in server:
             env = r.mapping(server["env"], "server.env", tuple(_keys(server["env"])))
             values["env"] = {k: str(r.scalar(v, f"server.env.{k}", (str, int, float))) for k, v in env.items()}
-    if "slots" in top:
-        slots = r.mapping(top["slots"], "slots", ("dir", "swa_full"))
-        if "dir" in slots:
-            directory = r.scalar(slots["dir"], "slots.dir", (str,))
-            if directory:
-                values["slots_dir"] = Path(os.path.expandvars(directory)).expanduser()
-        if "swa_full" in slots:
-            policy = r.scalar(slots["swa_full"], "slots.swa_full", (str,))
-            if policy not in SWA_FULL_POLICIES:
-                r.error(slots["swa_full"], f"slots.swa_full must be one of {', '.join(SWA_FULL_POLICIES)}")
-            values["swa_full"] = policy
     if "proxy" in top:
         proxy = r.mapping(top["proxy"], "proxy", ("allow_slot_actions",))
         if "allow_slot_actions" in proxy:
@@ -269,74 +175,11 @@ def _read_root(r: _Reader, root: yaml.Node) -> Config:
             token_file = r.scalar(admin["token_file"], "admin.token_file", (str,))
             if token_file:
                 values["admin_token_file"] = Path(os.path.expandvars(token_file)).expanduser()
-    if "degrade" in top:
-        values["degrade"] = _read_degrade(r, top["degrade"])
     if "hooks" in top:
         hooks = r.mapping(top["hooks"], "hooks", HOOK_EVENTS)
         values["hooks"] = {event: _read_actions(r, hooks[event], event) if event in hooks else ()
                            for event in HOOK_EVENTS}
     return Config(**{k: v for k, v in values.items() if v is not None})
-
-
-def _read_degrade(r: _Reader, node: yaml.Node) -> Degrade:
-    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
-        return Degrade()
-    keys = r.mapping(node, "degrade", ("budget", "reserve", "ladder", "headroom", "continue", "relax_after"))
-    values: dict[str, Any] = {}
-    if "budget" in keys:
-        budget = r.value(keys["budget"])
-        if budget != "auto":
-            values["budget"] = r.converted(keys["budget"], "degrade.budget", parse_size)
-    if "reserve" in keys:
-        values["reserve"] = r.converted(keys["reserve"], "degrade.reserve", parse_size)
-    if "ladder" in keys:
-        values["ladder"] = _read_ladder(r, keys["ladder"])
-    if "headroom" in keys:
-        headroom = r.scalar(keys["headroom"], "degrade.headroom", (int,))
-        if headroom is not None and headroom < 0:
-            r.error(keys["headroom"], "degrade.headroom must be 0 or more tokens")
-        values["headroom"] = headroom
-    if "continue" in keys:
-        values["continue_truncated"] = r.scalar(keys["continue"], "degrade.continue", (bool,))
-    if "relax_after" in keys:
-        values["relax_after"] = r.converted(keys["relax_after"], "degrade.relax_after", parse_duration)
-    return Degrade(**{k: v for k, v in values.items() if v is not None})
-
-
-def _read_ladder(r: _Reader, node: yaml.Node) -> tuple[Rung, ...] | None:
-    if not isinstance(node, yaml.SequenceNode):
-        r.error(node, f"degrade.ladder must be a list of rungs ({', '.join(LADDER_RUNGS)}, or {{name, set, remove}})")
-        return None
-    rungs: list[Rung] = []
-    for index, item in enumerate(node.value):
-        what = f"degrade.ladder[{index}]"
-        if isinstance(item, yaml.ScalarNode):
-            known = str(item.value)
-            if known not in LADDER_RUNGS:
-                r.error(item, f"{what}: unknown rung {known!r}{_suggest(known, LADDER_RUNGS)}; "
-                              "a rung of your own is a mapping {name, set, remove}")
-            rungs.append(Rung(known))
-            continue
-        keys = r.mapping(item, what, ("name", "set", "remove"))
-        name = r.scalar(keys["name"], f"{what}.name", (str,)) if "name" in keys else None
-        if not name:
-            r.error(item, f"{what} needs a name")
-            continue
-        if name in LADDER_RUNGS:
-            r.error(item, f"{what}: {name!r} is a built-in rung; give yours another name")
-        edits = r.value(keys["set"]) if "set" in keys else {}
-        if not isinstance(edits, dict) or not all(str(k).startswith("-") for k in edits):
-            r.error(keys.get("set", item), f"{what}.set must map llama-server flags to values, e.g. {{-ub: 256}}")
-            edits = {}
-        removed = r.string_list(keys["remove"], f"{what}.remove") if "remove" in keys else ()
-        if not edits and not removed:
-            r.error(item, f"{what} changes nothing: give set or remove")
-        rungs.append(Rung(name, {str(k): v if isinstance(v, bool) else str(v) for k, v in edits.items()},
-                          tuple(removed)))
-    names = [rung.name for rung in rungs]
-    for name in {n for n in names if names.count(n) > 1}:
-        r.error(node, f"degrade.ladder names {name!r} twice")
-    return tuple(rungs)
 
 
 def _keys(node: yaml.Node) -> list[str]:
@@ -345,7 +188,7 @@ def _keys(node: yaml.Node) -> list[str]:
     return []
 
 
-def _read_actions(r: _Reader, node: yaml.Node, event: str) -> tuple[Action, ...]:
+def _read_actions(r: Reader, node: yaml.Node, event: str) -> tuple[Action, ...]:
     if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
         return ()
     if not isinstance(node, yaml.SequenceNode):
@@ -363,7 +206,7 @@ _ACTION_KEYS = ("name", "timeout", "retries", "ignore_errors", "when", "with", *
 _HTTP_KEYS = ("method", "url", "headers", "json", "body", "expect")
 
 
-def _read_action(r: _Reader, node: yaml.Node, what: str) -> Action | None:
+def _read_action(r: Reader, node: yaml.Node, what: str) -> Action | None:
     keys = r.mapping(node, what, _ACTION_KEYS)
     kinds = [k for k in ACTION_KINDS if k in keys]
     if len(kinds) != 1:
@@ -455,7 +298,7 @@ def _default_name(fields: dict[str, Any]) -> str:
     return kind
 
 
-def _read_http(r: _Reader, node: yaml.Node, what: str) -> HttpRequest | None:
+def _read_http(r: Reader, node: yaml.Node, what: str) -> HttpRequest | None:
     keys = r.mapping(node, what, _HTTP_KEYS)
     if "url" not in keys:
         r.error(node, f"{what} needs a url")

@@ -1,5 +1,5 @@
-"""The one place the wrapper meets its built-ins (hooks/registry.py): names, options, argv changes, observers,
-status and the reload hand-over, each asked of every built-in a config uses."""
+"""The one place the wrapper meets its built-ins (hooks/registry.py): sections, names, options, argv changes,
+request steps, observers, status and the reload hand-over, each asked of every built-in a config uses."""
 
 from __future__ import annotations
 
@@ -11,21 +11,36 @@ from typing import Any
 
 import click
 
-from hooks.registry import ACTIONS, BUILTINS, Builtin, Route
+from hooks.registry import ACTIONS, BUILTINS, SECTIONS, Builtin, Route
 from wrapper.actions import BuiltinFn
-from wrapper.config import Config, ConfigError, load_config
+from wrapper.commands import Commands
+from wrapper.config import Config, ConfigError, load_config, parse_config
 from wrapper.generation import Generation, Host
 from wrapper.launch import Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
+from wrapper.settings import Section
+from wrapper.steps import Before, Growth
 
 
-def load(path: str | os.PathLike[str]) -> Config:
-    """Read a config and check its built-in actions and their options; ConfigError names every problem."""
-    config = load_config(path)
+def load(path: str | os.PathLike[str] | None) -> Config:
+    """Read a config with every built-in's section and check its built-in actions and their options;
+    ConfigError names every problem. None: every default."""
+    config = load_config(path, SECTIONS) if path is not None else parse_config("", "<defaults>", SECTIONS)
     if found := problems(config):
         raise ConfigError("\n".join(found))
     return config
+
+
+def parse(text: str, name: str = "<config>") -> Config:
+    config = parse_config(text, name, SECTIONS)
+    if found := problems(config):
+        raise ConfigError("\n".join(found))
+    return config
+
+
+def sections() -> tuple[Section[Any], ...]:
+    return SECTIONS
 
 
 def problems(config: Config) -> list[str]:
@@ -57,27 +72,32 @@ def in_use(config: Config) -> list[Builtin]:
     return found
 
 
-def prepare(config: Config, shared: dict[str, Any]) -> Launch:
+def prepare(config: Config, shared: dict[str, Any], asks: Mapping[str, Any] | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
-    `shared`: the built-ins' lifelong state (the supervisor's), which their choices may depend on."""
+    `shared`: the built-ins' lifelong state (the supervisor's); `asks`: what a built-in's move asks the next
+    fit for (by family)."""
     launch = prepare_launch(config)
     argv, notes, prepared = list(launch.argv), list(launch.notes), dict(launch.prepared)
     for builtin in in_use(config):
         if builtin.fit is not None:
-            fit = builtin.fit(argv, replace(launch, argv=argv, prepared=dict(prepared)), config, shared)
+            fit = builtin.fit(argv, replace(launch, argv=argv, prepared=dict(prepared)), config, shared, asks or {})
             argv, prepared[builtin.family] = fit.argv, fit.prepared
             notes += fit.notes
     return replace(launch, argv=argv, notes=notes, prepared=prepared)
 
 
-def bind(name: str, options: Mapping[str, Any], runtime: Generation) -> BuiltinFn:
+def commands_context() -> Commands:
+    return Commands(load=load, prepare=prepare)
+
+
+def bind(name: str, options: Mapping[str, Any], generation: Generation) -> BuiltinFn:
     action = ACTIONS[name]
-    return lambda: action.run(runtime, options)
+    return lambda: action.run(generation, options)
 
 
-def observer(runtime: Generation) -> Observer | None:
+def observer(generation: Generation) -> Observer | None:
     """What watches proxied responses now; None when no built-in has anything to learn from them."""
-    watching = [o for b in in_use(runtime.config) if b.observer and (o := b.observer(runtime)) is not None]
+    watching = [o for b in in_use(generation.config) if b.observer and (o := b.observer(generation)) is not None]
     if len(watching) <= 1:
         return watching[0] if watching else None
 
@@ -88,25 +108,35 @@ def observer(runtime: Generation) -> Observer | None:
     return every
 
 
-def status(runtime: Generation) -> dict[str, Any]:
-    return {b.family: b.status(runtime) for b in in_use(runtime.config) if b.status is not None}
+def status(generation: Generation) -> dict[str, Any]:
+    return {b.family: b.status(generation) for b in in_use(generation.config) if b.status is not None}
 
 
-async def hand_over(runtime: Generation) -> str | None:
+async def hand_over(generation: Generation) -> str | None:
     """Before a reload replaces the generation (slots: save); None when no built-in has anything to do."""
-    done = [await b.hand_over(runtime) for b in in_use(runtime.config) if b.hand_over is not None]
+    done = [await b.hand_over(generation) for b in in_use(generation.config) if b.hand_over is not None]
     return "; ".join(done) if done else None
 
 
-async def take_over(runtime: Generation) -> str | None:
+async def take_over(generation: Generation) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
-    done = [await b.take_over(runtime) for b in in_use(runtime.config) if b.take_over is not None]
+    done = [await b.take_over(generation) for b in in_use(generation.config) if b.take_over is not None]
     return "; ".join(done) if done else None
 
 
-def server_line(runtime: Generation, line: str) -> bool:
+def keeps_conversations(config: Config) -> bool:
+    """Whether a built-in carries conversations across a reload."""
+    return any(b.take_over is not None for b in in_use(config))
+
+
+def restore_report(generation: Generation) -> list[dict[str, Any]]:
+    return [entry for b in in_use(generation.config) if b.reload_report is not None
+            for entry in b.reload_report(generation)]
+
+
+def server_line(generation: Generation, line: str) -> bool:
     """Show one line of llama-server's output to the built-ins; False when every one says it is only noise."""
-    shown = [b.server_line(runtime, line) for b in in_use(runtime.config) if b.server_line is not None]
+    shown = [b.server_line(generation, line) for b in in_use(generation.config) if b.server_line is not None]
     return all(shown)
 
 
@@ -115,17 +145,14 @@ def background(host: Host) -> list[Coroutine[Any, Any, None]]:
     return [b.background(host) for b in in_use(host.current.config) if b.background is not None]
 
 
-async def grow(host: Host, needed: int, pool_full: bool = False) -> str | None:
-    """A request needs `needed` tokens of context (`pool_full`: the slots' shared KV ran out): None once a
-    built-in made room (send it again), else why not; without such a built-in, the overflow stands."""
-    growers = [b.grow for b in in_use(host.current.config) if b.grow is not None]
-    if not growers:
-        return ""
-    return await growers[0](host, needed, pool_full)
+def growth(config: Config) -> Growth | None:
+    """The built-in that grows the context for a request that overflows it, if one is in use."""
+    return next((b.growth for b in in_use(config) if b.growth is not None), None)
 
 
-def growing(config: Config) -> bool:
-    return any(b.grow is not None for b in in_use(config))
+def before(config: Config) -> list[Before]:
+    """The steps a request takes before it is forwarded."""
+    return [step for b in in_use(config) for step in b.before]
 
 
 def routes(config: Config) -> list[Route]:

@@ -8,8 +8,14 @@ import contextlib
 from enum import Enum
 from typing import Any
 
+import structlog
+
 from wrapper.aio import first_of
 from wrapper.lifecycle import State
+
+log = structlog.get_logger()
+
+CUT_GRACE = 2.0  # how long requests cut at the drain deadline get to unwind
 
 
 class Admission(Enum):
@@ -80,6 +86,18 @@ class Gate:
         for exchange in pending:
             exchange.cancel()
         return len(pending)
+
+    async def drain(self, timeout: float, force: asyncio.Event) -> None:
+        """Let requests in flight finish within `timeout` (or until `force`), then cut the rest so that slots are
+        idle for a save."""
+        if not self.in_flight:
+            return
+        log.info("wrapper.draining", in_flight=self.in_flight, timeout_s=timeout)
+        await first_of(self.drained(timeout), force.wait())
+        if self.in_flight:
+            # Cut what is left: llama-server frees those slots, so the save that follows runs on idle ones.
+            log.warning("wrapper.drain_timeout", in_flight=self.in_flight, cut=self.cut())
+            await self.drained(CUT_GRACE)
 
     async def drained(self, timeout: float) -> bool:
         """Wait up to `timeout` for in-flight requests to finish; True if none is left."""

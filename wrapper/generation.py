@@ -1,14 +1,29 @@
-"""What the built-in hooks may use of the running wrapper: one generation's config, launch, client and child."""
+"""A generation: one llama-server process with its config, argv, client and the built-ins' state for it. It
+starts and stops itself; a reload replaces one generation with the next. Built-in hooks see the running
+wrapper only through a generation and the small `Host` protocol."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from wrapper.child import Child
+import structlog
+
+from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
 from wrapper.launch import Launch
 from wrapper.llama import LlamaClient
+
+log = structlog.get_logger()
+
+READY_POLL = 0.1
+
+
+class StartFailed(Exception):
+    """llama-server did not come up (or a start hook failed)."""
 
 
 class ServerLost(Exception):
@@ -29,9 +44,11 @@ class Host(Protocol):
         """Requests being served now."""
         ...
 
-    async def reload(self, body: dict[str, Any], why: str | None = None) -> dict[str, Any]:
+    async def reload(self, body: dict[str, Any], why: str | None = None,
+                     asks: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A reload as POST /wrapper/reload asks for it; with `why` and an empty body, the built-ins' own argv
-        changes (their fit for the new generation) are the whole change. Raises ReloadRefused."""
+        changes (their fit for the new generation, given `asks` by family) are the whole change. Raises
+        ReloadRefused."""
         ...
 
 
@@ -43,4 +60,43 @@ class Generation:
     child: Child | None = None
     state: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for this generation
     shared: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for the wrapper's whole life
-    host: Host | None = None
+
+    async def start(self, on_line: Callable[[Generation, str], None]) -> Child:
+        """Spawn llama-server and wait until it answers /health 200; StartFailed otherwise (stopped then)."""
+        config, launch = self.config, self.launch
+        began = time.monotonic()
+        try:
+            child = await spawn(launch.argv, launch.env, lambda line: on_line(self, line))
+        except OSError as exc:
+            raise StartFailed(f"cannot start {launch.argv[0]!r}: {exc.strerror}") from exc
+        self.child = child
+        log.info("child.spawned", pid=child.pid, port=launch.port)
+        deadline = began + config.ready_timeout
+        while not await self.client.healthy(timeout=1.0):
+            if not child.alive:
+                finished = await child.wait()
+                raise StartFailed(f"llama-server exited with status {finished.status} before it was ready "
+                                  f"(last output: {' | '.join(list(child.tail)[-3:])})")
+            if time.monotonic() > deadline:
+                await child.stop(config.stop_timeout)
+                raise StartFailed(f"llama-server was not ready within server.ready_timeout "
+                                  f"({config.ready_timeout:g}s)")
+            await asyncio.sleep(READY_POLL)
+        log.info("child.ready", pid=child.pid, load_s=round(time.monotonic() - began, 3))
+        return child
+
+    async def stop(self) -> Exit | None:
+        """One SIGTERM, SIGKILL after server.stop_timeout; None when it never started."""
+        child = self.child
+        if child is None:
+            return None
+        if child.alive:
+            log.info("child.stopping", pid=child.pid, timeout_s=self.config.stop_timeout)
+        finished = await child.stop(self.config.stop_timeout)
+        log.info("child.exited", pid=child.pid, code=finished.code, signal=finished.signal_name,
+                 killed_after_timeout=finished.killed)
+        return finished
+
+    @property
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive

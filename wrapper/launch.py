@@ -48,6 +48,10 @@ class Launch:
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
 
     @property
+    def host(self) -> str:
+        return PRIVATE_HOST
+
+    @property
     def url(self) -> str:
         return f"http://{PRIVATE_HOST}:{self.port}"
 

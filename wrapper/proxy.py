@@ -41,10 +41,13 @@ class BadPath(ValueError):
     """A request path no server should act on (control characters after decoding)."""
 
 
-def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
     """An error in llama-server's own shape, so clients parse it the same way."""
-    body = {"error": {"code": status, "message": message, "type": kind}}
-    return web.json_response(body, status=status, headers=headers)
+    return {"error": {"code": status, "message": message, "type": kind}}
+
+
+def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, kind), status=status, headers=headers)
 
 
 def canonical_path(raw_path: str) -> str:

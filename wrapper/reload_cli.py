@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from wrapper.auth import ADMIN_TOKEN_ENV, admin_token
+from wrapper.exits import EXIT_FAILED
 from wrapper.reload_plan import CACHE_TYPES
 
 
@@ -80,7 +81,7 @@ def reload(url: str, token_file: Path | None, ctx: int | None, cache_type: str |
         answer = json.loads(error.read() or b"{}")
     except (urllib.error.URLError, OSError) as exc:
         click.echo(f"llama-wrapper: cannot reach {url}: {getattr(exc, 'reason', exc)}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
     if as_json:
         click.echo(json.dumps(answer, indent=2))
     elif "error" in answer:

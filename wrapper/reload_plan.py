@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from wrapper import argv as args
@@ -23,22 +24,31 @@ PROTECTED = {"--host": "the wrapper's private address", "--port": "the wrapper's
 _MMPROJ_PATHS = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
 
 
-BUSY_RELOADING = "a reload is running: one at a time"  # the 409 that means "try again after it"
+BUSY_RELOADING = "a reload is running: one at a time"
+
+
+class Refusal(Enum):
+    """Why a reload was refused, for callers that act on it (a growth waits for a busy one)."""
+
+    INVALID = "invalid"  # the request asks for something that cannot be done
+    NOTHING_TO_CHANGE = "nothing to change"
+    BUSY = "busy"  # another reload runs: try again after it
+    NOT_READY = "not ready"  # starting or stopping
 
 
 class ReloadRefused(Exception):
     """A reload that cannot be done as asked; nothing was stopped. `status` is the HTTP answer."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, reason: Refusal = Refusal.INVALID) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.reason = status, reason
 
 
 @dataclass
 class ReloadPlan:
     argv: list[str]  # the llama-server command as the user would write it, with the changes
     changes: list[str] = field(default_factory=list)
-    swa_full: str | None = None  # the slots.swa_full policy for the new generation, when the request sets it
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # config settings it changes, by section
 
 
 def plan(user_argv: Sequence[str], body: Mapping[str, Any], arity: Mapping[str, bool] | None) -> ReloadPlan:
@@ -63,7 +73,7 @@ def plan(user_argv: Sequence[str], body: Mapping[str, Any], arity: Mapping[str, 
         wanted = _flag(body, "swa_full", problems)
         if wanted is not None:
             edit.switch(args.SWA_FULL, wanted)
-            edit.plan.swa_full = "always" if wanted else "never"
+            edit.plan.settings["slots"] = {"swa_full": "always" if wanted else "never"}
     if "kv_unified" in body:
         unified = _flag(body, "kv_unified", problems)
         if unified is not None:
@@ -83,7 +93,8 @@ def plan(user_argv: Sequence[str], body: Mapping[str, Any], arity: Mapping[str, 
     if problems:
         raise ReloadRefused("; ".join(problems))
     if not edit.plan.changes:
-        raise ReloadRefused("nothing to change: give at least one of " + ", ".join(FIELDS))
+        raise ReloadRefused("nothing to change: give at least one of " + ", ".join(FIELDS),
+                            reason=Refusal.NOTHING_TO_CHANGE)
     return edit.plan
 
 

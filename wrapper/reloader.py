@@ -9,29 +9,52 @@ up rolls back to the previous argv and keeps serving; a SIGTERM during a reload 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 
 from wrapper import argv as args
 from wrapper import extensions
 from wrapper.config import Config, ConfigError
-from wrapper.generation import Generation
+from wrapper.gate import Gate
+from wrapper.generation import Generation, ServerLost, StartFailed
 from wrapper.launch import Launch
-from wrapper.lifecycle import State
-from wrapper.llama import LlamaClient, LlamaError
-from wrapper.reload_plan import ReloadPlan, ReloadRefused, plan
+from wrapper.lifecycle import Lifecycle, State
+from wrapper.llama import LlamaError
+from wrapper.reload_plan import Refusal, ReloadPlan, ReloadRefused, plan
 from wrapper.server_help import flag_arity
 from wrapper.sysinfo import mem_available
-
-if TYPE_CHECKING:
-    from wrapper.supervisor import Supervisor
 
 log = structlog.get_logger()
 
 OVERLAP_MEMORY_FACTOR = 1.5  # auto overlap on CPU: MemAvailable must exceed this many times the model file
+RESTARTS_AFTER_LOSS = 3
+
+
+class ReloadHost(Protocol):
+    """What a reload needs of the supervisor around it."""
+
+    gate: Gate
+    lifecycle: Lifecycle
+    last_reload: dict[str, Any] | None
+
+    @property
+    def current(self) -> Generation: ...
+
+    def new_generation(self, config: Config, launch: Launch) -> Generation: ...
+
+    def server_line(self, generation: Generation, line: str) -> None: ...
+
+    def install(self, generation: Generation) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    async def drain(self, timeout: float) -> None: ...
+
+    async def run_hook(self, event: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -44,35 +67,36 @@ class Prepared:
 
 
 class Reloader:
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.sup = supervisor
+    def __init__(self, host: ReloadHost) -> None:
+        self.host = host
 
-    def prepare(self, body: dict[str, Any], why: str | None = None) -> Prepared:
+    def prepare(self, body: dict[str, Any], why: str | None = None,
+                asks: Mapping[str, Any] | None = None) -> Prepared:
         """Check the request and settle the new generation's argv; ReloadRefused before anything stops.
         `why` (a built-in's reload, empty body): the built-ins' fit for the new generation is the change."""
-        config = self.sup.config
+        current = self.host.current
+        config = current.config
         if why is not None and not body:
             reload_plan = ReloadPlan(list(config.argv))
         else:
             reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
-        new_config = replace(config, argv=tuple(reload_plan.argv), swa_full=reload_plan.swa_full or config.swa_full)
+        new_config = replace(config, argv=tuple(reload_plan.argv)).with_settings(reload_plan.settings)
         try:
-            launch = replace(extensions.prepare(new_config, self.sup.shared), listen=self.sup.launch.listen)
+            launch = replace(extensions.prepare(new_config, current.shared, asks), listen=current.launch.listen)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from exc
         if why is not None:
-            reload_plan.changes = [why, *_argv_changes(self.sup.launch.argv, launch.argv)]
-            if args.remove(launch.argv, args.PORT) == args.remove(self.sup.launch.argv, args.PORT):
-                raise ReloadRefused(f"nothing to change ({why})", 409)
-        overlap, overlap_why = self._overlap(launch)
+            reload_plan.changes = [why, *_argv_changes(current.launch.argv, launch.argv)]
+            if args.remove(launch.argv, args.PORT) == args.remove(current.launch.argv, args.PORT):
+                raise ReloadRefused(f"nothing to change ({why})", 409, Refusal.NOTHING_TO_CHANGE)
+        overlap, overlap_why = self._overlap(config, launch)
         return Prepared(reload_plan, new_config, launch, overlap, overlap_why)
 
-    def _overlap(self, launch: Launch) -> tuple[bool, str]:
-        policy = self.sup.config.reload_overlap
+    def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
+        policy = config.reload_overlap
         if policy != "auto":
             return policy == "always", f"reload.overlap is {policy}"
-        layers = args.get(launch.argv, ("-ngl", "--gpu-layers", "--n-gpu-layers"))
-        if layers not in (None, "0"):
+        if args.offloaded(launch.argv):
             return False, "weights offloaded to a GPU would be loaded twice (-ngl): one server at a time"
         model_bytes = Path(launch.model.path).stat().st_size if launch.model.path else 0
         available = mem_available()
@@ -83,79 +107,88 @@ class Reloader:
                       f"({'enough' if fits else 'not enough'} for two servers side by side on CPU)")
 
     async def run(self, prepared: Prepared) -> dict[str, Any]:
-        sup = self.sup
-        old_config, old_launch, old_runtime, old_child = sup.config, sup.launch, sup.runtime, sup.child
-        assert old_child is not None
+        host = self.host
+        old = host.current
         log.info("reload.begin", changes=prepared.plan.changes, overlap=prepared.overlap, why=prepared.overlap_why,
                  argv=prepared.launch.shown_argv)
-        new_runtime = Generation(prepared.config, prepared.launch,
-                              LlamaClient(prepared.launch.url, sup.session, prepared.launch.api_key),
-                              shared=sup.shared, host=sup)
+        new = host.new_generation(prepared.config, prepared.launch)
         try:
             if prepared.overlap:  # blue-green: the old server keeps serving while the new one loads
                 try:
-                    await sup.spawn_ready(prepared.launch, new_runtime)
+                    await new.start(host.server_line)
                 except Exception as exc:  # nothing was disturbed: the old server never stopped serving
-                    return await self._roll_back(prepared, old_config, old_launch, old_runtime, None, str(exc))
+                    return await self._roll_back(prepared, old, None, str(exc))
             began = time.monotonic()
-            sup.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
-            await sup.drain(sup.config.reload_drain_timeout)
-            saved = await extensions.hand_over(old_runtime)
+            host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
+            await host.drain(old.config.reload_drain_timeout)
+            saved = await extensions.hand_over(old)
             if not prepared.overlap:
-                await sup.stop_child(old_child)
+                await old.stop()
                 try:
-                    await sup.spawn_ready(prepared.launch, new_runtime)
+                    await new.start(host.server_line)
                 except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
-                    return await self._roll_back(prepared, old_config, old_launch, old_runtime, began, str(exc))
-            sup.install(prepared.config, prepared.launch, new_runtime)
-            restored = await extensions.take_over(new_runtime)
-            sup.lifecycle.to(State.READY)  # the held requests go to the new server
+                    return await self._roll_back(prepared, old, began, str(exc))
+            host.install(new)
+            restored = await self._take_over(new)
+            host.lifecycle.to(State.READY)  # the held requests go to the new server
             downtime_ms = round((time.monotonic() - began) * 1000, 1)
             if prepared.overlap:
-                await sup.stop_child(old_child)
+                await old.stop()
         finally:  # also when a SIGTERM cancels the reload: a new server that did not take over is stopped
-            new_child = new_runtime.child
-            if new_child is not None and new_child is not sup.child and new_child.alive:
-                await sup.stop_child(new_child)
-        return await self._answer(prepared, True, "reloaded", downtime_ms, saved, restored, new_runtime)
+            if new is not host.current and new.alive:
+                await new.stop()
+        return await self._answer(prepared, True, "reloaded", downtime_ms, saved, restored, new)
 
-    async def _roll_back(self, prepared: Prepared, old_config: Config, old_launch: Launch, old_runtime: Generation,
-                         began: float | None, reason: str) -> dict[str, Any]:
+    async def _take_over(self, generation: Generation) -> str | None:
+        """The built-ins' restore into the new generation; a server that dies under it starts again without the
+        file that killed it (the built-in set it aside)."""
+        for attempt in range(RESTARTS_AFTER_LOSS + 1):
+            try:
+                return await extensions.take_over(generation)
+            except ServerLost as exc:
+                await generation.stop()
+                if attempt == RESTARTS_AFTER_LOSS:
+                    raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
+                log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
+                await generation.start(self.host.server_line)
+        raise AssertionError("unreachable")
+
+    async def _roll_back(self, prepared: Prepared, old: Generation, began: float | None,
+                         reason: str) -> dict[str, Any]:
         """`began` is None when the new server failed before anything was held (overlap): nothing to undo."""
-        sup = self.sup
+        host = self.host
         log.warning("reload.failed", reason=reason, overlap=prepared.overlap)
         if began is not None:
             try:
-                await sup.spawn_ready(old_launch, old_runtime)
+                await old.start(host.server_line)
             except Exception as exc:
                 log.error("reload.rollback_failed", error=str(exc))
-                sup.request_stop()  # nothing is left to serve with: stop as if signalled, slots already saved
+                host.request_stop()  # nothing is left to serve with: stop as if signalled, slots already saved
                 raise
-            sup.install(old_config, old_launch, old_runtime)
-            await extensions.take_over(old_runtime)
-            sup.lifecycle.to(State.READY)
+            host.install(old)
+            await self._take_over(old)
+            host.lifecycle.to(State.READY)
         downtime_ms = round((time.monotonic() - began) * 1000, 1) if began is not None else 0.0
         return await self._answer(prepared, False, f"reload failed, the previous settings are back: {reason}",
-                                  downtime_ms, None, None, sup.runtime)
+                                  downtime_ms, None, None, host.current)
 
     async def _answer(self, prepared: Prepared, success: bool, message: str, downtime_ms: float,
-                      saved: str | None, restored: str | None, runtime: Generation) -> dict[str, Any]:
+                      saved: str | None, restored: str | None, generation: Generation) -> dict[str, Any]:
         try:
-            props = await runtime.client.props()
+            props = await generation.client.props()
             n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
         except LlamaError:
             n_ctx = 0
-        if not prepared.config.uses("slots"):
+        if not extensions.keeps_conversations(prepared.config):
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
-        restore_report = extensions.status(runtime).get("slots", {}).get("restore", [])
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
             "overlap": prepared.overlap, "overlap_why": prepared.overlap_why, "changes": prepared.plan.changes,
-            "save": saved, "restore": restored, "slots": restore_report if success else [],
+            "save": saved, "restore": restored, "slots": extensions.restore_report(generation) if success else [],
         }
         log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})
-        self.sup.last_reload = answer
-        await self.sup.run_hook("on_reload")
+        self.host.last_reload = answer
+        await self.host.run_hook("on_reload")
         return answer
 
 

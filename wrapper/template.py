@@ -12,6 +12,8 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
+from wrapper.hook_context import NAMES
+
 
 class TemplateError(Exception):
     """A template that cannot be rendered with the hook's context."""
@@ -63,14 +65,7 @@ def _render(env: jinja2.Environment, text: str, context: dict[str, Any]) -> str:
         raise TemplateError(f"{text!r}: {exc}") from exc
 
 
-# The names a hook's template may use, and the keys of those whose shape is fixed (see the README).
-CONTEXT: dict[str, frozenset[str] | None] = {
-    "event": None, "slots": None, "result": None, "exit_code": None, "exit_signal": None, "env": None,
-    "reload": None,
-    "server": frozenset({"url", "host", "port", "pid", "argv"}),
-    "listen": frozenset({"url", "host", "port"}),
-    "model": frozenset({"path", "name", "id"}),
-}
+CONTEXT = NAMES  # the names a hook's template may use, and the keys of those whose shape is fixed
 
 
 def problems(text: str, expression: bool = False) -> list[str]:

@@ -13,17 +13,17 @@ import structlog
 from aiohttp import web
 
 from tests.helpers import free_port, pid_alive, wait_for
-from wrapper.actions import HookFailed, HookRunner, environment
-from wrapper.config import Action, parse_config
+from wrapper.actions import HookFailed, HookRunner
+from wrapper.config import Action, Listen, parse_config
+from wrapper.hook_context import build, environment
+from wrapper.launch import Launch
+from wrapper.model import Model
 
 
 def context(**overrides: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "event": "on_startup", "result": None, "exit_code": None, "exit_signal": None, "env": {},
-        "server": {"url": "http://127.0.0.1:1", "host": "127.0.0.1", "port": 1, "pid": 4242, "argv": ["x"]},
-        "listen": {"url": "http://127.0.0.1:8080", "host": "127.0.0.1", "port": 8080},
-        "model": {"path": "/m/a b.gguf", "name": "a b", "id": "abc123"}, "slots": [],
-    }
+    launch = Launch(argv=["x"], port=1, listen=Listen("127.0.0.1", 8080), model=Model("/m/a b.gguf", "a b", "abc123"),
+                    env={})
+    base: dict[str, Any] = {**build("on_startup", launch, pid=4242), "env": {}}
     base.update(overrides)
     return base
 

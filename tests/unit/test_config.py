@@ -6,8 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from hooks.degrade.settings import DEGRADE
+from hooks.slots import SLOTS
 from wrapper import extensions
-from wrapper.config import ConfigError, Listen, load_config, parse_config, parse_listen
+from wrapper.config import ConfigError, Listen, parse_listen
+from wrapper.extensions import load as load_config
+from wrapper.extensions import parse as parse_config
 from wrapper.units import parse_duration, parse_size
 
 FULL = """\
@@ -46,7 +50,7 @@ def test_full_config_reads_every_key() -> None:
     assert config.argv == ("llama-server", "-m", "/models/chat.gguf", "-c", "32768")
     assert (config.ready_timeout, config.stop_timeout) == (120.0, 15.0)
     assert config.env == {"LLAMA_ATTN_ROT_DISABLE": "1"}
-    assert str(config.slots_dir) == "/var/lib/slots" and config.swa_full == "always"
+    assert str(SLOTS.of(config).dir) == "/var/lib/slots" and SLOTS.of(config).swa_full == "always"
     assert config.allow_slot_actions is True
     warm = config.hooks["on_startup"][1]
     assert (warm.kind, warm.name, warm.retries, warm.where) == ("http", "warm-up", 2, "c.yaml:17")
@@ -140,7 +144,7 @@ def test_check_prints_the_resolved_hooks(tmp_path: Path) -> None:
     path.write_text(FULL)
     done = _check(path)
     assert done.returncode == 0, done.stderr
-    assert "warm-up" in done.stdout and f"where: {path}:17" in done.stdout and "persistence: true" in done.stdout
+    assert "warm-up" in done.stdout and f"where: {path}:17" in done.stdout and "built-ins:\n- slots\n" in done.stdout
 
 
 def test_check_a_misspelt_key_exits_2_with_file_and_line(tmp_path: Path) -> None:
@@ -244,13 +248,15 @@ degrade:
   continue: false
   relax_after: 2m
 """, "c.yaml")
-    assert config.degrade is not None
-    assert config.degrade.budget == 3 << 30 and config.degrade.headroom == 512 and config.degrade.relax_after == 120
-    assert not config.degrade.continue_truncated
-    assert [r.name for r in config.degrade.ladder] == ["quantize-kv-q8", "small-batch", "quantize-kv-q4"]
-    assert config.degrade.ladder[1].set == {"-ub": "256"} and config.degrade.ladder[1].remove == ("--mlock",)
-    assert parse_config("degrade: {budget: auto}\n", "c.yaml").degrade.budget is None  # type: ignore[union-attr]
-    assert parse_config("", "c.yaml").degrade is None
+    degrade = DEGRADE.on(config)
+    assert degrade is not None
+    assert degrade.budget == 3 << 30 and degrade.headroom == 512 and degrade.relax_after == 120
+    assert not degrade.continue_truncated
+    assert [r.name for r in degrade.ladder] == ["quantize-kv-q8", "small-batch", "quantize-kv-q4"]
+    assert degrade.ladder[1].set == {"-ub": "256"} and degrade.ladder[1].remove == ("--mlock",)
+    assert DEGRADE.of(parse_config("degrade: {budget: auto}\n", "c.yaml")).budget is None
+    assert DEGRADE.on(parse_config("degrade:\n", "c.yaml")) is not None
+    assert DEGRADE.on(parse_config("", "c.yaml")) is None
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hooks.fitting import fit_for_slots
+from hooks.slots import SlotSettings
 from wrapper import argv as args
 from wrapper.config import Config, Listen
 from wrapper.launch import Launch
@@ -21,6 +22,10 @@ def fake_server(tmp_path: Path, flags: str) -> str:
     return str(path)
 
 
+def _config(tmp_path: Path) -> Config:
+    return Config(settings={"slots": SlotSettings(dir=tmp_path / "s", swa_full="always")})
+
+
 def _launch(argv: list[str]) -> Launch:
     return Launch(argv=argv, port=1, listen=Listen("127.0.0.1", 2), model=Model(None, "m", "id1"), env={})
 
@@ -29,7 +34,7 @@ def test_fitting_adds_what_persistence_needs(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     binary = fake_server(tmp_path, "--slot-save-path PATH  -kvu, --kv-unified  --no-cache-idle-slots  --swa-full")
     argv = [binary, "-c", "0", "--slot-save-path", "/elsewhere"]
-    fit = fit_for_slots(argv, _launch(argv), Config(slots_dir=tmp_path / "s", swa_full="always"))
+    fit = fit_for_slots(argv, _launch(argv), _config(tmp_path))
     assert args.get(fit.argv, args.SLOT_SAVE_PATH) == str(tmp_path / "s" / "id1") and fit.prepared.is_dir()
     assert args.has(fit.argv, args.KV_UNIFIED) and args.has(fit.argv, args.NO_CACHE_IDLE_SLOTS)
     assert args.has(fit.argv, args.SWA_FULL) and args.get(fit.argv, args.CTX_SIZE) == "4096"
@@ -41,7 +46,7 @@ def test_fitting_says_what_an_older_build_loses(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     binary = fake_server(tmp_path, "--slot-save-path PATH  -cram, --cache-ram N")
     argv = [binary, "-c", "2048"]
-    fit = fit_for_slots(argv, _launch(argv), Config(slots_dir=tmp_path / "s", swa_full="always"))
+    fit = fit_for_slots(argv, _launch(argv), _config(tmp_path))
     assert args.get(fit.argv, args.CTX_SIZE) == "2048" and args.get(fit.argv, args.CACHE_RAM) == "0"
     assert not args.has(fit.argv, args.SWA_FULL) and not args.has(fit.argv, args.KV_UNIFIED)
     assert any(n["change"].startswith("LOST: --swa-full") for n in fit.notes)

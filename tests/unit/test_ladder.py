@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from hooks.degrade import DegradeState, context_for
-from hooks.ladder import Planner, build, choose
+from hooks.degrade.control import context_for
+from hooks.degrade.ladder import Planner, build, choose
+from hooks.degrade.settings import Rung
+from hooks.degrade.state import DegradeState
 from hooks.memory import Settings, plan
 from tests.unit.test_memory import h200_model
-from wrapper.config import Rung
 
 LADDER = tuple(Rung(n) for n in ("disable-spec", "mmproj-to-cpu", "quantize-kv-q8", "quantize-kv-q4", "swa-window"))
 

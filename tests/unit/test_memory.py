@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.calibration import Measured, calibrated, device_of, load, remember
+from hooks.degrade.calibration import Measured, calibrated, device_of, load, remember
 from hooks.memory import MiB, ModelShape, Plan, Settings, largest_ctx, plan
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "h200-kv-sweep.csv"  # a copy of ../shared/data

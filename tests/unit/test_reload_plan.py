@@ -20,7 +20,7 @@ def test_fields_become_argv_edits() -> None:
                          "kv_unified": True, "spec": {"types": ["none"]}, "mmproj": {"path": ""}}, ARITY)
     assert result.argv == ["llama-server", "-m", "m.gguf", "--ctx-size", "16384", "--cache-type-k", "q8_0",
                            "--cache-type-v", "q8_0", "--kv-unified"]
-    assert result.swa_full == "never"
+    assert result.settings == {"slots": {"swa_full": "never"}}
     assert {"-c 4096 -> 16384", "-md removed", "--swa-full off"} <= set(result.changes)
 
 

@@ -55,7 +55,7 @@ def test_a_file_cut_anywhere_is_refused(tmp_path: Path, share: float) -> None:
     assert read(whole).kv is not None
     cut = tmp_path / "cut.bin"
     cut.write_bytes(data[:int(len(data) * share)])
-    with pytest.raises(SlotFileError, match="truncated|does not fit|does not parse"):
+    with pytest.raises(SlotFileError, match=r"truncated|does not fit|does not parse"):
         read(cut)
 
 

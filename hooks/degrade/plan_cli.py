@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import click
 
-from hooks import degrade
-from wrapper.config import EXIT_CONFIG, Config, ConfigError, Degrade, load_config
+from hooks.degrade.fit import Ask, NoRungFits, auto_budget, planner_for
+from hooks.degrade.ladder import RungPlan
+from hooks.degrade.settings import DEGRADE
+from hooks.degrade.state import DegradeState, fitted, state_of
+from wrapper.commands import Commands
+from wrapper.config import Config, ConfigError
+from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
 from wrapper.launch import Launch
 from wrapper.units import format_size, parse_size
-
-Prepare = Callable[[Config, dict[str, Any]], Launch]  # wrapper/extensions.prepare, passed by the CLI group
 
 
 def _size(value: str | None) -> int | None:
@@ -40,51 +42,55 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.argument("server_argv", nargs=-1, type=click.UNPROCESSED, metavar="-- LLAMA-SERVER [ARGS]...")
 @click.pass_obj
-def plan(prepare: Prepare, budget: str | None, config_path: str | None, as_json: bool,
+def plan(commands: Commands, budget: str | None, config_path: str | None, as_json: bool,
          server_argv: tuple[str, ...]) -> None:
     """Plan the memory of a llama-server command line and print the degradation ladder: each rung, the largest
     context it fits under the budget, and the bytes it needs. Exit 1 when no rung fits the budget (a start would
     fail), 2 on a bad command line or config."""
     try:
-        config = load_config(config_path) if config_path else Config()
-        setting = replace(config.degrade or Degrade(), budget=_size(budget) if budget else (
-            config.degrade.budget if config.degrade else None))
-        config = replace(config, argv=tuple(server_argv) or config.argv, degrade=setting)
+        config = commands.load(config_path)
+        config = replace(config, argv=tuple(server_argv) or config.argv,
+                         settings={**config.settings, DEGRADE.name: DEGRADE.of(config)})
+        asks = Ask(budget=(size, "--budget")).as_mapping() if (size := _size(budget)) is not None else {}
+        if budget == "auto":
+            asks = Ask(budget=auto_budget(DEGRADE.of(config).reserve, config.argv)).as_mapping()
         shared: dict[str, Any] = {}
         launch: Launch | None = None
-        problem: str | None = None
+        problem: NoRungFits | None = None
         try:
-            launch = prepare(config, shared)
-        except ConfigError as exc:
-            if not degrade.state_of(shared).rungs:
-                raise
-            problem = str(exc)
+            launch = commands.prepare(config, shared, asks)
+        except NoRungFits as exc:
+            problem = exc
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
-    state = degrade.state_of(shared)
-    if not state.rungs:
+    fit = fitted(launch) if launch else None
+    if fit is None and problem is None:
         notes = "; ".join(n["why"] for n in (launch.notes if launch else []) if n["change"] == "degrade: off")
         click.echo(f"llama-wrapper: nothing to plan: {notes or 'no model file'}", err=True)
         sys.exit(EXIT_CONFIG)
-    report = _report(config, state, launch, problem)
+    if fit is not None:
+        rungs, spent, source, chosen = fit.rungs, fit.budget, fit.budget_source, fit.rung
+    else:
+        assert problem is not None
+        rungs, spent, source, chosen = problem.rungs, problem.budget, problem.budget_source, None
+    report = _report(config, state_of(shared), rungs, spent, source, chosen, launch, str(problem or "") or None)
     click.echo(json.dumps(report, indent=2) if as_json else _table(report))
     if problem:
-        sys.exit(1)  # a start with this budget would fail
+        sys.exit(EXIT_FAILED)  # a start with this budget would fail
 
 
-def _report(config: Config, state: degrade.DegradeState, launch: Launch | None, problem: str | None) -> dict[str, Any]:
+def _report(config: Config, state: DegradeState, planned: list[RungPlan], budget: int, source: str,
+            chosen: str | None, launch: Launch | None, problem: str | None) -> dict[str, Any]:
     shape = state.shape
     assert shape is not None
-    first = state.rungs[0]
+    first = planned[0]
     # the model's shape was read by the fit already (state.shape): the path is not read again
-    planner = degrade.planner_for(first.argv, "", launch.model.id if launch else "", config, state,
-                                  state.budget or 0)
+    planner = planner_for(first.argv, "", launch.model.id if launch else "", config, state, budget)
     as_given = planner.plan(first.argv, planner.settings(config.argv).n_ctx)
-    chosen = (launch.prepared.get("degrade") or {}).get("rung") if launch else None
-    base = next((r.max_ctx for r in state.rungs if r.skipped is None), 0)
+    base = next((r.max_ctx for r in planned if r.skipped is None), 0)
     rungs = []
-    for rung in state.rungs:
+    for rung in planned:
         row = rung.as_dict()
         if rung.skipped is None and base:
             row["gain"] = round(rung.max_ctx / base - 1, 3)
@@ -92,7 +98,7 @@ def _report(config: Config, state: degrade.DegradeState, launch: Launch | None, 
     return {
         "model": {"architecture": shape.architecture, "layers": shape.n_layer, "n_ctx_train": shape.n_ctx_train,
                   "sliding_window": shape.swa_window},
-        "budget": {"bytes": state.budget, "source": state.budget_source, "device": as_given.budget_device},
+        "budget": {"bytes": budget, "source": source, "device": as_given.budget_device},
         "current": as_given.as_dict(), "rungs": rungs, "start": chosen, "problem": problem,
     }
 

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hooks.degrade.settings import Rung
 from hooks.memory import ModelShape, Plan, Settings, largest_ctx, plan, settings_from_argv
 from wrapper import argv as args
-from wrapper.config import Rung
 from wrapper.reload_plan import ReloadRefused
 from wrapper.reload_plan import plan as edit_argv
 
@@ -102,7 +102,7 @@ def _body(rung: Rung, argv: Sequence[str], user_argv: Sequence[str], gpu: bool,
             return None, "no draft model or speculative decoding to turn off"
         return {"spec": {"types": ["none"]}}, ""
     if rung.name == "mmproj-to-cpu":
-        if not args.has(argv, ("-mm", "--mmproj", "-mmu", "--mmproj-url")):
+        if not args.has(argv, args.MMPROJ):
             return None, "no mmproj"
         if args.has(argv, ("--no-mmproj-offload",)) or not gpu:
             return None, "the mmproj is on the CPU already"

@@ -1,0 +1,207 @@
+"""Moving along the ladder while serving: grow for a request that overflows, relax when idle, follow a budget
+change. Each move is a reload that asks the next fit for a rung (and a budget); the state in force changes
+only when that reload succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from hooks.degrade import FAMILY, TURN_ON
+from hooks.degrade.fit import MIN_START_CTX, Ask, auto_budget, ladder_for
+from hooks.degrade.ladder import RungPlan, choose
+from hooks.degrade.settings import DEGRADE, DegradeSettings
+from hooks.degrade.state import DegradeState, Fitted, fitted, state_of
+from hooks.memory import PlanError
+from hooks.slots import restored_tokens
+from wrapper import argv as args
+from wrapper.config import ConfigError
+from wrapper.generation import Generation, Host
+from wrapper.proxy import error_body
+from wrapper.reload_plan import Refusal, ReloadRefused
+from wrapper.steps import CannotGrow, Grown, GrowResult, NotPlanned
+from wrapper.units import format_size, parse_size
+
+log = structlog.get_logger()
+
+RELAX_POLL_S = 5.0
+BUSY_RETRY_S = 0.2
+GATHER_S = 0.05  # a burst of overflows gathers this long, so that one reload serves them all
+BUDGET_FIELDS = ("budget",)
+
+
+async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
+    """Make the context hold `needed` more tokens for one request by reloading to the first rung that does.
+    Overflows that come together share one reload sized for all of them (as many as run at once).
+    `pool_full`: llama-server ran out of cells in its unified KV while the slots filled it together: the next
+    larger context at least."""
+    state = state_of(host.current.shared)
+    if state.lock is None:
+        state.lock = asyncio.Lock()
+    state.waiting.append(needed)
+    try:
+        async with state.lock:
+            fit = fitted(host.current.launch)
+            if fit is None:
+                return NotPlanned()
+            await asyncio.sleep(GATHER_S)  # the other requests of a burst get to say what they need
+            fit = fitted(host.current.launch) or fit  # another growth may have reloaded meanwhile
+            wanted = context_for(host.current.launch.argv, state, state.waiting)
+            if pool_full:
+                wanted = max(wanted, fit.n_ctx + 1)
+            if fit.n_ctx >= wanted:
+                return Grown()  # another request's growth got there first
+            target = choose(fit.rungs, wanted)
+            if target is None:
+                best = max(fit.rungs, key=lambda r: r.max_ctx, default=None)
+                return CannotGrow(
+                    f"this request needs {needed} tokens of context ({wanted} for every slot's conversation); "
+                    f"the largest context under the memory budget {format_size(fit.budget)} is "
+                    f"{best.max_ctx if best else 0} tokens (rung {best.name if best else '-'}); raise "
+                    "degrade.budget or shorten the conversation")
+            why = (f"grow to {target.name}, n_ctx {target.max_ctx}, for {len(state.waiting)} request(s) of up to "
+                   f"{max(state.waiting)} tokens ({wanted} in all)")
+            problem = await _move(host, state, Ask(rung=target.name), why)
+            return Grown() if problem is None else CannotGrow(problem)
+    finally:
+        state.waiting.remove(needed)
+
+
+def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]) -> int:
+    """The `-c` that holds `demands` (the tokens requests need) beside what the other slots hold. With one KV
+    for all slots (-kvu) their cells add up: the demands that can run at once, plus the conversations they
+    do not replace; without it every slot gets -c / -np cells, so the largest demand times -np."""
+    parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
+    running = sorted(demands, reverse=True)[:parallel]
+    if not running:
+        return 0
+    if parallel == 1:
+        return running[0]
+    if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED):
+        held = sorted(state.conversation.values(), reverse=True)[len(running):]  # slots the requests do not use
+        return sum(running) + sum(held)
+    return running[0] * parallel
+
+
+async def _move(host: Host, state: DegradeState, ask: Ask, why: str) -> str | None:
+    """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
+    budget in force change only when the reload succeeds."""
+    began = time.monotonic()
+    answer: dict[str, Any] | None = None
+    deadline = began + host.current.config.reload_hold_timeout
+    while answer is None:
+        try:
+            answer = await host.reload({}, f"degrade: {why}", ask.as_mapping())
+        except ReloadRefused as exc:
+            if exc.reason is Refusal.NOTHING_TO_CHANGE:
+                _commit(state, ask)
+                return None
+            if exc.reason is not Refusal.BUSY or time.monotonic() > deadline:
+                return str(exc)
+            await asyncio.sleep(BUSY_RETRY_S)  # another reload runs: wait for it, then ours
+    fit = fitted(host.current.launch)
+    step = {"at": time.time(), "why": why, "success": bool(answer.get("success")), "rung": fit.rung if fit else None,
+            "n_ctx": answer.get("n_ctx"), "downtime_ms": answer.get("downtime_ms"),
+            "wait_s": round(time.monotonic() - began, 3), "restore": answer.get("restore")}
+    state.steps.append(step)
+    log.info("degrade.step", **step)
+    if not answer.get("success"):
+        return f"the reload to grow the context failed: {answer.get('message')}"
+    _commit(state, ask)
+    return None
+
+
+def _commit(state: DegradeState, ask: Ask) -> None:
+    if ask.rung is not None:
+        state.held_rung = ask.rung
+    if ask.budget is not None:
+        state.budget, state.budget_source = ask.budget
+
+
+async def relax(host: Host) -> None:
+    """In the background: after `relax_after` with nothing in flight, move up to the best rung that holds every
+    conversation seen (and whatever was restored)."""
+    state = state_of(host.current.shared)
+    settings = DEGRADE.of(host.current.config)
+    while True:
+        await asyncio.sleep(min(RELAX_POLL_S, settings.relax_after / 2 or RELAX_POLL_S))
+        if host.in_flight or time.monotonic() - state.last_activity < settings.relax_after:
+            continue
+        try:
+            await relax_now(host, state, settings, "idle for degrade.relax_after")
+        except Exception:  # a bug here must not end the relaxing for the wrapper's whole life
+            log.exception("degrade.relax_failed")
+            state.last_activity = time.monotonic()
+
+
+async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, why: str) -> str | None:
+    fit = fitted(host.current.launch)
+    if fit is None:
+        return None
+    needed = context_for(host.current.launch.argv, state, [t + settings.headroom for t in _held(state, host.current)])
+    target = choose(fit.rungs, needed)
+    if target is None or (fit.rungs.index(target) >= fit.index and target.max_ctx <= fit.n_ctx):
+        state.last_activity = time.monotonic()  # nothing better: look again after another idle period
+        return None
+    return await _move(host, state, Ask(rung=target.name), f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
+
+
+async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST /wrapper/budget {"budget": "2GiB" | bytes | "auto"}: plan again; degrade at once if the running
+    rung no longer fits, move up if a better one now does. A budget that holds no rung changes nothing."""
+    generation = host.current
+    settings = DEGRADE.on(generation.config)
+    fit = fitted(generation.launch)
+    if settings is None:
+        return 409, error_body(409, f"degradation is off: {TURN_ON}", "conflict")
+    unknown = sorted(set(body) - set(BUDGET_FIELDS))
+    if unknown or "budget" not in body:
+        named = f"unknown field(s) {', '.join(unknown)}; " if unknown else ""
+        return 400, error_body(400, f"{named}give {{\"budget\": SIZE}}: a size (\"3GiB\", \"800MiB\"), bytes, or "
+                                    "\"auto\"", "invalid_request_error")
+    if fit is None:
+        return 409, error_body(409, "degradation has no plan for this model (see argv_changes in "
+                                    "/wrapper/status)", "conflict")
+    value = body["budget"]
+    try:
+        budget = (auto_budget(settings.reserve, generation.launch.argv) if value == "auto"
+                  else (parse_size(value), "POST /wrapper/budget"))
+    except (ValueError, ConfigError) as exc:
+        return 400, error_body(400, f"budget: {exc}", "invalid_request_error")
+    state = state_of(generation.shared)
+    try:
+        planner, rungs = ladder_for(fit.rungs[0].argv, generation.launch, generation.config, state, budget[0])
+    except PlanError as exc:
+        return 500, error_body(500, f"cannot plan this model: {exc}", "server_error")
+    needed = context_for(generation.launch.argv, state, [t + settings.headroom for t in _held(state, generation)])
+    target = choose(rungs, max(needed, min(planner.ceiling, MIN_START_CTX))) or choose(rungs, needed)
+    log.info("degrade.budget", budget=budget[0], previous=fit.budget, source=budget[1],
+             fits=target.name if target else None)
+    if target is None:
+        return 400, error_body(400, f"no rung fits {format_size(budget[0])} with the conversations held now "
+                                    f"({needed} tokens): the budget is unchanged", "invalid_request_error")
+    ask = Ask(rung=target.name, budget=budget)
+    problem = await _move(host, state, ask, f"budget {format_size(budget[0])}: {target.name}, n_ctx {target.max_ctx}")
+    now = fitted(host.current.launch)
+    reloaded = now is not fit
+    if problem is None and not reloaded:  # the same rung and context: the plan of the running one is renewed
+        host.current.launch.prepared[FAMILY] = _renewed(fit, rungs, budget, target)
+        now = fitted(host.current.launch)
+    answer = {"success": problem is None, "budget": budget[0], "source": budget[1],
+              "rung": now.rung if now else None, "n_ctx": now.n_ctx if now else None, "reloaded": reloaded,
+              "message": problem or "ok"}
+    return (200 if problem is None else 500), answer
+
+
+def _renewed(fit: Fitted, rungs: list[RungPlan], budget: tuple[int, str], target: RungPlan) -> Fitted:
+    return replace(fit, rungs=rungs, budget=budget[0], budget_source=budget[1], index=rungs.index(target))
+
+
+def _held(state: DegradeState, generation: Generation) -> list[int]:
+    """Tokens held per slot: as the last answers said, or as restored at the start before any answer."""
+    return list(state.conversation.values()) or restored_tokens(generation)

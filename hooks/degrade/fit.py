@@ -1,0 +1,192 @@
+"""Fitting the child's argv to the memory budget at every start and reload: the chosen rung at its largest
+context. What to fit for comes as a parameter (`Ask`): a growth, relax or budget change asks for a rung and
+a budget; without one the rung and budget in force are kept."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hooks import slotdir
+from hooks.degrade import FAMILY, calibration
+from hooks.degrade.ladder import Planner, RungPlan, build, choose
+from hooks.degrade.settings import DEGRADE, DegradeSettings
+from hooks.degrade.state import DegradeState, Fitted, state_of
+from hooks.memory import ModelShape, Plan, PlanError, Settings, plan, read_shape
+from hooks.slots import SLOTS
+from wrapper import argv as args
+from wrapper.config import Config, ConfigError
+from wrapper.launch import Fitting, Launch
+from wrapper.server_help import devices, flag_arity
+from wrapper.sysinfo import gpu_free, mem_available
+from wrapper.units import format_size
+
+MIN_START_CTX = 1024  # the first rung whose context reaches this (or the ceiling) is where a start begins
+VERBOSITY = ("-lv", "--verbosity", "--log-verbosity")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a move asks the next fit for."""
+
+    rung: str | None = None
+    budget: tuple[int, str] | None = None  # bytes and where they come from
+
+    def as_mapping(self) -> dict[str, Any]:
+        return {FAMILY: self}
+
+
+class NoRungFits(ConfigError):
+    """The budget holds no rung of the ladder; carries the planned rungs for the plan command."""
+
+    def __init__(self, message: str, rungs: list[RungPlan], budget: int, source: str) -> None:
+        super().__init__(message)
+        self.rungs, self.budget, self.budget_source = rungs, budget, source
+
+
+def planner_for(argv: Sequence[str], model_path: str, model_id: str, config: Config, state: DegradeState,
+                budget: int) -> Planner:
+    if state.shape is None:
+        state.shape = read_shape(model_path)
+    shape = state.shape
+    gpu = bool(devices(argv[0]))
+    runs = calibration.load(model_id)
+    user_ctx = _int(args.get(config.argv, args.CTX_SIZE))
+    ceiling = min(shape.n_ctx_train or 1 << 20, user_ctx or 1 << 20)
+
+    def predict(s: Settings) -> Plan:
+        return plan(shape, s, _file_size(s.mmproj), _draft(s))
+
+    def calibrate(predicted: Plan, s: Settings) -> Plan:
+        return calibration.calibrated(predicted, s, runs, predict)
+
+    return Planner(shape, gpu, budget, ceiling, lambda s: _file_size(s.mmproj), _draft, calibrate)
+
+
+def resolve_budget(settings: DegradeSettings, argv: Sequence[str]) -> tuple[int, str]:
+    """The configured budget, or `auto`: free memory of the first GPU (nvidia-smi) when layers are offloaded
+    to one, else MemAvailable minus `degrade.reserve`."""
+    if settings.budget is not None:
+        return settings.budget, "degrade.budget"
+    return auto_budget(settings.reserve, argv)
+
+
+def auto_budget(reserve: int, argv: Sequence[str]) -> tuple[int, str]:
+    if args.offloaded(argv) and (free := gpu_free()) is not None:
+        return free, "auto: free GPU memory (nvidia-smi)"
+    available = mem_available()
+    if available is None:
+        raise ConfigError("degrade.budget is auto, and neither nvidia-smi nor /proc/meminfo says how much memory "
+                          "is free: give degrade.budget a size")
+    return max(0, available - reserve), f"auto: MemAvailable minus {format_size(reserve)}"
+
+
+def ladder_for(argv: Sequence[str], launch: Launch, config: Config, state: DegradeState,
+               budget: int) -> tuple[Planner, list[RungPlan]]:
+    settings = DEGRADE.of(config)
+    assert launch.model.path is not None
+    planner = planner_for(argv, launch.model.path, launch.model.id, config, state, budget)
+    rungs = build(argv, settings.ladder, planner, flag_arity(argv[0]), config.argv,
+                  planner.shape.swa_window is not None)
+    return planner, rungs
+
+
+def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any],
+        asks: Mapping[str, Any]) -> Fitting:
+    """The child's argv for the chosen rung at its largest context under the budget."""
+    settings = DEGRADE.of(config)
+    state = state_of(shared)
+    found = asks.get(FAMILY)
+    ask = found if isinstance(found, Ask) else Ask()
+    out = Fitting(list(argv))
+    if launch.model.path is None:
+        out.note("degrade: off", "no -m model file to plan with (-hf and URLs are not planned)")
+        return out
+    if ask.budget is not None:
+        budget, source = ask.budget
+    elif state.budget is not None:
+        budget, source = state.budget, state.budget_source
+    else:
+        budget, source = resolve_budget(settings, argv)
+        state.budget, state.budget_source = budget, source  # the budget a start resolves stays in force
+    try:
+        planner, rungs = ladder_for(argv, launch, config, state, budget)
+    except PlanError as exc:
+        out.note("degrade: off", f"cannot plan this model: {exc}")
+        return out
+    wanted = max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, config, settings))
+    chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
+    if chosen is None:
+        smallest = min((r.plan.total(r.plan.budget_device) for r in rungs if r.plan), default=0)
+        raise NoRungFits(f"degrade.budget {format_size(budget)} ({source}) holds no rung of the ladder: the smallest "
+                         f"needs {format_size(smallest)} at 256 tokens of context; raise the budget or use a smaller "
+                         "model", rungs, budget, source)
+    before = args.get(argv, args.CTX_SIZE)
+    out.argv = args.replace(chosen.argv, args.CTX_SIZE, str(chosen.max_ctx))
+    flags = flag_arity(argv[0])
+    verbosity_added = False
+    if not args.has(out.argv, VERBOSITY) and (flags is None or "-lv" in flags):
+        out.argv += ["-lv", "4"]
+        verbosity_added = True
+        out.note("-lv 4", "llama-server prints its buffer sizes only at verbosity 4: the planner learns from them "
+                 "(the wrapper logs the extra lines at debug level)")
+    planned = chosen.plan
+    assert planned is not None
+    context = f"-c {before} -> {chosen.max_ctx}" if before and before != str(chosen.max_ctx) else f"-c {chosen.max_ctx}"
+    out.note(f"degrade: rung {chosen.name}, {context}",
+             f"the largest context under the budget {format_size(budget)} ({source}); planned "
+             f"{format_size(planned.total(planned.budget_device))} on the {planned.budget_device}")
+    out.prepared = Fitted(chosen.name, rungs.index(chosen), chosen.max_ctx, planner.settings(out.argv), rungs,
+                          budget, source, args.has(argv, args.SWA_FULL) and not args.has(out.argv, args.SWA_FULL),
+                          verbosity_added)
+    return out
+
+
+def _chosen(rungs: list[RungPlan], named: str | None, wanted: int) -> RungPlan | None:
+    """The rung asked for (or held since a move); else the best one whose context reaches `wanted`, else the one
+    with the largest context."""
+    if named is not None:
+        found = next((r for r in rungs if r.name == named and r.skipped is None and r.max_ctx), None)
+        if found is not None:
+            return found
+    usable = [r for r in rungs if r.skipped is None and r.max_ctx > 0]
+    return choose(rungs, wanted) or (max(usable, key=lambda r: r.max_ctx) if usable else None)
+
+
+def _saved_tokens(launch: Launch, config: Config, settings: DegradeSettings) -> int:
+    """The longest conversation saved for this model, plus headroom: a start should be able to restore it."""
+    if not config.uses(SLOTS.name):
+        return 0
+    directory = SLOTS.of(config).dir / launch.model.id
+    tokens = []
+    for saved in slotdir.saved_slots(directory):
+        try:
+            tokens.append(int(slotdir.read_sidecar(saved.sidecar).get("tokens") or 0))
+        except (slotdir.SidecarError, ValueError, TypeError):
+            continue  # slots.restore reports it
+    return max(tokens) + settings.headroom if tokens else 0
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None and int(text) > 0 else None
+    except ValueError:
+        return None
+
+
+def _file_size(path: str | None) -> int:
+    try:
+        return Path(path).stat().st_size if path else 0
+    except OSError:
+        return 0
+
+
+def _draft(s: Settings) -> ModelShape | None:
+    if not s.draft:
+        return None
+    try:
+        return read_shape(s.draft)
+    except PlanError:
+        return None

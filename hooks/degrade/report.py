@@ -1,0 +1,76 @@
+"""What a generation under degradation reports: its buffer lines to the calibration, the activity the relax
+watches, its part of /wrapper/status and GET /wrapper/memory."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from hooks.degrade import calibration
+from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
+from wrapper.generation import Generation, Host
+from wrapper.proxy import Observer
+
+log = structlog.get_logger()
+
+
+def server_line(generation: Generation, line: str) -> bool:
+    """Feed the start-up buffer lines to the calibration; False for the lines -lv 4 added that are not news."""
+    found = measuring(generation)
+    fit = fitted(generation.launch)
+    if not found.measured.done:
+        found.measured.feed(line)
+        if found.measured.done and not found.remembered and fit is not None:
+            found.remembered = True
+            calibration.remember(generation.launch.model.id, found.measured, fit.settings)
+            log.info("degrade.measured", n_ctx=found.measured.n_ctx, buffers=found.measured.buffers)
+        return True
+    return fit is None or not fit.verbosity_added or " I srv " in line or " W " in line or " E " in line
+
+
+def observer(generation: Generation) -> Observer:
+    state = state_of(generation.shared)
+
+    def seen(path: str, status: int, tail: bytes) -> None:
+        state.last_activity = time.monotonic()
+        tokens = conversation_tokens(tail)
+        if tokens is not None:
+            state.conversation[tokens[0]] = tokens[1]
+
+    return seen
+
+
+def status(generation: Generation) -> dict[str, Any]:
+    state = state_of(generation.shared)
+    fit = fitted(generation.launch)
+    return {
+        "budget": fit.budget if fit else state.budget, "budget_source": fit.budget_source if fit else "",
+        "rung": fit.rung if fit else None, "n_ctx": fit.n_ctx if fit else None,
+        "ladder": [r.as_dict() for r in fit.rungs] if fit else [],
+        "steps": state.steps[-20:],
+        "swa_window_note": ("the sliding-window cache is not full: restored slots would not be reused, so the "
+                            "slots saved with it are kept") if fit and fit.swa_dropped else None,
+    }
+
+
+def memory(generation: Generation) -> dict[str, Any]:
+    """GET /wrapper/memory: planned and measured bytes per device and component."""
+    fit = fitted(generation.launch)
+    chosen = next((r for r in fit.rungs if r.name == fit.rung), None) if fit else None
+    measured = measuring(generation).measured
+    planned = chosen.plan.as_dict() if chosen is not None and chosen.plan is not None else None
+    return {
+        "budget": {"bytes": fit.budget if fit else None, "source": fit.budget_source if fit else None,
+                   "device": planned["budget_device"] if planned else None},
+        "rung": fit.rung if fit else None, "n_ctx": fit.n_ctx if fit else None,
+        "planned": planned,
+        "measured": {"n_ctx": measured.n_ctx, "devices": {d: {**parts, "total": sum(parts.values())}
+                                                           for d, parts in measured.devices.items()},
+                     "buffers": measured.buffers, "complete": measured.done},
+    }
+
+
+async def memory_route(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return 200, memory(host.current)

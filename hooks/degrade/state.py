@@ -1,0 +1,86 @@
+"""What degradation keeps: for the wrapper's whole life (`DegradeState`), per generation (`Measuring`), and
+the fit a generation runs with (`Fitted`, in its launch)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hooks.degrade import FAMILY, calibration
+from hooks.degrade.ladder import RungPlan
+from hooks.memory import ModelShape, Settings
+from wrapper.generation import Generation
+from wrapper.launch import Launch
+
+
+@dataclass
+class DegradeState:
+    """Lives as long as the wrapper: the budget and rung in force, and what happened. Changed only when a move
+    succeeds (control.py), or by the first fit (the budget a start resolves)."""
+
+    budget: int | None = None
+    budget_source: str = ""
+    held_rung: str | None = None  # the rung a growth, relax or budget change moved to (kept by later reloads)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    last_activity: float = field(default_factory=time.monotonic)
+    conversation: dict[int, int] = field(default_factory=dict)  # slot -> tokens, from proxied answers
+    lock: asyncio.Lock | None = None
+    waiting: list[int] = field(default_factory=list)  # the tokens each request waiting for a growth needs
+    shape: ModelShape | None = None
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The fit a generation runs with: its rung of the ladder planned under its budget."""
+
+    rung: str
+    index: int
+    n_ctx: int
+    settings: Settings
+    rungs: list[RungPlan]
+    budget: int
+    budget_source: str
+    swa_dropped: bool
+    verbosity_added: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rung": self.rung, "n_ctx": self.n_ctx}
+
+
+@dataclass
+class Measuring:
+    """What degrade knows of one child: the buffers it reported."""
+
+    measured: calibration.Measured = field(default_factory=calibration.Measured)
+    remembered: bool = False
+
+
+def state_of(shared: dict[str, Any]) -> DegradeState:
+    state = shared.setdefault(FAMILY, DegradeState())
+    assert isinstance(state, DegradeState)
+    return state
+
+
+def fitted(launch: Launch) -> Fitted | None:
+    found = launch.prepared.get(FAMILY)
+    return found if isinstance(found, Fitted) else None
+
+
+def measuring(generation: Generation) -> Measuring:
+    found = generation.state.setdefault(FAMILY, Measuring())
+    assert isinstance(found, Measuring)
+    return found
+
+
+def conversation_tokens(tail: bytes) -> tuple[int, int] | None:
+    """(slot, tokens in it) from the end of a completion answer: cache_n + prompt_n + predicted_n."""
+    found = {key: re.findall(rb'"' + key.encode() + rb'"\s*:\s*(\d+)', tail)
+             for key in ("cache_n", "prompt_n", "predicted_n", "id_slot")}
+    if not found["prompt_n"]:
+        return None
+    slot = int(found["id_slot"][-1]) if found["id_slot"] else 0
+    total = sum(int(found[k][-1]) for k in ("cache_n", "prompt_n", "predicted_n") if found[k])
+    return slot, total

@@ -1,0 +1,18 @@
+"""What a built-in's `llama-wrapper` subcommand gets from the command group (click's context object): the
+config loaded and the launch prepared exactly as `run` does them, with every built-in's sections and argv
+changes, without the built-in importing the registry that lists it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wrapper.config import Config
+from wrapper.launch import Launch
+
+
+@dataclass(frozen=True)
+class Commands:
+    load: Callable[[str | None], Config]  # a config file (None: every default); ConfigError names each problem
+    prepare: Callable[[Config, dict[str, Any], Mapping[str, Any]], Launch]  # config, shared state, asks

@@ -1,0 +1,59 @@
+"""What built-ins may add to the path of a proxied request (wrapper/forwarding.py runs them), with typed
+results: steps before a request is forwarded, growth when llama-server answers a context overflow, and the
+observers of responses (wrapper/proxy.py's Observer)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from wrapper.config import Config
+from wrapper.generation import Host
+
+
+@dataclass
+class Outgoing:
+    """A request about to be forwarded, its body read whole: a step may change the body it sends."""
+
+    method: str
+    path: str
+    body: bytes
+    payload: dict[str, Any] | None  # the body as a JSON object, when it is one
+
+
+@dataclass(frozen=True)
+class Before:
+    """A step before forwarding: for POST requests to `paths`, given the request read whole."""
+
+    paths: tuple[str, ...]
+    run: Callable[[Host, Outgoing], Awaitable[Outgoing]]
+
+
+@dataclass(frozen=True)
+class Grown:
+    """The context now holds the request: send it again."""
+
+
+@dataclass(frozen=True)
+class CannotGrow:
+    """No room can be made: the overflow stands, and the client is told why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotPlanned:
+    """There is no plan to grow with (no model file): the overflow stands as llama-server said it."""
+
+
+GrowResult = Grown | CannotGrow | NotPlanned
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A built-in that grows the context for requests that overflow it (degrade)."""
+
+    grow: Callable[[Host, int, bool], Awaitable[GrowResult]]  # tokens needed, the shared KV ran out
+    continues: Callable[[Config], bool]  # answers cut by a full context go on after a growth
+    headroom: Callable[[Config], int]  # tokens to allow beyond a prompt that asks for no max_tokens
