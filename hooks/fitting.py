@@ -18,7 +18,7 @@ FALLBACK_CTX = 4096
 def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
     """The slot built-ins' argv changes; `prepared` is this model's slot folder."""
     slot_dir = SLOTS.of(config).dir / launch.model.id
-    fit = Fitting(list(argv), prepared=slot_dir)
+    fit = Fitting(list(argv), fitted=slot_dir)
     facts = launch.facts
     flags = supported_flags(argv[0])
     if flags is None:

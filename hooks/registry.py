@@ -1,6 +1,6 @@
 """Every built-in, declared in one place: its settings section, its actions, what it adds to the child's argv,
 its steps on the request path, what it watches in proxied responses, what it reports in status, and what it
-does when a generation is replaced.
+does when a generation is replaced. Its `llama-wrapper` subcommands are named in hooks/commands.py.
 
 The wrapper reads this table through wrapper/extensions.py and nowhere else; the built-ins use only the
 wrapper's core modules (the layers are declared in pyproject.toml and checked by `make lint`).
@@ -12,11 +12,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import click
-
-from hooks import server_reload, slots, slots_cli
+from hooks import server_reload, slots
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
-from hooks.degrade import TURN_ON, control, fit, plan_cli, report
+from hooks.degrade import TURN_ON, control, fit, report
 from hooks.degrade.settings import DEGRADE
 from hooks.fitting import fit_for_slots
 from wrapper.config import Config
@@ -69,7 +67,6 @@ class Builtin:
     server_line: Callable[[Generation, str], bool] | None = None  # False: log the line at debug level only
     background: Callable[[Host], Coroutine[Any, Any, None]] | None = None  # runs from ready until the stop
     routes: tuple[Route, ...] = ()
-    commands: tuple[click.Command, ...] = ()  # its `llama-wrapper` subcommands
 
 
 BUILTINS: tuple[Builtin, ...] = (
@@ -80,7 +77,7 @@ BUILTINS: tuple[Builtin, ...] = (
                                                 doc="restore the saved slots the server can use")},
         fit=lambda argv, launch, config, _, __: fit_for_slots(argv, launch, config),
         observer=slots.observer, status=slots.status, hand_over=slots.save_step, take_over=slots.take_over,
-        reload_report=slots.restore_report, commands=(slots_cli.slots,),
+        reload_report=slots.restore_report,
     ),
     Builtin(
         family="server",
@@ -95,7 +92,6 @@ BUILTINS: tuple[Builtin, ...] = (
                       lambda config: DEGRADE.of(config).headroom),
         routes=(Route("GET", "/wrapper/memory", report.memory_route, TURN_ON),
                 Route("POST", "/wrapper/budget", control.set_budget, TURN_ON)),
-        commands=(plan_cli.plan,),
     ),
 )
 ACTIONS: dict[str, BuiltinAction] = {name: action for b in BUILTINS for name, action in b.actions.items()}

@@ -25,13 +25,23 @@ class ReuseTracker:
         self._client = client
         self._pending: dict[int, dict[str, Any]] = {}
         self._total_slots = 1
-        self._lookup: asyncio.Task[None] | None = None
+        self._baseline: dict[int, Any] = {}  # each slot's last task when the restore was done
+        self._lookups: set[asyncio.Task[None]] = set()
 
     def expect(self, entry: dict[str, Any], total_slots: int) -> None:
         """`entry` is a restore-report row; its `reuse` fields are filled in when the slot is next used."""
         entry["reused_tokens"] = None
         self._pending[int(entry["slot"])] = entry
         self._total_slots = total_slots
+
+    async def snapshot(self) -> None:
+        """Note each slot's last task now (after a restore or prefill): the slot whose task changes next is the
+        one that served the next request."""
+        try:
+            slots = await self._client.slots()
+        except LlamaError:
+            return
+        self._baseline = {int(slot["id"]): slot.get("id_task") for slot in slots if "id" in slot}
 
     def observer(self) -> Observer | None:
         return self._seen if self._pending else None
@@ -47,18 +57,23 @@ class ReuseTracker:
             self._settle(int(id_slot[-1]), int(cache_n[-1]), path)
         elif self._total_slots == 1:
             self._settle(0, int(cache_n[-1]), path)
-        elif self._lookup is None or self._lookup.done():
-            # OpenAI-style answers don't name the slot: ask the server which restored slot ran a task.
-            self._lookup = asyncio.ensure_future(self._from_slots(path))
+        else:
+            # OpenAI-style answers don't name their slot: the answer's own cache_n goes to the restored slot that
+            # ran a task since the restore (the server's /slots knows which; its own cache count there is 0).
+            lookup = asyncio.ensure_future(self._from_slots(int(cache_n[-1]), path))
+            self._lookups.add(lookup)
+            lookup.add_done_callback(self._lookups.discard)
 
-    async def _from_slots(self, path: str) -> None:
+    async def _from_slots(self, cache_n: int, path: str) -> None:
         try:
             slots = await self._client.slots()
         except LlamaError:
             return
-        for slot in slots:
-            if slot.get("id") in self._pending and "id_task" in slot and not slot.get("is_processing"):
-                self._settle(int(slot["id"]), int(slot.get("n_prompt_tokens_cache", 0)), path)
+        served = [slot for slot in slots if slot.get("id") in self._pending and slot.get("id_task") is not None
+                  and slot.get("id_task") != self._baseline.get(int(slot["id"])) and not slot.get("is_processing")]
+        if served:
+            latest = max(served, key=lambda slot: int(slot["id_task"]))
+            self._settle(int(latest["id"]), cache_n, path)
 
     def _settle(self, slot: int, cache_n: int, path: str) -> None:
         entry = self._pending.pop(slot, None)

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from hooks import kvconvert, slotdir, slotfile
-from hooks.compat import server_settings, skip_reason
+from hooks.compat import Mismatch, server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from wrapper import argv as args
 from wrapper.actions import ActionError
@@ -69,7 +69,7 @@ def _state(rt: Generation) -> SlotState:
 
 
 def _directory(rt: Generation) -> Path:
-    directory = rt.launch.prepared.get(FAMILY)
+    directory = rt.launch.fitted.get(FAMILY)
     if not isinstance(directory, Path):
         raise ActionError("slot persistence is off: the wrapper did not prepare a slot folder")
     return directory
@@ -84,7 +84,7 @@ def observer(rt: Generation) -> Observer | None:
 
 
 def status(rt: Generation) -> dict[str, Any]:
-    directory = rt.launch.prepared.get(FAMILY)
+    directory = rt.launch.fitted.get(FAMILY)
     state = _state(rt)
     return {"dir": str(directory) if directory else None, "restore": state.restore, "save": state.save}
 
@@ -225,6 +225,7 @@ async def restore(rt: Generation) -> str:
     restored = [r for r in report if r["outcome"] == "restored"]
     for entry in restored:
         reuse.expect(entry, settings["total_slots"])
+    await reuse.snapshot()
     return (f"restored {len(restored)} of {len(report)} slot(s), {sum(r['tokens'] for r in restored)} tokens "
             f"in {time.monotonic() - started:.3f}s")
 
@@ -255,14 +256,15 @@ async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[
         entry["bytes"] = header.bytes
     except slotfile.SlotFileError as exc:
         return _skipped(entry, f"unreadable file: {exc}")
-    reason = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
-    if reason and reason.startswith("cache types"):  # the same tokens in other types: convert the file
+    skip = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
+    if skip is not None and skip.kind is Mismatch.CACHE_TYPES:  # the same tokens in other types: convert the file
         converted = await asyncio.to_thread(_converted, rt, saved, sidecar, settings, entry)  # /health answers
         if converted is not None:
             sidecar, header, path = converted
-            reason = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
-    if reason:
-        return _skipped(entry, reason)
+            skip = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
+    if skip is not None:
+        entry["warmable"] = skip.warmable
+        return _skipped(entry, skip.reason)
     mark = rt.child.lines_seen if rt.child else 0
     started = time.monotonic()
     try:
@@ -283,16 +285,11 @@ async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[
     return entry
 
 
-# Skips that a prefill of the saved tokens can make up for: same model and tokens, another KV layout.
-_WARMABLE = ("cache types", "flash attention", "the file has", "KV rotation", "state version",
-             "sliding-window model without")
-
-
 async def warm(rt: Generation) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
     entries = [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
-               or (e.get("outcome") == "skipped" and str(e.get("reason", "")).startswith(_WARMABLE))]
+               or (e.get("outcome") == "skipped" and e.get("warmable"))]
     if not entries:
         return ""
     reuse = _state(rt).tracker(rt)
@@ -313,6 +310,7 @@ async def warm(rt: Generation) -> str:
         warmed += 1
         log.info("slots.prefilled", slot=entry["slot"], tokens=len(tokens), prefill_ms=entry["prefill_ms"],
                  why=entry["reason"])
+    await reuse.snapshot()
     return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
 
 

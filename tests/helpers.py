@@ -121,6 +121,13 @@ class Wrapper:
             self.signal_group()
         return self.wait(timeout)
 
+    def __enter__(self) -> Wrapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Whatever happened in the body, nothing is left running (stop it in the body to check how it stops)."""
+        self.kill()
+
     def kill(self) -> None:
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):

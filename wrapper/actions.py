@@ -59,6 +59,37 @@ class HookRun:
         }
 
 
+OUTPUT_HEAD = 20  # lines of a hook's output logged from its start ...
+OUTPUT_TAIL = 20  # ... and from its end; what lies between is counted, not logged (as journald rate-limits)
+
+
+class _Output:
+    """One hook run's output in the log: its first and last lines, and how many between were dropped."""
+
+    def __init__(self, event: str, action: str) -> None:
+        self.event, self.action = event, action
+        self.head_left = OUTPUT_HEAD
+        self.tail: deque[str] = deque(maxlen=OUTPUT_TAIL)
+        self.dropped = 0
+
+    def line(self, line: str) -> None:
+        if self.head_left:
+            self.head_left -= 1
+            log.info("hook.output", hook=self.event, action=self.action, line=line)
+            return
+        if len(self.tail) == OUTPUT_TAIL:
+            self.dropped += 1
+        self.tail.append(line)
+
+    def close(self) -> None:
+        if self.dropped:
+            log.warning("hook.output_dropped", hook=self.event, action=self.action, dropped=self.dropped,
+                        kept_first=OUTPUT_HEAD, kept_last=OUTPUT_TAIL)
+        for line in self.tail:
+            log.info("hook.output", hook=self.event, action=self.action, line=line)
+        self.tail.clear()
+
+
 class HookRunner:
     def __init__(self, session: aiohttp.ClientSession,
                  builtin: Callable[[str, Mapping[str, Any]], BuiltinFn]) -> None:
@@ -158,10 +189,14 @@ class HookRunner:
 
     async def _process(self, event: str, action: Action, argv: list[str], context: dict[str, Any]) -> str:
         env = {**os.environ, **environment(context)}
+        output = _Output(event, action.name)
+        try:
+            return await self._run_process(action, argv, env, output.line)
+        finally:
+            output.close()
 
-        def on_line(line: str) -> None:
-            log.info("hook.output", hook=event, action=action.name, line=line)
-
+    async def _run_process(self, action: Action, argv: list[str], env: dict[str, str],
+                           on_line: Callable[[str], None]) -> str:
         try:
             # Guarded: its background jobs end with it (setsid escapes on purpose), and never outlive us.
             process = await spawn(argv, env, on_line, guard=True)

@@ -1,23 +1,28 @@
-"""The command line: `run`, `check`, `slots`; every option also as a LLAMA_WRAPPER_* variable."""
+"""The command line: `run`, `check`, `reload`, and the built-ins' commands (`slots`, `plan`); every option also
+as a LLAMA_WRAPPER_* variable. Each command's module is imported when that command runs (or when help lists
+it): `llama-wrapper reload` does not load numpy, gguf or the built-ins."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from dataclasses import replace
-from pathlib import Path
+import importlib
+from collections.abc import Mapping
 from typing import Any
 
 import click
-import yaml
 
-from wrapper import __version__, extensions, logs
-from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
-from wrapper.exits import EXIT_CONFIG
-from wrapper.reload_cli import reload
-from wrapper.units import parse_duration
+from hooks.commands import BUILTIN_COMMANDS
+from wrapper import __version__
+from wrapper.commands import Commands
+from wrapper.config import Config
+from wrapper.launch import Launch
 
-RUN_EXAMPLES = """
+COMMANDS = {
+    "run": "wrapper.run_cli:run",
+    "check": "wrapper.run_cli:check",
+    "reload": "wrapper.reload_cli:reload",
+    **BUILTIN_COMMANDS,
+}
+EPILOG = """
 \b
 Examples:
   llama-wrapper run -- llama-server -m model.gguf -c 8192
@@ -26,136 +31,52 @@ Examples:
 \b
 As a llama-swap model:
   cmd: llama-wrapper run --listen 127.0.0.1:${PORT} --config chat.yaml -- llama-server -m chat.gguf
+\b
+Saved slots:
+  llama-wrapper slots ls
+  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/slot0-<fingerprint>.bin
 """
 
 
-class _Duration(click.ParamType):  # type: ignore[type-arg]
-    name = "duration"
+class _Lazy(click.Group):
+    """Subcommands named by `module:attribute`, imported on first use."""
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        try:
-            return parse_duration(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, _, attribute = target.partition(":")
+        command = getattr(importlib.import_module(module), attribute)
+        assert isinstance(command, click.Command)
+        return command
 
 
-DURATION = _Duration()
+def _extensions() -> Any:
+    return importlib.import_module("wrapper.extensions")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
-             epilog=RUN_EXAMPLES + "\n\b\nSaved slots:\n  llama-wrapper slots ls\n"
-                                   "  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/"
-                                   "slot0-<fingerprint>.bin\n")
+def _load(path: str | None) -> Config:
+    config: Config = _extensions().load(path)
+    return config
+
+
+def _launch_for(config: Config, shared: dict[str, Any], asks: Mapping[str, Any]) -> Launch:
+    launch: Launch = _extensions().launch_for(config, shared, asks)
+    return launch
+
+
+@click.group(cls=_Lazy, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+             epilog=EPILOG)
 @click.version_option(__version__, prog_name="llama-wrapper")
 @click.pass_context
 def main(context: click.Context) -> None:
     """A supervising proxy for llama.cpp's llama-server: lifecycle hooks, slot persistence, reloads and
     degradation under a memory budget."""
-    context.obj = extensions.commands_context()  # a built-in's command loads and prepares as `run` does
+    context.obj = Commands(load=_load, launch_for=_launch_for)  # a built-in's command loads and prepares as `run` does
 
-
-@main.command(epilog=RUN_EXAMPLES,
-              context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
-              show_envvar=True, help="YAML file with server, slots, proxy and hooks settings.")
-@click.option("--listen", envvar="LLAMA_WRAPPER_LISTEN", show_envvar=True, metavar="HOST:PORT",
-              help="Public address [default: listen from the config, else llama-server's --host/--port, "
-                   "else 127.0.0.1:8080].")
-@click.option("--ready-timeout", type=DURATION, envvar="LLAMA_WRAPPER_READY_TIMEOUT", show_envvar=True,
-              help="How long llama-server may take to load [default: 300s].")
-@click.option("--stop-timeout", type=DURATION, envvar="LLAMA_WRAPPER_STOP_TIMEOUT", show_envvar=True,
-              help="SIGKILL llama-server this long after its SIGTERM [default: 10s].")
-@click.option("--slots-dir", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
-              show_envvar=True, help="Where slot files are kept [default: ~/.cache/llama-wrapper/slots].")
-@click.option("--log-format", type=click.Choice(["auto", "console", "json"]), default="auto",
-              envvar="LLAMA_WRAPPER_LOG_FORMAT", show_envvar=True, show_default=True,
-              help="auto: console on a terminal, JSON lines otherwise.")
-@click.option("--log-level", type=click.Choice(logs.LEVELS), default="info", envvar="LLAMA_WRAPPER_LOG_LEVEL",
-              show_envvar=True, show_default=True)
-@click.argument("server_argv", nargs=-1, type=click.UNPROCESSED, metavar="-- LLAMA-SERVER [ARGS]...")
-def run(config_path: str | None, listen: str | None, ready_timeout: float | None, stop_timeout: float | None,
-        slots_dir: str | None, log_format: logs.LogFormat, log_level: str, server_argv: tuple[str, ...]) -> None:
-    """Start llama-server behind the wrapper and supervise it until a signal stops it."""
-    from wrapper.listener import serve
-    from wrapper.supervisor import Supervisor
-
-    logs.configure(log_format, log_level)
-    try:
-        config = extensions.load(config_path)
-        changes: dict[str, Any] = {}
-        if listen:
-            changes["listen"] = parse_listen(listen)
-        if ready_timeout is not None:
-            changes["ready_timeout"] = ready_timeout
-        if stop_timeout is not None:
-            changes["stop_timeout"] = stop_timeout
-        if server_argv:
-            changes["argv"] = tuple(server_argv)
-        config = replace(config, **changes)
-        if slots_dir:
-            config = config.with_settings({"slots": {"dir": Path(slots_dir).expanduser()}})
-        shared: dict[str, Any] = {}
-        launch = extensions.prepare(config, shared)
-    except (ConfigError, ValueError) as exc:
-        click.echo(f"llama-wrapper: {exc}", err=True)
-        sys.exit(EXIT_CONFIG)
-    sys.exit(asyncio.run(Supervisor(config, launch, shared).run(serve)))
-
-
-@main.command()
-@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
-def check(config_path: str) -> None:
-    """Validate CONFIG and print the resolved settings and hooks; starts nothing. Exit 2 on errors."""
-    try:
-        config = extensions.load(config_path)
-    except ConfigError as exc:
-        click.echo(str(exc), err=True)
-        sys.exit(EXIT_CONFIG)
-    for warning in config.warnings:
-        click.echo(f"warning: {warning}", err=True)
-    click.echo(yaml.safe_dump(_resolved(config), sort_keys=False, width=110), nl=False)
-
-
-def _resolved(config: Config) -> dict[str, Any]:
-    hooks: dict[str, Any] = {}
-    for event in HOOK_EVENTS:
-        hooks[event] = [
-            {k: v for k, v in {
-                "name": a.name, "where": a.where, a.kind: _body(a), "timeout": f"{a.timeout:g}s",
-                "retries": a.retries, "ignore_errors": a.ignore_errors, "when": a.when,
-            }.items() if v is not None}
-            for a in config.hooks[event]
-        ]
-    return {
-        "listen": config.listen.url if config.listen else "llama-server's --host/--port, else 127.0.0.1:8080",
-        "server": {"argv": list(config.argv) or "(after --)", "ready_timeout": f"{config.ready_timeout:g}s",
-                   "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
-                   "env": config.env},
-        **{section.name: section.shown(config) for section in extensions.sections()},
-        "built-ins": [b.family for b in extensions.in_use(config)],
-        "proxy": {"allow_slot_actions": config.allow_slot_actions},
-        "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
-                   "drain_timeout": f"{config.reload_drain_timeout:g}s"},
-        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else None},
-        "hooks": hooks,
-    }
-
-
-def _body(action: Any) -> Any:
-    if action.kind == "http":
-        http = action.http
-        body = {"method": http.method, "url": http.url}
-        body.update({k: v for k, v in (("headers", http.headers), ("json", http.json), ("body", http.body),
-                                        ("expect", list(http.expect))) if v})
-        return body
-    if action.kind == "builtin":
-        return {"name": action.builtin, "with": action.options} if action.options else action.builtin
-    return {"shell": action.shell, "exec": list(action.exec)}[action.kind]
-
-
-main.add_command(reload)
-for _command in extensions.commands():
-    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

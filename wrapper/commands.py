@@ -15,4 +15,4 @@ from wrapper.launch import Launch
 @dataclass(frozen=True)
 class Commands:
     load: Callable[[str | None], Config]  # a config file (None: every default); ConfigError names each problem
-    prepare: Callable[[Config, dict[str, Any], Mapping[str, Any]], Launch]  # config, shared state, asks
+    launch_for: Callable[[Config, dict[str, Any], Mapping[str, Any]], Launch]  # config, shared state, asks

@@ -9,11 +9,8 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
-import click
-
 from hooks.registry import ACTIONS, BUILTINS, SECTIONS, Builtin, Route
 from wrapper.actions import BuiltinFn
-from wrapper.commands import Commands
 from wrapper.config import Config, ConfigError, load_config, parse_config
 from wrapper.generation import Generation, Host
 from wrapper.launch import Launch
@@ -72,22 +69,18 @@ def in_use(config: Config) -> list[Builtin]:
     return found
 
 
-def prepare(config: Config, shared: dict[str, Any], asks: Mapping[str, Any] | None = None) -> Launch:
+def launch_for(config: Config, shared: dict[str, Any], asks: Mapping[str, Any] | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
     `shared`: the built-ins' lifelong state (the supervisor's); `asks`: what a built-in's move asks the next
     fit for (by family)."""
     launch = prepare_launch(config)
-    argv, notes, prepared = list(launch.argv), list(launch.notes), dict(launch.prepared)
+    argv, notes, fitted = list(launch.argv), list(launch.notes), dict(launch.fitted)
     for builtin in in_use(config):
         if builtin.fit is not None:
-            fit = builtin.fit(argv, replace(launch, argv=argv, prepared=dict(prepared)), config, shared, asks or {})
-            argv, prepared[builtin.family] = fit.argv, fit.prepared
+            fit = builtin.fit(argv, replace(launch, argv=argv, fitted=dict(fitted)), config, shared, asks or {})
+            argv, fitted[builtin.family] = fit.argv, fit.fitted
             notes += fit.notes
-    return replace(launch, argv=argv, notes=notes, prepared=prepared)
-
-
-def commands_context() -> Commands:
-    return Commands(load=load, prepare=prepare)
+    return replace(launch, argv=argv, notes=notes, fitted=fitted)
 
 
 def bind(name: str, options: Mapping[str, Any], generation: Generation) -> BuiltinFn:
@@ -162,7 +155,3 @@ def routes(config: Config) -> list[Route]:
 def all_routes() -> list[Route]:
     """Every built-in's endpoints, in use or not (those not in use answer that they are off)."""
     return [route for b in BUILTINS for route in b.routes]
-
-
-def commands() -> list[click.Command]:
-    return [command for b in BUILTINS for command in b.commands]

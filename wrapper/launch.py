@@ -28,7 +28,7 @@ class Fitting:
 
     argv: list[str]
     notes: list[dict[str, str]] = field(default_factory=list)
-    prepared: Any = None  # kept in `Launch.prepared[family]`
+    fitted: Any = None  # kept in `Launch.fitted[family]`
 
     def note(self, change: str, why: str) -> None:
         self.notes.append({"change": change, "why": why})
@@ -42,7 +42,7 @@ class Launch:
     model: Model
     env: dict[str, str]
     keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
-    prepared: dict[str, Any] = field(default_factory=dict)  # what each built-in set up for it (slots: a folder)
+    fitted: dict[str, Any] = field(default_factory=dict)  # what each built-in's fit set up for it (slots: a folder)
     admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read

@@ -58,7 +58,7 @@ class ReloadHost(Protocol):
 
 
 @dataclass(frozen=True)
-class Prepared:
+class NextGeneration:
     plan: ReloadPlan
     config: Config
     launch: Launch
@@ -70,8 +70,8 @@ class Reloader:
     def __init__(self, host: ReloadHost) -> None:
         self.host = host
 
-    def prepare(self, body: dict[str, Any], why: str | None = None,
-                asks: Mapping[str, Any] | None = None) -> Prepared:
+    def settle(self, body: dict[str, Any], why: str | None = None,
+                asks: Mapping[str, Any] | None = None) -> NextGeneration:
         """Check the request and settle the new generation's argv; ReloadRefused before anything stops.
         `why` (a built-in's reload, empty body): the built-ins' fit for the new generation is the change."""
         current = self.host.current
@@ -82,7 +82,7 @@ class Reloader:
             reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
         new_config = replace(config, argv=tuple(reload_plan.argv)).with_settings(reload_plan.settings)
         try:
-            launch = replace(extensions.prepare(new_config, current.shared, asks), listen=current.launch.listen)
+            launch = replace(extensions.launch_for(new_config, current.shared, asks), listen=current.launch.listen)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from exc
         if why is not None:
@@ -90,7 +90,7 @@ class Reloader:
             if args.remove(launch.argv, args.PORT) == args.remove(current.launch.argv, args.PORT):
                 raise ReloadRefused(f"nothing to change ({why})", 409, Refusal.NOTHING_TO_CHANGE)
         overlap, overlap_why = self._overlap(config, launch)
-        return Prepared(reload_plan, new_config, launch, overlap, overlap_why)
+        return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why)
 
     def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
         policy = config.reload_overlap
@@ -106,38 +106,38 @@ class Reloader:
         return fits, (f"{available / 2**30:.1f} GiB available, model file {model_bytes / 2**30:.2f} GiB "
                       f"({'enough' if fits else 'not enough'} for two servers side by side on CPU)")
 
-    async def run(self, prepared: Prepared) -> dict[str, Any]:
+    async def run(self, nxt: NextGeneration) -> dict[str, Any]:
         host = self.host
         old = host.current
-        log.info("reload.begin", changes=prepared.plan.changes, overlap=prepared.overlap, why=prepared.overlap_why,
-                 argv=prepared.launch.shown_argv)
-        new = host.new_generation(prepared.config, prepared.launch)
+        log.info("reload.begin", changes=nxt.plan.changes, overlap=nxt.overlap, why=nxt.overlap_why,
+                 argv=nxt.launch.shown_argv)
+        new = host.new_generation(nxt.config, nxt.launch)
         try:
-            if prepared.overlap:  # blue-green: the old server keeps serving while the new one loads
+            if nxt.overlap:  # blue-green: the old server keeps serving while the new one loads
                 try:
                     await new.start(host.server_line)
                 except Exception as exc:  # nothing was disturbed: the old server never stopped serving
-                    return await self._roll_back(prepared, old, None, str(exc))
+                    return await self._roll_back(nxt, old, None, str(exc))
             began = time.monotonic()
             host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
             await host.drain(old.config.reload_drain_timeout)
             saved = await extensions.hand_over(old)
-            if not prepared.overlap:
+            if not nxt.overlap:
                 await old.stop()
                 try:
                     await new.start(host.server_line)
                 except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
-                    return await self._roll_back(prepared, old, began, str(exc))
+                    return await self._roll_back(nxt, old, began, str(exc))
             host.install(new)
             restored = await self._take_over(new)
             host.lifecycle.to(State.READY)  # the held requests go to the new server
             downtime_ms = round((time.monotonic() - began) * 1000, 1)
-            if prepared.overlap:
+            if nxt.overlap:
                 await old.stop()
         finally:  # also when a SIGTERM cancels the reload: a new server that did not take over is stopped
             if new is not host.current and new.alive:
                 await new.stop()
-        return await self._answer(prepared, True, "reloaded", downtime_ms, saved, restored, new)
+        return await self._answer(nxt, True, "reloaded", downtime_ms, saved, restored, new)
 
     async def _take_over(self, generation: Generation) -> str | None:
         """The built-ins' restore into the new generation; a server that dies under it starts again without the
@@ -153,11 +153,11 @@ class Reloader:
                 await generation.start(self.host.server_line)
         raise AssertionError("unreachable")
 
-    async def _roll_back(self, prepared: Prepared, old: Generation, began: float | None,
+    async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
                          reason: str) -> dict[str, Any]:
         """`began` is None when the new server failed before anything was held (overlap): nothing to undo."""
         host = self.host
-        log.warning("reload.failed", reason=reason, overlap=prepared.overlap)
+        log.warning("reload.failed", reason=reason, overlap=nxt.overlap)
         if began is not None:
             try:
                 await old.start(host.server_line)
@@ -169,21 +169,21 @@ class Reloader:
             await self._take_over(old)
             host.lifecycle.to(State.READY)
         downtime_ms = round((time.monotonic() - began) * 1000, 1) if began is not None else 0.0
-        return await self._answer(prepared, False, f"reload failed, the previous settings are back: {reason}",
+        return await self._answer(nxt, False, f"reload failed, the previous settings are back: {reason}",
                                   downtime_ms, None, None, host.current)
 
-    async def _answer(self, prepared: Prepared, success: bool, message: str, downtime_ms: float,
+    async def _answer(self, nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
                       saved: str | None, restored: str | None, generation: Generation) -> dict[str, Any]:
         try:
             props = await generation.client.props()
             n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
         except LlamaError:
             n_ctx = 0
-        if not extensions.keeps_conversations(prepared.config):
+        if not extensions.keeps_conversations(nxt.config):
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
-            "overlap": prepared.overlap, "overlap_why": prepared.overlap_why, "changes": prepared.plan.changes,
+            "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": nxt.plan.changes,
             "save": saved, "restore": restored, "slots": extensions.restore_report(generation) if success else [],
         }
         log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})

@@ -138,8 +138,8 @@ class Section(Generic[T]):
 
     def table(self) -> str:
         """The README's table of this section's keys."""
-        rows = [f"| `{self.name}.{key}` | {field.metadata['kind'].name} | {_default(field)} | {field.metadata['doc']} |"
-                for key, field in self.fields()]
+        rows = [f"| `{self.name}.{key}` | {_cell(field.metadata['kind'].name)} | {_default(field)} | "
+                f"{_cell(field.metadata['doc'])} |" for key, field in self.fields()]
         return "\n".join(["| key | type | default | what it does |", "|---|---|---|---|", *rows])
 
 
@@ -153,7 +153,15 @@ def _default(field: dataclasses.Field[Any]) -> str:
     shown = field.metadata["kind"].show(value)
     if isinstance(shown, list | tuple):
         shown = ", ".join(str(item) for item in shown)
-    return f"`{shown}`"
+    elif isinstance(shown, bool):
+        shown = "true" if shown else "false"
+    elif isinstance(value, Path):
+        shown = str(shown).replace(str(Path.home()), "~", 1)
+    return f"`{_cell(str(shown))}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
 
 
 def replaced(section: Section[T], value: T | None, changes: Mapping[str, Any]) -> T:

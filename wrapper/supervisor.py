@@ -202,8 +202,8 @@ class Supervisor:
             raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: it reloads only when ready", 409,
                                 Refusal.NOT_READY)
         reloader = Reloader(self)
-        prepared = reloader.prepare(body, why, asks)  # refusals come before anything stops
-        task = asyncio.ensure_future(reloader.run(prepared))
+        nxt = reloader.settle(body, why, asks)  # refusals come before anything stops
+        task = asyncio.ensure_future(reloader.run(nxt))
         self._reload_task = task
         task.add_done_callback(self._reload_ended)
         self._reload_started.set()

@@ -190,7 +190,7 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
     now = fitted(host.current.launch)
     reloaded = now is not fit
     if problem is None and not reloaded:  # the same rung and context: the plan of the running one is renewed
-        host.current.launch.prepared[FAMILY] = _renewed(fit, rungs, budget, target)
+        host.current.launch.fitted[FAMILY] = _renewed(fit, rungs, budget, target)
         now = fitted(host.current.launch)
     answer = {"success": problem is None, "budget": budget[0], "source": budget[1],
               "rung": now.rung if now else None, "n_ctx": now.n_ctx if now else None, "reloaded": reloaded,

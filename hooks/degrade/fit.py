@@ -138,7 +138,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any],
     out.note(f"degrade: rung {chosen.name}, {context}",
              f"the largest context under the budget {format_size(budget)} ({source}); planned "
              f"{format_size(planned.total(planned.budget_device))} on the {planned.budget_device}")
-    out.prepared = Fitted(chosen.name, rungs.index(chosen), chosen.max_ctx, planner.settings(out.argv), rungs,
+    out.fitted = Fitted(chosen.name, rungs.index(chosen), chosen.max_ctx, planner.settings(out.argv), rungs,
                           budget, source, args.has(argv, args.SWA_FULL) and not args.has(out.argv, args.SWA_FULL),
                           verbosity_added)
     return out

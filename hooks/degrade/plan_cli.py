@@ -58,7 +58,7 @@ def plan(commands: Commands, budget: str | None, config_path: str | None, as_jso
         launch: Launch | None = None
         problem: NoRungFits | None = None
         try:
-            launch = commands.prepare(config, shared, asks)
+            launch = commands.launch_for(config, shared, asks)
         except NoRungFits as exc:
             problem = exc
     except (ConfigError, ValueError) as exc:

@@ -65,7 +65,7 @@ def state_of(shared: dict[str, Any]) -> DegradeState:
 
 
 def fitted(launch: Launch) -> Fitted | None:
-    found = launch.prepared.get(FAMILY)
+    found = launch.fitted.get(FAMILY)
     return found if isinstance(found, Fitted) else None
 
 

@@ -241,6 +241,29 @@ def test_a_smaller_budget_degrades_a_running_server_and_a_larger_one_brings_it_b
         assert status == 400 and "not a size" in answer["error"]["message"]
 
 
+def test_a_refused_budget_leaves_growth_as_it_was(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """A budget that holds no rung is refused, and nothing of it stays: the ladder, the budget and where it came
+    from are as before, and the next growth chooses from the same rungs (it once chose from the refused plan)."""
+    shape = read_shape(demo_path)
+    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget),
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        before = degrade_status(wrapper)
+        status, answer = post(wrapper.url, "/wrapper/budget", {"budget": "40MiB"}, ADMIN)
+        assert status == 400 and "the budget is unchanged" in answer["error"]["message"], answer
+        status, answer = post(wrapper.url, "/wrapper/budget", {"budget": "1GiB", "budgte": 1}, ADMIN)
+        assert status == 400 and "unknown field(s) budgte" in answer["error"]["message"], answer
+        status, answer = post(wrapper.url, "/wrapper/budget", {}, ADMIN)
+        assert status == 400 and 'give {"budget": SIZE}' in answer["error"]["message"], answer
+        after = degrade_status(wrapper)
+        for key in ("budget", "budget_source", "ladder", "rung", "n_ctx"):
+            assert after[key] == before[key], key
+        long = complete(wrapper.url, STORY * 200)  # ~3.4k tokens: past f16's 2k, a growth
+        assert long["timings"]["prompt_n"] > 2048
+        expected = next(r["name"] for r in before["ladder"] if "skipped" not in r and r["max_ctx"] > 3600)
+        assert degrade_status(wrapper)["rung"] == expected
+
+
 def test_an_idle_server_relaxes_back_up(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     shape = read_shape(demo_path)
     budget = plan(shape, Settings(n_ctx=2048)).total() + MiB

@@ -78,15 +78,12 @@ hooks:
   on_stopped:
     - shell: echo stopped {{{{ result }}}} {{{{ exit_code }}}} >> {log}
 """
-    wrapper = Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "1024", "-np", "1"], config)
-    try:
+    with Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "1024", "-np", "1"], config) as wrapper:
         wrapper.wait_ready(120)
         status = wrapper.status()
         pid, model_id = status["server"]["pid"], status["model"]["id"]
         wrapper.signal_group(signal.SIGTERM)  # what llama-swap sends to stop a model
         assert wrapper.wait(60) == 0
-    finally:
-        wrapper.kill()
     assert log.read_text().splitlines() == [
         f"will_start gemma-3-270m-q4_k_m {model_id}", f"startup {pid} 1", "will_stop 1", "stopped success 0"]
     last_words = next(e for e in wrapper.events("hook.run") if e["action"] == "last-words")
@@ -97,12 +94,9 @@ hooks:
 
 
 def test_sigkill_of_the_wrapper_leaves_no_llama_server(tmp_path: Path, server_bin: str, gemma_path: str) -> None:
-    wrapper = Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "1024"])
-    try:
+    with Wrapper(tmp_path, [server_bin, "-m", gemma_path, "-c", "1024"]) as wrapper:
         wrapper.wait_ready(120)
         pid = wrapper.status()["server"]["pid"]
         wrapper.signal_group(signal.SIGKILL)  # llama-swap's last resort, to the whole group
         wrapper.wait(10)
         wait_for(lambda: not pid_alive(pid), 10, "llama-server to die with the wrapper")
-    finally:
-        wrapper.kill()

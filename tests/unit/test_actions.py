@@ -121,6 +121,16 @@ async def test_shell_gets_environment_and_quoted_values(tmp_path: Path, runner: 
     assert not list(tmp_path.glob("pwned*")) and not os.path.exists("pwned")
 
 
+async def test_a_chatty_hook_logs_its_first_and_last_lines_only(runner: HookRunner) -> None:
+    """60 MB of output once made 789,474 hook.output events and delayed readiness by 10 s."""
+    with structlog.testing.capture_logs() as captured:
+        await runner.run("on_startup", actions("    - shell: seq 1 50000\n"), context())
+    lines = [e["line"] for e in captured if e["event"] == "hook.output"]
+    assert lines == [str(n) for n in (*range(1, 21), *range(49981, 50001))]
+    dropped = [e for e in captured if e["event"] == "hook.output_dropped"]
+    assert len(dropped) == 1 and dropped[0]["dropped"] == 50000 - 40
+
+
 async def test_exec_gets_arguments_unsplit(tmp_path: Path, runner: HookRunner) -> None:
     out = tmp_path / "out"
     hook = actions(f"""    - exec: [/bin/sh, -c, 'printf "%s" "$1" > {out}', sh, "{{{{ model.path }}}}"]\n""")

@@ -279,3 +279,8 @@ def test_bad_degrade_settings(text: str, message: str) -> None:
                                             ("800M", 800_000_000), (4096, 4096), ("2 gib", 2 << 30)])
 def test_sizes(text: object, size: int) -> None:
     assert parse_size(text) == size
+
+
+def test_help_names_the_slot_files_as_they_are() -> None:
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "--help"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "slot0-<fingerprint>.bin" in done.stdout and "slot0.bin" not in done.stdout

@@ -35,7 +35,7 @@ def test_fitting_adds_what_persistence_needs(tmp_path: Path, monkeypatch: pytest
     binary = fake_server(tmp_path, "--slot-save-path PATH  -kvu, --kv-unified  --no-cache-idle-slots  --swa-full")
     argv = [binary, "-c", "0", "--slot-save-path", "/elsewhere"]
     fit = fit_for_slots(argv, _launch(argv), _config(tmp_path))
-    assert args.get(fit.argv, args.SLOT_SAVE_PATH) == str(tmp_path / "s" / "id1") and fit.prepared.is_dir()
+    assert args.get(fit.argv, args.SLOT_SAVE_PATH) == str(tmp_path / "s" / "id1") and fit.fitted.is_dir()
     assert args.has(fit.argv, args.KV_UNIFIED) and args.has(fit.argv, args.NO_CACHE_IDLE_SLOTS)
     assert args.has(fit.argv, args.SWA_FULL) and args.get(fit.argv, args.CTX_SIZE) == "4096"
     changes = " ".join(n["change"] for n in fit.notes)

@@ -91,12 +91,8 @@ hooks:
     - shell: sleep 30 & echo $! > {pid_file}; sleep 30
       timeout: 60s
 """
-    wrapper = Wrapper(tmp_path, child_argv(), config)
-    with reaped(pid_file):
-        try:
-            job = read_pid(pid_file)
-            wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone, not its group
-            wrapper.wait(10)
-            wait_for(lambda: not pid_alive(job), 10, "the hook's background job to die with the wrapper")
-        finally:
-            wrapper.kill()
+    with reaped(pid_file), Wrapper(tmp_path, child_argv(), config) as wrapper:
+        job = read_pid(pid_file)
+        wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone, not its group
+        wrapper.wait(10)
+        wait_for(lambda: not pid_alive(job), 10, "the hook's background job to die with the wrapper")

@@ -44,15 +44,12 @@ def lines(path: Path) -> list[str]:
 def test_hooks_run_in_order_and_group_sigterm_exits_zero(tmp_path: Path) -> None:
     log = tmp_path / "hooks.log"
     record = tmp_path / "requests.log"
-    wrapper = Wrapper(tmp_path, child_argv("--record", str(record)), RECORD_HOOKS.format(log=log))
-    try:
+    with Wrapper(tmp_path, child_argv("--record", str(record)), RECORD_HOOKS.format(log=log)) as wrapper:
         wrapper.wait_ready(30)
         pid = wrapper.status()["server"]["pid"]
         assert lines(log) == ["will_start on_will_start", f"startup {pid} {pid}"]
         wrapper.signal_group(signal.SIGTERM)
         assert wrapper.wait(30) == 0
-    finally:
-        wrapper.kill()
     assert lines(log)[2:] == ["will_stop", "stopped success 0 None success"]
     assert "POST /echo" in lines(record)  # on_will_stop reached the live child
     assert not pid_alive(pid)
@@ -63,12 +60,9 @@ def test_hooks_run_in_order_and_group_sigterm_exits_zero(tmp_path: Path) -> None
 
 
 def test_child_gets_exactly_one_sigterm(tmp_path: Path) -> None:
-    wrapper = Wrapper(tmp_path, child_argv("--term-delay", "0.5"))
-    try:
+    with Wrapper(tmp_path, child_argv("--term-delay", "0.5")) as wrapper:
         wrapper.wait_ready(30)
         assert wrapper.stop(30) == 0
-    finally:
-        wrapper.kill()
     output = [e["line"] for e in wrapper.events("server.output")]
     assert sum("child: got SIGTERM" in line for line in output) == 1
 
@@ -81,13 +75,10 @@ hooks:
   on_stopped:
     - shell: echo {{{{ result }}}} {{{{ exit_signal }}}} >> {log}
 """
-    wrapper = Wrapper(tmp_path, child_argv("--ignore-term"), config)
-    try:
+    with Wrapper(tmp_path, child_argv("--ignore-term"), config) as wrapper:
         wrapper.wait_ready(30)
         pid = wrapper.status()["server"]["pid"]
         assert wrapper.stop(30) == 0
-    finally:
-        wrapper.kill()
     assert lines(log) == ["timeout SIGKILL"]
     assert not pid_alive(pid)
     exited = wrapper.events("child.exited")[0]
@@ -107,11 +98,8 @@ hooks:
   on_stopped:
     - shell: echo {{{{ result }}}} {{{{ exit_code }}}} {{{{ exit_signal }}}} >> {log}
 """
-    wrapper = Wrapper(tmp_path, child_argv(*flags), config)
-    try:
+    with Wrapper(tmp_path, child_argv(*flags), config) as wrapper:
         assert wrapper.wait(30) == status
-    finally:
-        wrapper.kill()
     assert lines(log) == [result]  # no on_will_stop: the server was already gone
 
 
@@ -128,11 +116,8 @@ hooks:
   on_stopped:
     - shell: echo stopped {{{{ result }}}} >> {log}
 """
-    wrapper = Wrapper(tmp_path, child_argv(), config)
-    try:
+    with Wrapper(tmp_path, child_argv(), config) as wrapper:
         assert wrapper.wait(30) == 3
-    finally:
-        wrapper.kill()
     assert lines(log) == ["stopped start-failed"]
     run = wrapper.events("hook.run")[0]
     assert (run["action"], run["outcome"]) == ("hangs", "failed")
@@ -140,29 +125,22 @@ hooks:
 
 
 def test_child_that_fails_to_start_exits_3(tmp_path: Path) -> None:
-    wrapper = Wrapper(tmp_path, child_argv("--fail-start"))
-    try:
+    with Wrapper(tmp_path, child_argv("--fail-start")) as wrapper:
         assert wrapper.wait(30) == 3
-    finally:
-        wrapper.kill()
     failed = wrapper.events("wrapper.start_failed")[0]
     assert "exited with status 1 before it was ready" in failed["error"]
     assert "child: failing at start" in failed["error"]
 
 
 def test_ready_timeout_fails_the_start(tmp_path: Path) -> None:
-    wrapper = Wrapper(tmp_path, child_argv("--load-delay", "60"), "server: {ready_timeout: 1s}")
-    try:
+    with Wrapper(tmp_path, child_argv("--load-delay", "60"), "server: {ready_timeout: 1s}") as wrapper:
         assert wrapper.wait(30) == 3
-    finally:
-        wrapper.kill()
     assert "ready_timeout" in wrapper.events("wrapper.start_failed")[0]["error"]
 
 
 def test_requests_are_held_while_starting_and_health_is_503(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    wrapper = Wrapper(tmp_path, child_argv(), gated_hook("on_startup", gate))
-    try:
+    with Wrapper(tmp_path, child_argv(), gated_hook("on_startup", gate)) as wrapper:
         wait_for(lambda: wrapper.health() == 503, 30, "/health 503 while starting")
         answers: list[int] = []
         thread = threading.Thread(target=lambda: answers.append(http("GET", f"{wrapper.url}/anything")[0]))
@@ -173,9 +151,6 @@ def test_requests_are_held_while_starting_and_health_is_503(tmp_path: Path) -> N
         thread.join(30)
         assert answers == [200]
         assert wrapper.health() == 200
-    finally:
-        wrapper.stop()
-        wrapper.kill()
 
 
 def test_second_signal_skips_the_rest_of_the_hooks(tmp_path: Path) -> None:
@@ -188,36 +163,29 @@ hooks:
   on_stopped:
     - shell: echo stopped >> {log}
 """
-    wrapper = Wrapper(tmp_path, child_argv(), config)
-    try:
+    with Wrapper(tmp_path, child_argv(), config) as wrapper:
         wrapper.wait_ready(30)
         pid = wrapper.status()["server"]["pid"]
         wrapper.signal_group()
         wait_for(lambda: lines(log) == ["begin"], 30, "on_will_stop to begin")
         wrapper.signal_group()
         assert wrapper.wait(30) == 0
-    finally:
-        wrapper.kill()
     assert lines(log) == ["begin"]
     assert not pid_alive(pid)
 
 
 def test_sigkill_of_the_wrapper_takes_the_child_with_it(tmp_path: Path) -> None:
-    wrapper = Wrapper(tmp_path, child_argv("--ignore-term"))
-    try:
+    with Wrapper(tmp_path, child_argv("--ignore-term")) as wrapper:
         wrapper.wait_ready(30)
         pid = wrapper.status()["server"]["pid"]
         wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone, not its group
         wrapper.wait(10)
         wait_for(lambda: not pid_alive(pid), 10, "the child to die with the wrapper")
-    finally:
-        wrapper.kill()
 
 
 def test_requests_get_503_with_retry_after_while_stopping(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    wrapper = Wrapper(tmp_path, child_argv(), gated_hook("on_will_stop", gate))
-    try:
+    with Wrapper(tmp_path, child_argv(), gated_hook("on_will_stop", gate)) as wrapper:
         wrapper.wait_ready(30)
         wrapper.signal_group()
         wait_for(lambda: wrapper.health() == 503, 30, "/health 503 while stopping")
@@ -226,8 +194,6 @@ def test_requests_get_503_with_retry_after_while_stopping(tmp_path: Path) -> Non
         assert b"stopping" in body
         gate.touch()
         assert wrapper.wait(30) == 0
-    finally:
-        wrapper.kill()
 
 
 def test_a_closed_log_pipe_does_not_stop_the_stop(tmp_path: Path) -> None:

@@ -17,13 +17,8 @@ from wrapper.proxy import BadPath, canonical_path, forward
 
 @pytest.fixture
 def wrapper(tmp_path: Path) -> Iterator[Wrapper]:
-    running = Wrapper(tmp_path, child_argv())
-    try:
-        running.wait_ready(30)
-        yield running
-    finally:
-        running.stop()
-        running.kill()
+    with running(tmp_path, child_argv(), timeout=30) as ready:
+        yield ready
 
 
 @pytest.mark.parametrize("method", ["GET", "POST", "PUT", "DELETE", "PATCH"])

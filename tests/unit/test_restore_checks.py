@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import structlog
 
-from hooks.compat import server_settings, skip_reason
+from hooks.compat import Mismatch, server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from hooks.slotfile import read
 from tests.slotfiles import slot_bytes
@@ -39,7 +39,8 @@ def header(tmp_path: Path) -> Any:
 
 def reason(header: Any, slot: int = 0, state_version: int = 4, server: dict[str, Any] | None = None,
            **side: Any) -> str | None:
-    return skip_reason(slot, sidecar(bytes=header.bytes, **side), header, "m1", server or settings(), state_version)
+    skip = skip_reason(slot, sidecar(bytes=header.bytes, **side), header, "m1", server or settings(), state_version)
+    return str(skip) if skip is not None else None
 
 
 def test_a_matching_file_is_restored(header: Any) -> None:
@@ -115,3 +116,14 @@ def test_state_transitions_are_checked() -> None:
     with pytest.raises(IllegalTransition):
         lifecycle.to(State.READY)
     lifecycle.to(State.STOPPED)
+
+
+def test_what_a_prefill_can_make_up_for_is_typed_not_worded(header: Any) -> None:
+    """Warming once matched the skip sentences: rewording one would have stopped it silently."""
+    kinds = {
+        "cache types": skip_reason(0, sidecar(bytes=header.bytes), header, "m1", settings("-ctk", "q8_0"), 4),
+        "other model": skip_reason(0, sidecar(bytes=header.bytes), header, "m2", settings(), 4),
+    }
+    assert kinds["cache types"] is not None and kinds["cache types"].kind is Mismatch.CACHE_TYPES
+    assert kinds["cache types"].warmable
+    assert kinds["other model"] is not None and not kinds["other model"].warmable

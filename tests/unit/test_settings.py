@@ -1,0 +1,46 @@
+"""A built-in's section, declared once: read with file:line errors, shown by `check`, tabled in the README."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+from wrapper import extensions
+from wrapper.config import ConfigError, parse_config
+from wrapper.settings import BOOL, DURATION, Section, choice, setting
+
+
+@dataclass(frozen=True)
+class Toy:
+    mode: str = setting("a", choice("a", "b"), "which one")
+    patience: float = setting(30.0, DURATION, "how long")
+    loud: bool = setting(False, BOOL, "say more", key="verbose")
+
+
+TOY = Section("toy", Toy, "a toy built-in", optional=True)
+
+
+def test_a_section_is_read_from_its_declaration() -> None:
+    config = parse_config("toy:\n  mode: b\n  patience: 2m\n  verbose: true\n", "t.yaml", (TOY,))
+    assert TOY.on(config) == Toy("b", 120.0, True)
+    assert TOY.on(parse_config("", "t.yaml", (TOY,))) is None and TOY.of(parse_config("", "t.yaml", (TOY,))) == Toy()
+    assert TOY.shown(config) == {"mode": "b", "patience": "120s", "verbose": True}
+
+
+def test_its_errors_name_file_and_line() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("toy:\n  mode: c\n  patience: soon\n  loud: true\n", "t.yaml", (TOY,))
+    message = str(caught.value)
+    assert "t.yaml:2: toy.mode must be one of a, b, not 'c'" in message
+    assert "t.yaml:3: toy.patience:" in message
+    assert "t.yaml:4: unknown key 'loud' in toy" in message
+
+
+def test_the_readme_tables_are_the_declarations() -> None:
+    readme = (Path(ROOT) / "README.md").read_text()
+    for section in extensions.sections():
+        assert section.table() in readme, f"README.md lacks the table of {section.name}:, which is now:\n" + \
+            section.table()

@@ -1,0 +1,139 @@
+"""`llama-wrapper run` and `llama-wrapper check`: the wrapper itself, and its config read as `run` reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from wrapper import extensions, logs
+from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
+from wrapper.exits import EXIT_CONFIG
+from wrapper.listener import serve
+from wrapper.supervisor import Supervisor
+from wrapper.units import parse_duration
+
+RUN_EXAMPLES = """
+\b
+Examples:
+  llama-wrapper run -- llama-server -m model.gguf -c 8192
+  llama-wrapper run --config hooks.yaml --listen 127.0.0.1:8080 -- llama-server -m model.gguf
+  llama-wrapper check hooks.yaml
+\b
+As a llama-swap model:
+  cmd: llama-wrapper run --listen 127.0.0.1:${PORT} --config chat.yaml -- llama-server -m chat.gguf
+"""
+
+
+class _Duration(click.ParamType):  # type: ignore[type-arg]
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = _Duration()
+
+
+@click.command(epilog=RUN_EXAMPLES,
+              context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
+              show_envvar=True, help="YAML file with server, slots, proxy and hooks settings.")
+@click.option("--listen", envvar="LLAMA_WRAPPER_LISTEN", show_envvar=True, metavar="HOST:PORT",
+              help="Public address [default: listen from the config, else llama-server's --host/--port, "
+                   "else 127.0.0.1:8080].")
+@click.option("--ready-timeout", type=DURATION, envvar="LLAMA_WRAPPER_READY_TIMEOUT", show_envvar=True,
+              help="How long llama-server may take to load [default: 300s].")
+@click.option("--stop-timeout", type=DURATION, envvar="LLAMA_WRAPPER_STOP_TIMEOUT", show_envvar=True,
+              help="SIGKILL llama-server this long after its SIGTERM [default: 10s].")
+@click.option("--slots-dir", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
+              show_envvar=True, help="Where slot files are kept [default: ~/.cache/llama-wrapper/slots].")
+@click.option("--log-format", type=click.Choice(["auto", "console", "json"]), default="auto",
+              envvar="LLAMA_WRAPPER_LOG_FORMAT", show_envvar=True, show_default=True,
+              help="auto: console on a terminal, JSON lines otherwise.")
+@click.option("--log-level", type=click.Choice(logs.LEVELS), default="info", envvar="LLAMA_WRAPPER_LOG_LEVEL",
+              show_envvar=True, show_default=True)
+@click.argument("server_argv", nargs=-1, type=click.UNPROCESSED, metavar="-- LLAMA-SERVER [ARGS]...")
+def run(config_path: str | None, listen: str | None, ready_timeout: float | None, stop_timeout: float | None,
+        slots_dir: str | None, log_format: logs.LogFormat, log_level: str, server_argv: tuple[str, ...]) -> None:
+    """Start llama-server behind the wrapper and supervise it until a signal stops it."""
+    logs.configure(log_format, log_level)
+    try:
+        config = extensions.load(config_path)
+        changes: dict[str, Any] = {}
+        if listen:
+            changes["listen"] = parse_listen(listen)
+        if ready_timeout is not None:
+            changes["ready_timeout"] = ready_timeout
+        if stop_timeout is not None:
+            changes["stop_timeout"] = stop_timeout
+        if server_argv:
+            changes["argv"] = tuple(server_argv)
+        config = replace(config, **changes)
+        if slots_dir:
+            config = config.with_settings({"slots": {"dir": Path(slots_dir).expanduser()}})
+        shared: dict[str, Any] = {}
+        launch = extensions.launch_for(config, shared)
+    except (ConfigError, ValueError) as exc:
+        click.echo(f"llama-wrapper: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    sys.exit(asyncio.run(Supervisor(config, launch, shared).run(serve)))
+
+
+@click.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+def check(config_path: str) -> None:
+    """Validate CONFIG and print the resolved settings and hooks; starts nothing. Exit 2 on errors."""
+    try:
+        config = extensions.load(config_path)
+    except ConfigError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_CONFIG)
+    for warning in config.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(yaml.safe_dump(_resolved(config), sort_keys=False, width=110), nl=False)
+
+
+def _resolved(config: Config) -> dict[str, Any]:
+    hooks: dict[str, Any] = {}
+    for event in HOOK_EVENTS:
+        hooks[event] = [
+            {k: v for k, v in {
+                "name": a.name, "where": a.where, a.kind: _body(a), "timeout": f"{a.timeout:g}s",
+                "retries": a.retries, "ignore_errors": a.ignore_errors, "when": a.when,
+            }.items() if v is not None}
+            for a in config.hooks[event]
+        ]
+    return {
+        "listen": config.listen.url if config.listen else "llama-server's --host/--port, else 127.0.0.1:8080",
+        "server": {"argv": list(config.argv) or "(after --)", "ready_timeout": f"{config.ready_timeout:g}s",
+                   "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
+                   "env": config.env},
+        **{section.name: section.shown(config) for section in extensions.sections()},
+        "built-ins": [b.family for b in extensions.in_use(config)],
+        "proxy": {"allow_slot_actions": config.allow_slot_actions},
+        "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
+                   "drain_timeout": f"{config.reload_drain_timeout:g}s"},
+        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else None},
+        "hooks": hooks,
+    }
+
+
+def _body(action: Any) -> Any:
+    if action.kind == "http":
+        http = action.http
+        body = {"method": http.method, "url": http.url}
+        body.update({k: v for k, v in (("headers", http.headers), ("json", http.json), ("body", http.body),
+                                        ("expect", list(http.expect))) if v})
+        return body
+    if action.kind == "builtin":
+        return {"name": action.builtin, "with": action.options} if action.options else action.builtin
+    return {"shell": action.shell, "exec": list(action.exec)}[action.kind]
