@@ -298,9 +298,6 @@ def read(path: str | os.PathLike[str]) -> SlotFile:
         head = header(data, name)
         kv = _layout(list(walk(data, head.words_end))) if head.version >= 3 else None
         return SlotFile(name, size, head.version, head.token_format, head.tokens, head.n_media, kv)
-    except SlotFileError as exc:
-        message = str(exc)
-        raise SlotFileError(message if message.startswith(name) else f"{name}: {message}") from exc
     except (struct.error, MemoryError, ValueError) as exc:  # whatever a damaged file makes of the reader
         raise SlotFileError(f"{name}: damaged: {exc!r}") from exc
     finally:

@@ -145,7 +145,10 @@ class HookRunner:
         except (ActionError, template.TemplateError) as exc:
             return record("ignored" if action.ignore_errors else "failed", str(exc))
         except ServerLost as exc:  # not the action's failure: the supervisor starts llama-server again
-            self.history.append(record("failed", str(exc)))
+            lost = record("failed", str(exc))
+            self.history.append(lost)
+            log.warning("hook.run", **{k: v for k, v in lost.as_dict().items() if k != "finished_at"},
+                        where=action.where)
             raise
         except Exception as exc:  # a bug in a built-in must not take the stop sequence down with it
             log.exception("hook.internal_error", hook=event, action=action.name)

@@ -7,8 +7,11 @@ It accepts the arguments the wrapper adds (`--host`, `--port`) plus switches tha
   --die-after S     exit on its own after S seconds, with --exit-code N (or --die-signal SIG)
   --record FILE     append one line per request to FILE ("METHOD PATH")
   --fail-start      exit 1 at once
+  --slot-save-path DIR   where POST /slots/N?action=save writes (an empty slot's file, as a state-version probe)
+  --die-on-restore  abort (SIGABRT) on POST /slots/N?action=restore, as llama-server does on some damaged files
 Endpoints: /health, /echo (method, path, query, headers, body), /stream?n=N&delay=S[&gate=1] (SSE; with gate
-the events after the first wait for a GET /release), anything else 200.
+the events after the first wait for a GET /release), /props and /slots (one slot of 4096 cells), slot actions,
+anything else 200.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -37,6 +41,8 @@ def main() -> None:
     parser.add_argument("--record")
     parser.add_argument("--fail-start", action="store_true")
     parser.add_argument("-m", "--model")
+    parser.add_argument("--slot-save-path")
+    parser.add_argument("--die-on-restore", action="store_true")
     options, _ = parser.parse_known_args()
     if options.fail_start:
         print("child: failing at start", flush=True)
@@ -50,7 +56,7 @@ def main() -> None:
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-        def _send(self, status: int, body: dict[str, object]) -> None:
+        def _send(self, status: int, body: object) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -73,6 +79,20 @@ def main() -> None:
             elif url.path == "/echo":
                 self._send(200, {"method": self.command, "path": url.path, "query": url.query,
                                  "headers": dict(self.headers.items()), "body": body.decode()})
+            elif url.path == "/props":
+                self._send(200, {"total_slots": 1, "default_generation_settings": {"n_ctx": 4096},
+                                 "build_info": "b0-child"})
+            elif url.path == "/slots" and self.command == "GET":
+                self._send(200, [{"id": 0, "n_ctx": 4096, "is_processing": False}])
+            elif url.path.startswith("/slots/") and "action=restore" in url.query and options.die_on_restore:
+                print("child: aborting in a restore", flush=True)
+                os.kill(os.getpid(), signal.SIGABRT)
+            elif url.path.startswith("/slots/") and "action=save" in url.query and options.slot_save_path:
+                name = json.loads(body or b"{}").get("filename", "slot.bin")
+                empty = struct.pack("<IIIiIII", 0x67677371, 4, 4, -1, 1, 0, 0) + struct.pack("<I", 1) + b"\0" * 4
+                with open(os.path.join(options.slot_save_path, name), "wb") as out:
+                    out.write(empty)
+                self._send(200, {"id_slot": 0, "filename": name, "n_saved": 0, "n_written": len(empty)})
             elif url.path == "/release":
                 released.set()
                 self._send(200, {"released": True})

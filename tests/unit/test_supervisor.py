@@ -1,0 +1,43 @@
+"""The supervisor against a tiny real child: a restore that kills the server never fails the start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hooks import slotdir
+from tests.helpers import child_argv, running
+from tests.slotfiles import slot_bytes
+from wrapper.model import fingerprint
+
+CONFIG = """
+slots: {{dir: {dir}}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+"""
+
+
+def test_a_file_that_kills_the_server_is_set_aside_and_the_start_goes_on(tmp_path: Path) -> None:
+    """A file that passes every check and still makes llama-server abort (GGML_ASSERT in its state read):
+    the file goes to set-aside/ with its reason, the server starts again without it, the wrapper comes up."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    folder = tmp_path / "slots" / fingerprint(str(model))
+    folder.mkdir(parents=True)
+    written = folder / "slot0.bin.0.tmp"
+    written.write_bytes(slot_bytes([1, 2, 3]))
+    record = {"model": {"id": fingerprint(str(model)), "name": "m", "path": str(model)}, "tokens": 3,
+              "cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "on", "kv_streams": 1, "build": "b0"}
+    slotdir.commit(folder, 0, written, record)
+    argv = child_argv("--die-on-restore", "-m", str(model), "--slot-save-path", str(folder))
+    with running(tmp_path, argv, CONFIG.format(dir=tmp_path / "slots"), timeout=60) as wrapper:
+        aside = folder / slotdir.SET_ASIDE
+        assert len(list(aside.glob("*slot0-*.bin"))) == 1 and len(list(aside.glob("*slot0.json"))) == 1
+        assert "llama-server died restoring it" in next(aside.glob("*.reason.txt")).read_text()
+        assert not (folder / "slot0.json").exists()
+        assert [e["attempt"] for e in wrapper.events("wrapper.restarting_server")] == [1]
+        assert len(wrapper.events("child.spawned")) == 2
+        restores = [e for e in wrapper.events("hook.run") if e["action"] == "slots.restore"]
+        assert [r["outcome"] for r in restores] == ["failed", "ok"], restores
+        assert wrapper.stop() == 0
