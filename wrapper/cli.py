@@ -15,6 +15,7 @@ from wrapper import __version__
 from wrapper.commands import Commands
 from wrapper.config import Config
 from wrapper.launch import Launch
+from wrapper.usage import RUN_EXAMPLES
 
 COMMANDS = {
     "run": "wrapper.run_cli:run",
@@ -22,15 +23,7 @@ COMMANDS = {
     "reload": "wrapper.reload_cli:reload",
     **BUILTIN_COMMANDS,
 }
-EPILOG = """
-\b
-Examples:
-  llama-wrapper run -- llama-server -m model.gguf -c 8192
-  llama-wrapper run --config hooks.yaml --listen 127.0.0.1:8080 -- llama-server -m model.gguf
-  llama-wrapper check hooks.yaml
-\b
-As a llama-swap model:
-  cmd: llama-wrapper run --listen 127.0.0.1:${PORT} --config chat.yaml -- llama-server -m chat.gguf
+EPILOG = RUN_EXAMPLES + """
 \b
 Saved slots:
   llama-wrapper slots ls

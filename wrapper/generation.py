@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -20,6 +20,8 @@ from wrapper.llama import LlamaClient
 log = structlog.get_logger()
 
 READY_POLL = 0.1
+RESTARTS_AFTER_LOSS = 3  # starts again after llama-server died under a restore (each time one file set aside)
+T = TypeVar("T")
 
 
 class StartFailed(Exception):
@@ -100,3 +102,19 @@ class Generation:
     @property
     def alive(self) -> bool:
         return self.child is not None and self.child.alive
+
+
+async def surviving(generation: Generation, on_line: Callable[[Generation, str], None],
+                    step: Callable[[], Awaitable[T]]) -> T:
+    """Run a step on a started generation (the start hooks, a reload's take-over); when llama-server dies under
+    it (ServerLost: the built-in set the culprit aside), start the server again and run the step again."""
+    for attempt in range(RESTARTS_AFTER_LOSS + 1):
+        try:
+            return await step()
+        except ServerLost as exc:
+            await generation.stop()
+            if attempt == RESTARTS_AFTER_LOSS:
+                raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
+            log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
+            await generation.start(on_line)
+    raise AssertionError("unreachable")

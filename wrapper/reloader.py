@@ -20,7 +20,7 @@ from wrapper import argv as args
 from wrapper import extensions
 from wrapper.config import Config, ConfigError
 from wrapper.gate import Gate
-from wrapper.generation import Generation, ServerLost, StartFailed
+from wrapper.generation import Generation, surviving
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaError
@@ -31,7 +31,6 @@ from wrapper.sysinfo import mem_available
 log = structlog.get_logger()
 
 OVERLAP_MEMORY_FACTOR = 1.5  # auto overlap on CPU: MemAvailable must exceed this many times the model file
-RESTARTS_AFTER_LOSS = 3
 
 
 class ReloadHost(Protocol):
@@ -140,18 +139,8 @@ class Reloader:
         return await self._answer(nxt, True, "reloaded", downtime_ms, saved, restored, new)
 
     async def _take_over(self, generation: Generation) -> str | None:
-        """The built-ins' restore into the new generation; a server that dies under it starts again without the
-        file that killed it (the built-in set it aside)."""
-        for attempt in range(RESTARTS_AFTER_LOSS + 1):
-            try:
-                return await extensions.take_over(generation)
-            except ServerLost as exc:
-                await generation.stop()
-                if attempt == RESTARTS_AFTER_LOSS:
-                    raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
-                log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
-                await generation.start(self.host.server_line)
-        raise AssertionError("unreachable")
+        """The built-ins' restore into the new generation, surviving a server that dies under it."""
+        return await surviving(generation, self.host.server_line, lambda: extensions.take_over(generation))
 
     async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
                          reason: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from wrapper.child import Exit
 from wrapper.config import Config
 from wrapper.exits import EXIT_OK, EXIT_START_FAILED
 from wrapper.gate import Gate
-from wrapper.generation import Generation, ServerLost, StartFailed
+from wrapper.generation import Generation, StartFailed, surviving
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient, LlamaError
@@ -38,7 +38,6 @@ log = structlog.get_logger()
 
 STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 KEEPALIVE_S = 4.0
-RESTARTS_AFTER_LOSS = 3  # starts again after llama-server died under a restore (each time one file set aside)
 START_EVENTS = ("on_will_start", "on_startup")  # a failure here aborts the start; elsewhere it is logged
 SLOT_EVENTS = ("on_startup", "on_will_stop", "on_reload")  # the context shows the server's slots then
 
@@ -165,31 +164,14 @@ class Supervisor:
     async def _start(self) -> None:
         self.lifecycle.to(State.STARTING)
         await self._hook("on_will_start")
-        await self.bring_up(self.generation, "on_startup")
+        await self.generation.start(self.server_line)
+        await surviving(self.generation, self.server_line, lambda: self._hook("on_startup"))
         self.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
         self._background = [asyncio.ensure_future(work) for work in extensions.background(self)]
         assert self.generation.child is not None
         log.info("wrapper.ready", listen=self.launch.listen.url, pid=self.generation.child.pid,
                  start_s=round(self.ready_at - self.started_at, 3))
-
-    async def bring_up(self, generation: Generation, hook: str | None) -> str | None:
-        """Start a generation's server and run what makes it ready (the on_startup hook, or a reload's take-over).
-        When llama-server dies under a restore, the culprit is set aside by the built-in and the server starts
-        again without it: a restore never fails a start."""
-        for attempt in range(RESTARTS_AFTER_LOSS + 1):
-            await generation.start(self.server_line)
-            try:
-                if hook is not None:
-                    await self._hook(hook)
-                    return None
-                return await extensions.take_over(generation)
-            except ServerLost as exc:
-                await generation.stop()
-                if attempt == RESTARTS_AFTER_LOSS:
-                    raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
-                log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
-        raise AssertionError("unreachable")
 
     # -- reloading -----------------------------------------------------------------------------------------
 
