@@ -73,12 +73,13 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
     if not rows:
         click.echo(f"no saved slots in {root}")
         return
-    click.echo(f"{'MODEL ID':<17} {'MODEL':<24} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} SAVED")
+    click.echo(f"{'MODEL ID':<17} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} {'SAVED':<25} {'FILE':<26} MODEL")
     for row in rows:
         size = f"{row['bytes'] / 1e6:.1f} MB"
-        click.echo(f"{row['model_id']:<17} {str(row.get('model', '?'))[:24]:<24} {row['slot']:>4} "
-                   f"{row.get('tokens', '?')!s:>8} {size:>9} {row.get('cache_types', '?'):<10} "
-                   f"{row.get('problem') or row.get('saved_at')}")
+        click.echo(f"{row['model_id']:<17} {row['slot']:>4} {row.get('tokens', '?')!s:>8} {size:>9} "
+                   f"{row.get('cache_types', '?'):<10} {row.get('problem') or row.get('saved_at')!s:<25} "
+                   f"{Path(row['file']).name:<26} {row.get('model', '?')}")
+    click.echo(f"\n{root}/<model id>/<file> is what `llama-wrapper slots inspect` reads")
 
 
 @slots.command()

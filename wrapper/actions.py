@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections import deque
@@ -59,6 +60,7 @@ class HookRun:
         }
 
 
+GUARD_EXIT_S = 0.2  # how long a guard whose program ended may take to exit before its hook counts as lingering
 OUTPUT_HEAD = 20  # lines of a hook's output logged from its start ...
 OUTPUT_TAIL = 20  # ... and from its end; what lies between is counted, not logged (as journald rate-limits)
 
@@ -211,6 +213,9 @@ class HookRunner:
             process.kill()
             await asyncio.shield(process.wait())
             raise
+        if process.lingering:  # its guard may still be on its way out: a moment to go before it counts
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.gone(), GUARD_EXIT_S)
         if process.lingering:  # it left jobs running: they may, until the wrapper stops
             self._lingering.add(process)
         if finished.returncode != 0:

@@ -36,15 +36,23 @@ def server_keys(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]:
 ADMIN_TOKEN_ENV = "LLAMA_WRAPPER_ADMIN_TOKEN"
 
 
+MAKE_TOKEN = ("make one with: mkdir -p \"$(dirname {file})\" && python3 -c 'import secrets; "
+              "print(secrets.token_urlsafe(32))' > {file} && chmod 600 {file}")
+
+
 def admin_token(token_file: Path | None, env: Mapping[str, str]) -> str | None:
     """The token POST /wrapper/* asks for: admin.token_file's first line, else LLAMA_WRAPPER_ADMIN_TOKEN."""
     if token_file is not None:
         try:
-            token = token_file.read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as exc:
-            raise ValueError(f"admin.token_file: cannot read a token from {token_file}: {exc}") from exc
+            lines = token_file.read_text().strip().splitlines()
+        except FileNotFoundError as exc:
+            raise ValueError(f"admin.token_file: {token_file} does not exist; {MAKE_TOKEN.format(file=token_file)}"
+                             ) from exc
+        except OSError as exc:
+            raise ValueError(f"admin.token_file: cannot read {token_file}: {exc.strerror}") from exc
+        token = lines[0].strip() if lines else ""
         if not token:
-            raise ValueError(f"admin.token_file: {token_file} holds no token")
+            raise ValueError(f"admin.token_file: {token_file} is empty; {MAKE_TOKEN.format(file=token_file)}")
         return token
     return env.get(ADMIN_TOKEN_ENV) or None
 

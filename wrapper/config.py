@@ -103,7 +103,7 @@ def parse_listen(text: str) -> Listen:
     """`HOST:PORT`, `[v6]:PORT` or `:PORT` (loopback)."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"listen must be HOST:PORT with a port in 1-65535, not {text!r}")
+        raise ValueError(f"write HOST:PORT with a port in 1-65535 (e.g. 127.0.0.1:8080), not {text!r}")
     host = host.strip("[]") or "127.0.0.1"
     return Listen(host, int(port))
 
@@ -196,7 +196,7 @@ def _read_actions(r: Reader, node: yaml.Node, event: str) -> tuple[Action, ...]:
         return ()
     actions = []
     for index, item in enumerate(node.value):
-        action = _read_action(r, item, f"hooks.{event}[{index}]")
+        action = _read_action(r, item, f"hooks.{event}[{index}]", event)
         if action is not None:
             actions.append(action)
     return tuple(actions)
@@ -206,7 +206,7 @@ _ACTION_KEYS = ("name", "timeout", "retries", "ignore_errors", "when", "with", *
 _HTTP_KEYS = ("method", "url", "headers", "json", "body", "expect")
 
 
-def _read_action(r: Reader, node: yaml.Node, what: str) -> Action | None:
+def _read_action(r: Reader, node: yaml.Node, what: str, event: str) -> Action | None:
     keys = r.mapping(node, what, _ACTION_KEYS)
     kinds = [k for k in ACTION_KINDS if k in keys]
     if len(kinds) != 1:
@@ -250,7 +250,7 @@ def _read_action(r: Reader, node: yaml.Node, what: str) -> Action | None:
     if not fields.get(kind):
         return None
     action = Action(**{k: v for k, v in fields.items() if v is not None})
-    for problem in _template_problems(action):
+    for problem in _template_problems(action, event):
         r.error(node, f"{what}: {problem}")
     if action.shell is not None:
         for quoted in template.quoted_templates(action.shell):
@@ -259,16 +259,16 @@ def _read_action(r: Reader, node: yaml.Node, what: str) -> Action | None:
     return action
 
 
-def _template_problems(action: Action) -> list[str]:
+def _template_problems(action: Action, event: str) -> list[str]:
     """Templates are checked when the config is read: a typo fails `check` and `run` at once, with file:line."""
     texts = [action.shell or "", *action.exec]
     if action.http is not None:
         texts += [action.http.url, *action.http.headers.values(), action.http.body or "",
                   *_strings(action.http.json)]
     texts += _strings(action.options)
-    found = [problem for text in texts if "{" in text for problem in template.problems(text)]
+    found = [problem for text in texts if "{" in text for problem in template.problems(text, event=event)]
     if action.when is not None:
-        found += template.problems(action.when, expression=True)
+        found += template.problems(action.when, expression=True, event=event)
     return found
 
 

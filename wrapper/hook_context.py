@@ -49,6 +49,8 @@ def _shape(kind: Any) -> frozenset[str] | None:
 
 # The names a template may use, and the keys of those whose shape is fixed.
 NAMES: dict[str, frozenset[str] | None] = {name: _shape(kind) for name, kind in get_type_hints(HookContext).items()}
+# Names set only in some hooks (elsewhere they are None, and `reload.n_ctx` would fail the hook).
+ONLY_IN = {"reload": ("on_reload",)}
 
 
 class _Address(Protocol):

@@ -44,6 +44,7 @@ class Launch:
     keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
     fitted: dict[str, Any] = field(default_factory=dict)  # what each built-in's fit set up for it (slots: a folder)
     admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
+    admin_off: str | None = None  # why they are off although admin.token_file is set
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
 
@@ -94,6 +95,9 @@ def prepare(config: Config) -> Launch:
         port = free_port()
     argv = [*args.remove(args.remove(argv, args.HOST), args.PORT), "--host", PRIVATE_HOST, "--port", str(port)]
     model = from_argv(argv)
+    if model.path and not os.path.isfile(model.path):
+        raise ConfigError(f"the model file {model.path!r} (-m) does not exist: give the path of a .gguf file "
+                          "(llama.cpp/get-model prints the demo model's)")
     env = {**os.environ, **config.env}
     facts: dict[str, Any] = {}
     if model.path:
@@ -102,12 +106,13 @@ def prepare(config: Config) -> Launch:
         except GGUFError as exc:
             notes.append({"change": "could not read the model's GGUF header",
                           "why": f"{exc}; SWA detection, the -c default and memory plans are off"})
+    admin_off = None
     try:
         token = admin_token(config.admin_token_file, os.environ)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    except ValueError as exc:  # the server still runs: only the admin endpoints are off, and the log says why
+        token, admin_off = None, str(exc)
     return Launch(argv=argv, port=port, listen=listen, model=model, env=env, keys=server_keys(argv, env),
-                  admin_token=token, notes=notes, facts=facts)
+                  admin_token=token, admin_off=admin_off, notes=notes, facts=facts)
 
 
 def _listen_from_server_args(host: str | None, port: str | None) -> Listen:

@@ -32,14 +32,14 @@ class IllegalTransition(RuntimeError):
 
 
 class Lifecycle:
-    def __init__(self, follower: Callable[[State], None] | None = None) -> None:
+    def __init__(self, *followers: Callable[[State], None]) -> None:
         self.state = State.STOPPED
-        self._follower = follower  # the gate: what a request meets follows from the state alone
+        self._followers = followers  # the gate (what a request meets follows from the state alone), systemd
 
     def to(self, new: State) -> None:
         if new not in _ALLOWED[self.state]:
             raise IllegalTransition(f"{self.state} -> {new}")
         log.info("state.changed", old=str(self.state), new=str(new))
         self.state = new
-        if self._follower is not None:
-            self._follower(new)
+        for follower in self._followers:
+            follower(new)

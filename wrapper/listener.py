@@ -44,10 +44,12 @@ def _unauthorized(request: web.Request) -> web.Response | None:
 
 def _not_admin(request: web.Request) -> web.Response | None:
     """POST /wrapper/* needs the admin token; without one configured, those endpoints are off."""
-    token = request.app[SUPERVISOR].launch.admin_token
+    launch = request.app[SUPERVISOR].launch
+    token = launch.admin_token
     if token is None:
-        return json_error(403, "admin endpoints are off: set admin.token_file in the config or "
-                          f"{ADMIN_TOKEN_ENV}, then send Authorization: Bearer <token>", "permission_error")
+        why = launch.admin_off or (f"set admin.token_file in the config or {ADMIN_TOKEN_ENV}, then send "
+                                   "Authorization: Bearer <token>")
+        return json_error(403, f"admin endpoints are off: {why}", "permission_error")
     if not allowed((token,), presented_bearer(request)):
         return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)",
                           "authentication_error")

@@ -70,6 +70,10 @@ def reload(url: str, token_file: Path | None, ctx: int | None, cache_type: str |
         body["args"] = {"set": dict(_assignment(item) for item in set_), "remove": list(remove)}
     if not body:
         raise click.UsageError("nothing to change: give --ctx, --cache-type, --set, --remove, --no-spec or --no-mmproj")
+    if "://" not in url:  # 127.0.0.1:8080, as --listen takes it
+        url = f"http://{url}"
+    if not url.startswith(("http://", "https://")):
+        raise click.UsageError(f"--url {url!r}: give the wrapper's address as http://HOST:PORT")
     request = urllib.request.Request(f"{url.rstrip('/')}/wrapper/reload", data=json.dumps(body).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
     if token:
@@ -89,4 +93,6 @@ def reload(url: str, token_file: Path | None, ctx: int | None, cache_type: str |
     else:
         click.echo(f"{answer['message']}: n_ctx {answer['n_ctx']}, downtime {answer['downtime_ms']:.0f} ms "
                    f"({'overlapped' if answer['overlap'] else 'sequential'}); {answer.get('restore') or ''}")
-    sys.exit(0 if answer.get("success") else 1)
+        for change in answer.get("changes") or []:
+            click.echo(f"  {change}")
+    sys.exit(0 if answer.get("success") else EXIT_FAILED)

@@ -60,7 +60,10 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
         config = extensions.load(config_path)
         changes: dict[str, Any] = {}
         if listen:
-            changes["listen"] = parse_listen(listen)
+            try:
+                changes["listen"] = parse_listen(listen)
+            except ValueError as exc:
+                raise ValueError(f"--listen: {exc}") from exc
         if ready_timeout is not None:
             changes["ready_timeout"] = ready_timeout
         if stop_timeout is not None:
@@ -79,9 +82,14 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
 
 
 @click.command()
-@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
-def check(config_path: str) -> None:
-    """Validate CONFIG and print the resolved settings and hooks; starts nothing. Exit 2 on errors."""
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False), required=False,
+                envvar="LLAMA_WRAPPER_CONFIG")
+def check(config_path: str | None) -> None:
+    """Validate CONFIG (default: $LLAMA_WRAPPER_CONFIG) and print the resolved settings and hooks; starts
+    nothing. Exit 2 on errors."""
+    if not config_path:
+        click.echo("llama-wrapper: check which config? give CONFIG, or set LLAMA_WRAPPER_CONFIG", err=True)
+        sys.exit(EXIT_CONFIG)
     try:
         config = extensions.load(config_path)
     except ConfigError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -30,6 +31,7 @@ from wrapper.generation import Generation, StartFailed, surviving
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient, LlamaError
+from wrapper.notify import Notifier
 from wrapper.proxy import Observer
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
@@ -59,7 +61,8 @@ class Supervisor:
         self.shared: dict[str, Any] = shared if shared is not None else {}  # the built-ins' lifelong state
         self._background: list[asyncio.Task[None]] = []
         self.gate = Gate(config.reload_hold_timeout)
-        self.lifecycle = Lifecycle(self.gate.follow)
+        self.notifier = Notifier(os.environ)
+        self.lifecycle = Lifecycle(self.gate.follow, self.notifier.follow)
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.result: str | None = None
@@ -105,6 +108,8 @@ class Supervisor:
                 log.info("argv.rewritten", **note)
             for warning in self.config.warnings:
                 log.warning("config.warning", note=warning)
+            if self.launch.admin_off:
+                log.warning("admin.off", why=self.launch.admin_off)
             log.info("wrapper.starting", listen=self.launch.listen.url, server=self.launch.url,
                      argv=self.launch.shown_argv, model=self.launch.model.as_dict())
             listening = serve(self)
@@ -165,10 +170,13 @@ class Supervisor:
         self.lifecycle.to(State.STARTING)
         await self._hook("on_will_start")
         await self.generation.start(self.server_line)
+        self.notifier.status("starting: running on_startup (restoring slots)")
         await surviving(self.generation, self.server_line, lambda: self._hook("on_startup"))
         self.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
         self._background = [asyncio.ensure_future(work) for work in extensions.background(self)]
+        if self.notifier.watchdog_s is not None:
+            self._background.append(asyncio.ensure_future(self._watchdog(self.notifier.watchdog_s)))
         assert self.generation.child is not None
         log.info("wrapper.ready", listen=self.launch.listen.url, pid=self.generation.child.pid,
                  start_s=round(self.ready_at - self.started_at, 3))
@@ -195,6 +203,13 @@ class Supervisor:
         if self._reload_task is task:
             self._reload_task = None
 
+    async def _watchdog(self, every: float) -> None:
+        """WATCHDOG=1 while llama-server answers (a reload's held moments included: the wrapper is alive)."""
+        while True:
+            if self.lifecycle.state is State.RELOADING or await self.generation.client.healthy(timeout=every):
+                self.notifier.watchdog()
+            await asyncio.sleep(every)
+
     def install(self, generation: Generation) -> None:
         """Make a new generation the current one: requests released from now on go to it."""
         self.generation = generation
@@ -215,9 +230,13 @@ class Supervisor:
             task.cancel()
         served = ended is Ended.SERVED
         if served and not self.force.is_set():
+            if self.gate.in_flight:
+                self.notifier.status(f"stopping: draining {self.gate.in_flight} request(s)")
             await self.drain(self.config.drain_timeout)
         if served and self.generation.alive and not self.force.is_set():
+            self.notifier.status("stopping: running on_will_stop (saving slots)")
             await self._hook("on_will_stop")
+        self.notifier.status("stopping: stopping llama-server")
         finished = await self.generation.stop()
         self.result = _result(finished, ended)
         stop_s = time.monotonic() - stop_began

@@ -12,7 +12,7 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
-from wrapper.hook_context import NAMES
+from wrapper.hook_context import NAMES, ONLY_IN
 
 
 class TemplateError(Exception):
@@ -68,8 +68,9 @@ def _render(env: jinja2.Environment, text: str, context: dict[str, Any]) -> str:
 CONTEXT = NAMES  # the names a hook's template may use, and the keys of those whose shape is fixed
 
 
-def problems(text: str, expression: bool = False) -> list[str]:
-    """What would make `text` fail to render: a syntax error, an unknown name, an unknown key of a known name.
+def problems(text: str, expression: bool = False, event: str | None = None) -> list[str]:
+    """What would make `text` fail to render: a syntax error, an unknown name, an unknown key of a known name,
+    a name the hook `event` does not set.
 
     Checked when the config is loaded, so a typo is a config error with file:line, not a failed stop hook.
     """
@@ -82,6 +83,8 @@ def problems(text: str, expression: bool = False) -> list[str]:
     for name in sorted(jinja2.meta.find_undeclared_variables(tree) - set(_PLAIN.globals)):
         if name not in CONTEXT:
             found.append(f"unknown name {name!r} in {text!r}{_hint(name, CONTEXT)}")
+        elif event is not None and event not in ONLY_IN.get(name, (event,)):
+            found.append(f"{name!r} is set only in {', '.join(ONLY_IN[name])} hooks, not in {event} ({text!r})")
     for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
         owner, key = getattr(node, "node", None), _key(node)
         if not isinstance(owner, jinja2.nodes.Name) or key is None:

@@ -26,7 +26,7 @@ def server_line(generation: Generation, line: str) -> bool:
             found.remembered = True
             calibration.remember(generation.launch.model.id, found.measured, fit.settings)
             log.info("degrade.measured", n_ctx=found.measured.n_ctx, buffers=found.measured.buffers)
-        return True
+    # The lines -lv 4 adds are the wrapper's own business (debug); the server's own news and its warnings are not.
     return fit is None or not fit.verbosity_added or " I srv " in line or " W " in line or " E " in line
 
 

@@ -248,6 +248,9 @@ def test_a_refused_budget_leaves_growth_as_it_was(tmp_path: Path, server_bin: st
     budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget),
                  env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        shown = [e["line"] for e in wrapper.events("server.output")]  # info only: -lv 4's extra lines are debug
+        assert len(shown) < 40 and not [line for line in shown if "print_info:" in line], len(shown)
+        assert wrapper.events("degrade.measured")  # the planner still read them
         before = degrade_status(wrapper)
         status, answer = post(wrapper.url, "/wrapper/budget", {"budget": "40MiB"}, ADMIN)
         assert status == 400 and "the budget is unchanged" in answer["error"]["message"], answer
@@ -335,9 +338,11 @@ def test_plan_prints_the_ladder_without_a_server(tmp_path: Path, server_bin: str
     table = plan_cli("--budget", "200MiB")
     assert table.returncode == 0, table.stderr
     assert "as-given" in table.stdout and "quantize-kv-q4" in table.stdout and "skipped: no mmproj" in table.stdout
+    assert "on the CPU (--budget)" in table.stdout  # not degrade.budget: there is no config
     report = json.loads(plan_cli("--budget", "200MiB", "--json").stdout)
     shape = read_shape(demo_path)
     assert report["current"]["bytes"]["kv"] == plan(shape, Settings(n_ctx=8192)).component("kv")
+    assert report["budget"]["source"] == "--budget"
     rungs = {r["name"]: r for r in report["rungs"]}
     assert 0 < rungs["as-given"]["max_ctx"] < rungs["quantize-kv-q8"]["max_ctx"] <= 8192
     assert all(r["bytes"]["total"] <= 200 * MiB for r in report["rungs"] if "bytes" in r)

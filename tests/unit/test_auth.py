@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wrapper.auth import REDACTED, allowed, redacted, server_keys
+import pytest
+
+from wrapper.auth import REDACTED, admin_token, allowed, redacted, server_keys
 
 
 def test_keys_are_read_as_llama_server_reads_them(tmp_path: Path) -> None:
@@ -29,3 +31,15 @@ def test_secrets_are_redacted_in_every_spelling() -> None:
     assert not {"k1", "k2", "t1", "t2"} & {part.split("=")[-1] for part in shown}
     assert shown == ["llama-server", "-m", "m.gguf", "--api-key", REDACTED, f"--api-key={REDACTED}", "-hft",
                      REDACTED, f"--hf-token={REDACTED}", "--api-key-file", "/etc/keys"]
+
+
+def test_an_admin_token_that_cannot_be_read_says_how_to_make_one(tmp_path: Path) -> None:
+    for problem, prepare in (("does not exist", lambda f: None), ("is empty", lambda f: f.write_text("\n"))):
+        token_file = tmp_path / "admin-token"
+        token_file.unlink(missing_ok=True)
+        prepare(token_file)
+        with pytest.raises(ValueError, match=problem) as caught:
+            admin_token(token_file, {})
+        assert "make one with: " in str(caught.value) and "list index" not in str(caught.value)
+    token_file.write_text("s3cret\n")
+    assert admin_token(token_file, {}) == "s3cret"

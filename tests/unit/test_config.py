@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,9 @@ def test_empty_config_is_all_defaults() -> None:
     ("hooks:\n  on_startpu: []\n", "c.yaml:2: unknown key 'on_startpu' in hooks (did you mean 'on_startup'?)"),
     ("server:\n  argv: [x]\n  stop_timout: 3s\n", "c.yaml:3: unknown key 'stop_timout' in server (did you mean"),
     ("server:\n  ready_timeout: soon\n", "c.yaml:2: server.ready_timeout: not a duration: 'soon'"),
-    ("listen: 8080\n", "c.yaml:1: listen: listen must be HOST:PORT"),
+    ("listen: 8080\n", "c.yaml:1: listen: write HOST:PORT"),
+    ("listen: localhost\n", "c.yaml:1: listen: write HOST:PORT with a port in 1-65535 (e.g. 127.0.0.1:8080), "
+                            "not 'localhost'"),
     ("hooks:\n  on_startup:\n    - name: x\n", "c.yaml:3: hooks.on_startup[0] needs exactly one of http, shell"),
     ("hooks:\n  on_startup:\n    - shell: a\n      exec: [b]\n",
      "needs exactly one of http, shell, exec, builtin (found 2)"),
@@ -168,7 +171,7 @@ def test_run_with_a_bad_config_exits_2_before_spawning(tmp_path: Path) -> None:
     marker = tmp_path / "spawned"
     done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--config", str(path), "--",
                            "touch", str(marker)], capture_output=True, text=True, check=False)
-    assert done.returncode == 2 and "listen must be HOST:PORT" in done.stderr
+    assert done.returncode == 2 and "hooks.yaml:1: listen: write HOST:PORT" in done.stderr
     assert not marker.exists()
 
 
@@ -181,7 +184,7 @@ def test_run_with_a_missing_binary_exits_2(tmp_path: Path) -> None:
 def test_options_come_from_the_environment(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--", "true"], capture_output=True,
                           text=True, check=False, env={"LLAMA_WRAPPER_LISTEN": "bad", "PATH": "/usr/bin:/bin"})
-    assert done.returncode == 2 and "listen must be HOST:PORT" in done.stderr
+    assert done.returncode == 2 and "--listen: write HOST:PORT" in done.stderr
 
 
 @pytest.mark.parametrize("name", ["hooks.yaml", "degrade.yaml"])
@@ -284,3 +287,33 @@ def test_sizes(text: object, size: int) -> None:
 def test_help_names_the_slot_files_as_they_are() -> None:
     done = subprocess.run([sys.executable, "-m", "wrapper.cli", "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "slot0-<fingerprint>.bin" in done.stdout and "slot0.bin" not in done.stdout
+
+
+def test_check_reads_the_config_named_in_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "hooks.yaml"
+    path.write_text(FULL)
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "check"], capture_output=True, text=True,
+                          check=False, env={**os.environ, "LLAMA_WRAPPER_CONFIG": str(path)})
+    assert done.returncode == 0 and "warm-up" in done.stdout, done.stderr
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_WRAPPER_CONFIG"}
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "check"], capture_output=True, text=True,
+                          check=False, env=env)
+    assert done.returncode == 2 and "set LLAMA_WRAPPER_CONFIG" in done.stderr
+
+
+def test_a_missing_model_is_one_sentence_before_anything_starts(tmp_path: Path) -> None:
+    marker = tmp_path / "spawned"
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "run", "--", "touch", str(marker), "-m",
+                           "/nonexistent.gguf"], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and not marker.exists()
+    assert done.stderr.strip().splitlines() == ["llama-wrapper: the model file '/nonexistent.gguf' (-m) does not "
+                                                "exist: give the path of a .gguf file (llama.cpp/get-model prints "
+                                                "the demo model's)"]
+
+
+def test_reload_takes_the_address_as_listen_does() -> None:
+    done = subprocess.run([sys.executable, "-m", "wrapper.cli", "reload", "--url", "127.0.0.1:9", "--ctx", "2048"],
+                          capture_output=True, text=True, check=False, env={**os.environ,
+                                                                            "LLAMA_WRAPPER_ADMIN_TOKEN": "t"})
+    assert done.returncode == 1 and "cannot reach http://127.0.0.1:9" in done.stderr
+    assert "unknown url type" not in done.stderr

@@ -96,3 +96,16 @@ hooks:
         wrapper.process.send_signal(signal.SIGKILL)  # the wrapper alone, not its group
         wrapper.wait(10)
         wait_for(lambda: not pid_alive(job), 10, "the hook's background job to die with the wrapper")
+
+
+def test_a_hook_that_leaves_nothing_running_is_not_reported_as_leftovers(tmp_path: Path) -> None:
+    """`hook.leftovers_ended hooks=1` was logged at every stop, even for one `echo` in on_stopped."""
+    config = """
+hooks:
+  on_will_stop: [{shell: echo a}]
+  on_stopped: [{shell: echo b}]
+"""
+    with running(tmp_path, child_argv(), config, timeout=60) as wrapper:
+        assert wrapper.stop() == 0
+        assert [e["line"] for e in wrapper.events("hook.output")] == ["a", "b"]
+        assert wrapper.events("hook.leftovers_ended") == []

@@ -25,6 +25,7 @@ def test_ls_inspect_rm(tmp_path: Path) -> None:
     assert not any("problem" in r for r in rows)
     table = runner.invoke(main, ["slots", "ls", "--dir", str(tmp_path)])
     assert "chat" in table.output and "f16/f16" in table.output
+    assert first.name in table.output and second.name in table.output  # what `slots inspect` needs
 
     inspected = runner.invoke(main, ["slots", "inspect", str(first)])
     summary = json.loads(inspected.output)
@@ -64,3 +65,12 @@ def test_inspect_a_file_whose_cell_count_is_absurd(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["slots", "inspect", str(bad)])
     assert result.exit_code == 1 and "KV cell count 4294967295 does not fit" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_messages_say_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
+    make_pair(tmp_path / "aaaa", "aaaa", 0, [1, 2, 3])
+    runner = CliRunner()
+    removed = runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), "aaaa", "--slot", "4"])
+    assert removed.exit_code == 1 and "model aaaa has no saved slot 4" in removed.output
+    inspected = runner.invoke(main, ["slots", "inspect", str(tmp_path / "aaaa" / "slot0.json")])
+    assert inspected.exit_code == 1 and "not their .json sidecars" in inspected.output

@@ -4,6 +4,7 @@ import subprocess
 
 import pytest
 
+from wrapper.config import ConfigError, parse_config
 from wrapper.template import TemplateError, evaluate, render, render_data, render_shell
 
 
@@ -40,3 +41,10 @@ def test_when_expressions() -> None:
 def test_templates_are_sandboxed() -> None:
     with pytest.raises(TemplateError):
         render("{{ ''.__class__.__mro__ }}", {})
+
+
+def test_a_name_a_hook_does_not_set_is_a_config_error() -> None:
+    """`{{ reload.n_ctx }}` in on_startup passed `check`, then failed the start ('None' has no attribute)."""
+    with pytest.raises(ConfigError, match=r"hooks.on_startup\[0\]: 'reload' is set only in on_reload hooks"):
+        parse_config("hooks:\n  on_startup:\n    - shell: echo {{ reload.n_ctx }}\n", "t.yaml")
+    assert parse_config("hooks:\n  on_reload:\n    - shell: echo {{ reload.n_ctx }}\n", "t.yaml").hooks["on_reload"]
