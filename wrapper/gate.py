@@ -40,7 +40,7 @@ class Gate:
         """Called on every state change: the state alone decides what happens to a request."""
         if state is State.READY:
             self._opened.set()
-        elif state in (State.STOPPING, State.STOPPED):
+        elif state in (State.DRAINING, State.STOPPING, State.STOPPED):
             self._opened.clear()
             self._refusing.set()
         else:  # starting, reloading: hold

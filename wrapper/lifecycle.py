@@ -15,14 +15,16 @@ class State(StrEnum):
     STARTING = "starting"
     READY = "ready"
     RELOADING = "reloading"
+    DRAINING = "draining"  # POST /wrapper/drain: refusing new requests, saved, waiting for the stop
     STOPPING = "stopping"
 
 
 _ALLOWED = {
     State.STOPPED: {State.STARTING, State.STOPPING},  # stopping: the public address could not be taken
     State.STARTING: {State.READY, State.STOPPING},
-    State.READY: {State.RELOADING, State.STOPPING},
+    State.READY: {State.RELOADING, State.DRAINING, State.STOPPING},
     State.RELOADING: {State.READY, State.STOPPING},
+    State.DRAINING: {State.STOPPING},
     State.STOPPING: {State.STOPPED},
 }
 

@@ -18,6 +18,7 @@ from wrapper.lifecycle import State
 from wrapper.proxy import BadPath, canonical_path, json_error
 from wrapper.reload_plan import ReloadRefused
 from wrapper.supervisor import Supervisor
+from wrapper.units import parse_duration
 
 log = structlog.get_logger()
 
@@ -76,6 +77,37 @@ async def reload(request: web.Request) -> web.Response:
     return web.json_response(answer, status=200 if answer["success"] else 500)
 
 
+DRAIN_FIELDS = ("timeout",)
+
+
+async def drain(request: web.Request) -> web.Response:
+    """POST /wrapper/drain {"timeout": "30s"}: what a Kubernetes preStop hook calls before the SIGTERM (as GET
+    /wrapper/drain?timeout=30s too: a preStop httpGet can only GET). Both need the admin token."""
+    if (refusal := _not_admin(request)) is not None:
+        return refusal
+    supervisor = request.app[SUPERVISOR]
+    body: Any
+    if request.method == "GET":
+        body = dict(request.query)
+    else:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError:
+            body = None
+    if not isinstance(body, dict) or set(body) - set(DRAIN_FIELDS):
+        return json_error(400, 'the body must be empty or {"timeout": DURATION} (e.g. "30s"; default '
+                          "server.drain_timeout)", "invalid_request_error")
+    try:
+        timeout = parse_duration(body["timeout"]) if "timeout" in body else supervisor.config.drain_timeout
+    except ValueError as exc:
+        return json_error(400, f"timeout: {exc}", "invalid_request_error")
+    try:
+        answer = await supervisor.drain_for_stop(timeout)
+    except ReloadRefused as exc:
+        return json_error(exc.status, str(exc), "conflict")
+    return web.json_response(answer)
+
+
 async def status(request: web.Request) -> web.Response:
     return _unauthorized(request) or web.json_response(request.app[SUPERVISOR].status())
 
@@ -129,6 +161,8 @@ def application(supervisor: Supervisor) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
     app.router.add_post("/wrapper/reload", reload)
+    app.router.add_post("/wrapper/drain", drain)
+    app.router.add_get("/wrapper/drain", drain)
     for route in extensions.all_routes():
         app.router.add_route(route.method, route.path, builtin_route)
     app.router.add_route("*", "/{tail:.*}", proxied)

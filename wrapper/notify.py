@@ -16,7 +16,8 @@ from wrapper.lifecycle import State
 log = structlog.get_logger()
 
 _STATE_STATUS = {State.STARTING: "starting: loading the model", State.READY: "ready",
-                 State.RELOADING: "reloading", State.STOPPING: "stopping", State.STOPPED: "stopped"}
+                 State.RELOADING: "reloading", State.DRAINING: "draining: refusing new requests",
+                 State.STOPPING: "stopping", State.STOPPED: "stopped"}
 
 
 class Notifier:

@@ -73,6 +73,8 @@ class Supervisor:
         self._hook_task: asyncio.Task[None] | None = None
         self._reload_task: asyncio.Task[dict[str, Any]] | None = None
         self.last_reload: dict[str, Any] | None = None
+        self._drain_task: asyncio.Task[dict[str, Any]] | None = None
+        self._drained = False  # a drain saved everything: the stop has nothing left to wait for or save
         self.session: aiohttp.ClientSession
         self.runner: HookRunner
         self.generation: Generation
@@ -217,6 +219,39 @@ class Supervisor:
     async def drain(self, timeout: float) -> None:
         await self.gate.drain(timeout, self.force)
 
+    async def drain_for_stop(self, timeout: float) -> dict[str, Any]:
+        """POST /wrapper/drain: refuse new requests at once (/health 503), let those in flight finish within
+        `timeout`, run on_will_stop (the save) now; a stop then only stops llama-server. A second call waits for
+        the same drain."""
+        if self._drain_task is None:
+            if self.lifecycle.state is not State.READY:
+                raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: it drains only when ready", 409,
+                                    Refusal.NOT_READY)
+            self._drain_task = asyncio.ensure_future(self._drain_now(timeout))
+        return await asyncio.shield(self._drain_task)
+
+    async def _drain_now(self, timeout: float) -> dict[str, Any]:
+        began = time.monotonic()
+        self.lifecycle.to(State.DRAINING)
+        in_flight = self.gate.in_flight
+        log.info("wrapper.drain", in_flight=in_flight, timeout_s=timeout)
+        if in_flight:
+            self.notifier.status(f"draining: {in_flight} request(s) in flight")
+        await self.drain(timeout)
+        drained_s = time.monotonic() - began
+        self.notifier.status("draining: running on_will_stop (saving slots)")
+        seen = len(self.runner.history)
+        await self._hook("on_will_stop")
+        saved = [run.as_dict() for run in list(self.runner.history)[seen:]]
+        self._drained = True
+        answer = {"drained": True, "in_flight": in_flight, "left_in_flight": self.gate.in_flight,
+                  "drain_s": round(drained_s, 3), "total_s": round(time.monotonic() - began, 3),
+                  "on_will_stop": saved}
+        log.info("wrapper.drained", **{k: v for k, v in answer.items() if k != "on_will_stop"},
+                 hooks=[f"{r['action']}: {r['outcome']}" for r in saved])
+        self.notifier.status("drained: waiting for the stop")
+        return answer
+
     def request_stop(self) -> None:
         """Stop as if signalled (a reload that could bring back no server at all)."""
         self._stop_requested.set()
@@ -228,7 +263,10 @@ class Supervisor:
         self.lifecycle.to(State.STOPPING)
         for task in self._background:
             task.cancel()
-        served = ended is Ended.SERVED
+        if self._drain_task is not None and not self._drain_task.done():
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # a signal during a drain: let it finish
+                await asyncio.shield(self._drain_task)
+        served = ended is Ended.SERVED and not self._drained
         if served and not self.force.is_set():
             if self.gate.in_flight:
                 self.notifier.status(f"stopping: draining {self.gate.in_flight} request(s)")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hooks.degrade.settings import DEGRADE
 from hooks.slots import SLOTS
@@ -317,3 +318,16 @@ def test_reload_takes_the_address_as_listen_does() -> None:
                                                                             "LLAMA_WRAPPER_ADMIN_TOKEN": "t"})
     assert done.returncode == 1 and "cannot reach http://127.0.0.1:9" in done.stderr
     assert "unknown url type" not in done.stderr
+
+
+def test_the_kubernetes_example_drains_within_its_grace_period() -> None:
+    """Documented, not run (no cluster here): at least well-formed, and its numbers agree with each other."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "kubernetes.yaml"
+    docs = list(yaml.safe_load_all(example.read_text()))
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    drain = container["lifecycle"]["preStop"]["httpGet"]
+    assert drain["path"].startswith("/wrapper/drain?timeout=")
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    timeout = parse_duration(drain["path"].split("=")[1])
+    assert pod["terminationGracePeriodSeconds"] >= timeout + 10 + 10  # + the save + stop_timeout
