@@ -61,6 +61,7 @@ class Builtin:
     growth: Growth | None = None  # when llama-server answers a context overflow
     observer: Callable[[Generation], Observer | None] | None = None  # watches proxied responses
     status: Callable[[Generation], dict[str, Any]] | None = None  # its part of /wrapper/status
+    metrics: Callable[[Generation], None] | None = None  # sets its gauges before a scrape of /metrics
     hand_over: Callable[[Generation], Awaitable[str]] | None = None  # the old generation, before a reload
     take_over: Callable[[Generation], Awaitable[str]] | None = None  # the new generation, before it serves
     reload_report: Callable[[Generation], list[dict[str, Any]]] | None = None  # per slot, in a reload's answer
@@ -86,7 +87,8 @@ BUILTINS: tuple[Builtin, ...] = (
     ),
     Builtin(  # after slots: its fit starts from the argv the slot built-ins made fit for persistence
         family=DEGRADE_FAMILY, settings=DEGRADE, in_use=lambda config: DEGRADE.on(config) is not None,
-        fit=fit.fit, observer=report.observer, status=report.status, server_line=report.server_line,
+        fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
+        server_line=report.server_line,
         background=control.relax,
         growth=Growth(control.grow, lambda config: DEGRADE.of(config).continue_truncated,
                       lambda config: DEGRADE.of(config).headroom),

@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 
 from wrapper.llama import LlamaClient, LlamaError
+from wrapper.metrics import METRICS
 from wrapper.proxy import Observer
 
 log = structlog.get_logger()
@@ -81,6 +82,7 @@ class ReuseTracker:
             return
         restored = int(entry.get("tokens") or 0)
         entry["reused_tokens"] = cache_n
+        METRICS.reused_tokens.inc(cache_n)
         entry["reused_share"] = round(cache_n / restored, 4) if restored else None
         fields = {"slot": slot, "restored_tokens": restored, "cache_n": cache_n, "path": path}
         if restored and cache_n < REUSE_WARNING * restored:

@@ -27,6 +27,7 @@ from wrapper import argv as args
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, ServerLost
 from wrapper.llama import LlamaError
+from wrapper.metrics import METRICS
 from wrapper.proxy import Observer
 from wrapper.settings import PATH, Section, choice, setting
 
@@ -155,6 +156,7 @@ async def save(rt: Generation) -> str:
     report = [await _guarded(_save_one(rt, directory, slot, settings), {"slot": slot.get("id"), "tokens": 0,
                                                                            "bytes": 0}) for slot in slots]
     _state(rt).save = report
+    _count("save", report, "saved")
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     summary = (f"saved {len(saved)} slot(s), {sum(r['tokens'] for r in saved)} tokens, "
@@ -222,6 +224,7 @@ async def restore(rt: Generation) -> str:
     report = [await _guarded(_restore_one(rt, saved, settings, state_version),
                              {"slot": saved.slot, "file": str(saved.kv_file), "tokens": 0}) for saved in files]
     _state(rt).restore = report
+    _count("restore", report, "restored")
     restored = [r for r in report if r["outcome"] == "restored"]
     for entry in restored:
         reuse.expect(entry, settings["total_slots"])
@@ -356,6 +359,15 @@ async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> di
         log.exception("slots.internal_error", slot=entry.get("slot"))
         entry.setdefault("file", None)
         return {**entry, "outcome": "failed", "reason": f"internal error: {exc!r}"}
+
+
+def _count(operation: str, report: list[dict[str, Any]], done: str) -> None:
+    for entry in report:
+        METRICS.slot_ops.labels(operation=operation, outcome=entry["outcome"]).inc()
+        if entry["outcome"] == done:
+            METRICS.slot_tokens.labels(operation=operation).inc(int(entry.get("tokens") or 0))
+            METRICS.slot_bytes.labels(operation=operation).inc(int(entry.get("bytes") or 0))
+            METRICS.slot_seconds.labels(operation=operation).observe(float(entry.get("total_ms") or 0) / 1000)
 
 
 def _sweep(directory: Path) -> None:

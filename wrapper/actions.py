@@ -20,6 +20,7 @@ from wrapper.child import Child, spawn
 from wrapper.config import Action
 from wrapper.generation import ServerLost
 from wrapper.hook_context import environment
+from wrapper.metrics import METRICS
 
 log = structlog.get_logger()
 
@@ -115,6 +116,8 @@ class HookRunner:
         for action in actions:
             record = await self._run_action(event, action, context)
             self.history.append(record)
+            METRICS.hook_runs.labels(hook=event, outcome=record.outcome).inc()
+            METRICS.hook_seconds.labels(hook=event).observe(record.duration_s)
             fields = record.as_dict()
             fields.pop("finished_at")
             logger = log.warning if record.outcome in ("failed", "ignored") else log.info

@@ -23,6 +23,7 @@ NO_CACHE_IDLE_SLOTS = ("--no-cache-idle-slots",)
 CACHE_RAM = ("-cram", "--cache-ram")
 MMPROJ = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
 GPU_LAYERS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+METRICS = ("--metrics",)
 
 
 def _matches(arg: str, names: Sequence[str]) -> tuple[bool, str | None]:

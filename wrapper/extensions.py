@@ -101,6 +101,13 @@ def observer(generation: Generation) -> Observer | None:
     return every
 
 
+def refresh_metrics(generation: Generation) -> None:
+    """Each built-in sets its gauges before a scrape."""
+    for builtin in in_use(generation.config):
+        if builtin.metrics is not None:
+            builtin.metrics(generation)
+
+
 def status(generation: Generation) -> dict[str, Any]:
     return {b.family: b.status(generation) for b in in_use(generation.config) if b.status is not None}
 

@@ -16,6 +16,7 @@ from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
 from wrapper.launch import Launch
 from wrapper.llama import LlamaClient
+from wrapper.metrics import METRICS
 
 log = structlog.get_logger()
 
@@ -116,5 +117,6 @@ async def surviving(generation: Generation, on_line: Callable[[Generation, str],
             if attempt == RESTARTS_AFTER_LOSS:
                 raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
             log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
+            METRICS.server_restarts.inc()
             await generation.start(on_line)
     raise AssertionError("unreachable")

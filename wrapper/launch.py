@@ -15,6 +15,7 @@ from wrapper.auth import admin_token, redacted, server_keys
 from wrapper.config import Config, ConfigError, Listen
 from wrapper.gguf_meta import GGUFError, architecture_facts, read_metadata
 from wrapper.model import Model, from_argv
+from wrapper.server_help import supported_flags
 
 log = structlog.get_logger()
 
@@ -45,6 +46,7 @@ class Launch:
     fitted: dict[str, Any] = field(default_factory=dict)  # what each built-in's fit set up for it (slots: a folder)
     admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
     admin_off: str | None = None  # why they are off although admin.token_file is set
+    metrics: bool = False  # llama-server serves /metrics (GET /metrics passes it through)
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
 
@@ -94,6 +96,13 @@ def prepare(config: Config) -> Launch:
     while port == listen.port:  # not bound yet when we pick: the kernel may offer the public port again
         port = free_port()
     argv = [*args.remove(args.remove(argv, args.HOST), args.PORT), "--host", PRIVATE_HOST, "--port", str(port)]
+    flags = supported_flags(argv[0])
+    metrics = args.has(argv, args.METRICS)
+    if not metrics and flags is not None and args.METRICS[0] in flags:
+        argv.append(args.METRICS[0])
+        metrics = True
+        notes.append({"change": "--metrics", "why": "GET /metrics on the wrapper passes llama-server's own "
+                      "metrics through, followed by the wrapper's; llama-server's port stays private"})
     model = from_argv(argv)
     if model.path and not os.path.isfile(model.path):
         raise ConfigError(f"the model file {model.path!r} (-m) does not exist: give the path of a .gguf file "
@@ -112,7 +121,7 @@ def prepare(config: Config) -> Launch:
     except ValueError as exc:  # the server still runs: only the admin endpoints are off, and the log says why
         token, admin_off = None, str(exc)
     return Launch(argv=argv, port=port, listen=listen, model=model, env=env, keys=server_keys(argv, env),
-                  admin_token=token, admin_off=admin_off, notes=notes, facts=facts)
+                  admin_token=token, admin_off=admin_off, metrics=metrics, notes=notes, facts=facts)
 
 
 def _listen_from_server_args(host: str | None, port: str | None) -> Listen:

@@ -15,6 +15,7 @@ from wrapper import extensions
 from wrapper.auth import ADMIN_TOKEN_ENV, allowed, presented_bearer, presented_key
 from wrapper.forwarding import RETRY_AFTER_S, forward_request
 from wrapper.lifecycle import State
+from wrapper.metrics import METRICS
 from wrapper.proxy import BadPath, canonical_path, json_error
 from wrapper.reload_plan import ReloadRefused
 from wrapper.supervisor import Supervisor
@@ -127,7 +128,22 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     if _is_slot_action(request.method, path) and not supervisor.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
-    return await forward_request(request, supervisor, path)
+    response = await forward_request(request, supervisor, path)
+    METRICS.answered(response.status)
+    return response
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """llama-server's own metrics (when it has them), then the wrapper's families; asks for one of llama-server's
+    API keys like llama-server's own /metrics."""
+    if (refusal := _unauthorized(request)) is not None:
+        return refusal
+    supervisor = request.app[SUPERVISOR]
+    server = await supervisor.current.client.metrics() if supervisor.launch.metrics else b""
+    if server and not server.endswith(b"\n"):
+        server += b"\n"
+    return web.Response(body=server + supervisor.metrics(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 async def builtin_route(request: web.Request) -> web.Response:
@@ -160,6 +176,7 @@ def application(supervisor: Supervisor) -> web.Application:
     app[SUPERVISOR] = supervisor
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/wrapper/reload", reload)
     app.router.add_post("/wrapper/drain", drain)
     app.router.add_get("/wrapper/drain", drain)

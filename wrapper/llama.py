@@ -44,6 +44,17 @@ class LlamaClient:
         result: dict[str, Any] = await self._json("POST", f"/slots/{slot}?action={action}", body)
         return result
 
+    async def metrics(self) -> bytes:
+        """llama-server's /metrics in the Prometheus text format; b"" when it has none or cannot be reached."""
+        try:
+            async with self._session.get(f"{self.base_url}/metrics", headers=self._headers,
+                                         timeout=aiohttp.ClientTimeout(total=10)) as reply:
+                body = await reply.read()
+                kind = reply.headers.get("Content-Type", "")
+                return body if reply.status == 200 and kind.startswith("text/plain") else b""
+        except (aiohttp.ClientError, TimeoutError):
+            return b""
+
     async def prefill(self, slot: int, tokens: list[int]) -> dict[str, Any]:
         """Process `tokens` into slot `slot`'s cache (one token is generated and dropped)."""
         body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "cache_prompt": True, "temperature": 0}

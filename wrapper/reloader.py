@@ -24,6 +24,7 @@ from wrapper.generation import Generation, surviving
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaError
+from wrapper.metrics import METRICS
 from wrapper.reload_plan import Refusal, ReloadPlan, ReloadRefused, plan
 from wrapper.server_help import flag_arity
 from wrapper.sysinfo import mem_available
@@ -176,6 +177,9 @@ class Reloader:
             "save": saved, "restore": restored, "slots": extensions.restore_report(generation) if success else [],
         }
         log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})
+        METRICS.reloads.labels(outcome="success" if success else "rolled_back").inc()
+        if success:
+            METRICS.reload_downtime.observe(downtime_ms / 1000)
         self.host.last_reload = answer
         await self.host.run_hook("on_reload")
         return answer

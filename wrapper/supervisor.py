@@ -31,6 +31,7 @@ from wrapper.generation import Generation, StartFailed, surviving
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient, LlamaError
+from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.proxy import Observer
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
@@ -62,7 +63,7 @@ class Supervisor:
         self._background: list[asyncio.Task[None]] = []
         self.gate = Gate(config.reload_hold_timeout)
         self.notifier = Notifier(os.environ)
-        self.lifecycle = Lifecycle(self.gate.follow, self.notifier.follow)
+        self.lifecycle = Lifecycle(self.gate.follow, self.notifier.follow, METRICS.follow)
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.result: str | None = None
@@ -143,10 +144,13 @@ class Supervisor:
         if start.cancelled() or not start.done():  # a stop signal during the start aborted it
             with contextlib.suppress(asyncio.CancelledError, StartFailed):
                 await start
+            METRICS.starts.labels(outcome="aborted").inc()
             return await self._stop(Ended.ABORTED)
         if start.exception() is not None:
             log.error("wrapper.start_failed", error=str(start.exception()))
+            METRICS.starts.labels(outcome="failed").inc()
             return await self._stop(Ended.START_FAILED)
+        METRICS.starts.labels(outcome="ready").inc()
         while True:
             child = self.generation.child
             assert child is not None
@@ -356,6 +360,13 @@ class Supervisor:
             log.debug("server.output", line=line)
 
     # -- for the admin endpoints ---------------------------------------------------------------------------
+
+    def metrics(self) -> bytes:
+        """The wrapper's families, the gauges read now."""
+        METRICS.in_flight.set(self.gate.in_flight)
+        METRICS.held.set(self.gate.held)
+        extensions.refresh_metrics(self.generation)
+        return METRICS.text()
 
     def status(self) -> dict[str, Any]:
         return status.document(self.lifecycle.state, self.generation, self.gate, self.started_at, self.ready_at,

@@ -11,6 +11,7 @@ import structlog
 from hooks.degrade import calibration
 from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
 from wrapper.generation import Generation, Host
+from wrapper.metrics import METRICS
 from wrapper.proxy import Observer
 
 log = structlog.get_logger()
@@ -53,6 +54,11 @@ def status(generation: Generation) -> dict[str, Any]:
         "swa_window_note": ("the sliding-window cache is not full: restored slots would not be reused, so the "
                             "slots saved with it are kept") if fit and fit.swa_dropped else None,
     }
+
+
+def metrics(generation: Generation) -> None:
+    fit = fitted(generation.launch)
+    METRICS.degrade(fit.rung if fit else None, fit.n_ctx if fit else None, fit.budget if fit else None)
 
 
 def memory(generation: Generation) -> dict[str, Any]:

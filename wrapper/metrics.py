@@ -1,0 +1,69 @@
+"""The wrapper's own Prometheus families (all `llama_wrapper_`), one set for the process: counters only grow,
+across reloads too. GET /metrics serves them after llama-server's own (wrapper/listener.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from wrapper.lifecycle import State
+
+DURATIONS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.state = Gauge("llama_wrapper_state", "1 for the state the wrapper is in", ["state"], registry=r)
+        self.starts = Counter("llama_wrapper_starts", "Starts, by outcome (ready, failed, aborted)", ["outcome"],
+                              registry=r)
+        self.server_restarts = Counter("llama_wrapper_server_restarts",
+                                       "llama-server started again after it died under a restore", registry=r)
+        self.reloads = Counter("llama_wrapper_reloads", "Reloads, by outcome (success, rolled_back)", ["outcome"],
+                               registry=r)
+        self.reload_downtime = Histogram("llama_wrapper_reload_downtime_seconds",
+                                         "How long a reload held requests", buckets=DURATIONS, registry=r)
+        self.slot_ops = Counter("llama_wrapper_slot_operations", "Slot saves and restores, by outcome",
+                                ["operation", "outcome"], registry=r)
+        self.slot_tokens = Counter("llama_wrapper_slot_tokens", "Tokens saved or restored", ["operation"],
+                                   registry=r)
+        self.slot_bytes = Counter("llama_wrapper_slot_bytes", "Bytes of KV saved or restored", ["operation"],
+                                  registry=r)
+        self.slot_seconds = Histogram("llama_wrapper_slot_operation_seconds", "How long one slot's save or restore "
+                                      "took", ["operation"], buckets=DURATIONS, registry=r)
+        self.reused_tokens = Counter("llama_wrapper_reused_tokens",
+                                     "Tokens the first request after a restore took from the cache", registry=r)
+        self.hook_runs = Counter("llama_wrapper_hook_runs", "Hook actions run, by hook and outcome",
+                                 ["hook", "outcome"], registry=r)
+        self.hook_seconds = Histogram("llama_wrapper_hook_seconds", "How long a hook action took", ["hook"],
+                                      buckets=DURATIONS, registry=r)
+        self.requests = Counter("llama_wrapper_requests", "Proxied requests answered, by status class",
+                                ["status_class"], registry=r)
+        self.in_flight = Gauge("llama_wrapper_requests_in_flight", "Requests being served", registry=r)
+        self.held = Gauge("llama_wrapper_requests_held", "Requests held while starting or reloading", registry=r)
+        self.degrade_rung = Gauge("llama_wrapper_degrade_rung", "1 for the rung of the ladder that runs",
+                                  ["rung"], registry=r)
+        self.degrade_context = Gauge("llama_wrapper_degrade_context_tokens", "The context the rung runs with",
+                                     registry=r)
+        self.degrade_budget = Gauge("llama_wrapper_degrade_budget_bytes", "The memory budget", registry=r)
+        for state in State:
+            self.state.labels(state=str(state)).set(0)
+
+    def follow(self, state: State) -> None:
+        for each in State:
+            self.state.labels(state=str(each)).set(1 if each is state else 0)
+
+    def answered(self, status: int) -> None:
+        self.requests.labels(status_class=f"{status // 100}xx").inc()
+
+    def degrade(self, rung: str | None, n_ctx: int | None, budget: int | None) -> None:
+        self.degrade_rung.clear()
+        if rung is not None:
+            self.degrade_rung.labels(rung=rung).set(1)
+        self.degrade_context.set(n_ctx or 0)
+        self.degrade_budget.set(budget or 0)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+METRICS = Metrics()
