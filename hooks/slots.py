@@ -310,6 +310,7 @@ async def warm(rt: Generation) -> str:
         entry.update(outcome="prefilled", tokens=len(tokens),
                      prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
         reuse.expect(entry, total_slots)
+        METRICS.slot_ops.labels(operation="restore", outcome="prefilled").inc()
         warmed += 1
         log.info("slots.prefilled", slot=entry["slot"], tokens=len(tokens), prefill_ms=entry["prefill_ms"],
                  why=entry["reason"])

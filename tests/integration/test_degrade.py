@@ -251,6 +251,8 @@ def test_a_refused_budget_leaves_growth_as_it_was(tmp_path: Path, server_bin: st
         shown = [e["line"] for e in wrapper.events("server.output")]  # info only: -lv 4's extra lines are debug
         assert len(shown) < 40 and not [line for line in shown if "print_info:" in line], len(shown)
         assert wrapper.events("degrade.measured")  # the planner still read them
+        fitted = next(n["change"] for n in wrapper.events("argv.rewritten") if n["change"].startswith("degrade: rung"))
+        assert "-c 8192 -> " in fitted  # the context the budget allows, said as the argv change it is
         before = degrade_status(wrapper)
         status, answer = post(wrapper.url, "/wrapper/budget", {"budget": "40MiB"}, ADMIN)
         assert status == 400 and "the budget is unchanged" in answer["error"]["message"], answer
@@ -333,7 +335,7 @@ def test_plan_prints_the_ladder_without_a_server(tmp_path: Path, server_bin: str
     def plan_cli(*options: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "wrapper.cli", "plan", *options, "--", server_bin,
                                "--model", demo_path], capture_output=True, text=True, check=False, cwd=ROOT,
-                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), "HOME": str(tmp_path)})
 
     table = plan_cli("--budget", "200MiB")
     assert table.returncode == 0, table.stderr
@@ -346,6 +348,8 @@ def test_plan_prints_the_ladder_without_a_server(tmp_path: Path, server_bin: str
     rungs = {r["name"]: r for r in report["rungs"]}
     assert 0 < rungs["as-given"]["max_ctx"] < rungs["quantize-kv-q8"]["max_ctx"] <= 8192
     assert all(r["bytes"]["total"] <= 200 * MiB for r in report["rungs"] if "bytes" in r)
+    example = plan_cli("--config", str(ROOT / "examples" / "degrade.yaml"))  # it names an admin token: not needed
+    assert example.returncode == 0 and "(degrade.budget)" in example.stdout, example.stderr
     nothing = plan_cli("--budget", "1MiB")
     assert nothing.returncode == 1 and "holds no rung of the ladder" in nothing.stdout
     assert plan_cli("--budget", "lots").returncode == 2

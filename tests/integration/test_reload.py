@@ -116,6 +116,7 @@ def test_clients_that_arrive_during_a_reload_are_all_answered(tmp_path: Path, se
         reloading.join(120)
         assert done[0].returncode == 0, done[0].stderr
         assert "reloaded: n_ctx 4096" in done[0].stdout
+        assert "  -c 2048 -> 4096" in done[0].stdout.splitlines()  # what changed, without --json
         assert wrapper.status()["state"] == "ready"
 
 
