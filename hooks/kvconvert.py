@@ -16,6 +16,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -71,8 +72,10 @@ def target_rotation(type_name: str, head_dim: int | None, for_keys: bool, disabl
     return n_rot
 
 
-def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: int) -> Conversion:
-    """Write `src`'s slot state to `dst` with K/V cache types `type_k`/`type_v` and rotations `rot_k`/`rot_v`."""
+def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: int,
+            progress: Callable[[int, int], None] | None = None) -> Conversion:
+    """Write `src`'s slot state to `dst` with K/V cache types `type_k`/`type_v` and rotations `rot_k`/`rot_v`;
+    `progress(bytes read, bytes in all)` after each layer."""
     for name in (type_k, type_v):
         if name not in TYPES:
             raise NotConvertible(f"cache type {name} cannot be converted to (only {', '.join(TYPES)})")
@@ -91,7 +94,7 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
         with open(dst, "wb") as out:
             out.write(data[:head.words_end])
             for section in sections:
-                _section(data, section, out, type_k, type_v, rot_k, rot_v)
+                _section(data, section, out, type_k, type_v, rot_k, rot_v, progress and (lambda at: progress(at, size)))
             out.flush()
             os.fsync(out.fileno())
     except slotfile.SlotFileError as exc:
@@ -103,7 +106,7 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
 
 
 def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, type_k: str, type_v: str,
-             rot_k: int, rot_v: int) -> None:
+             rot_k: int, rot_v: int, done: Callable[[int], None] | None) -> None:
     out.write(struct.pack("<I", len(section.streams)))
     for stream in section.streams:
         out.write(struct.pack("<I", stream.cells))
@@ -117,8 +120,12 @@ def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, ty
         out.write(struct.pack("<IIII", 0, len(stream.k), rot_k, rot_v))
         for layer in stream.k:
             _layer(data, layer, out, stream.cells, type_k, stream.n_rot_k, rot_k)
+            if done is not None:
+                done(layer.start + layer.row_size * stream.cells)
         for layer in stream.v:
             _layer(data, layer, out, stream.cells, type_v, stream.n_rot_v, rot_v)
+            if done is not None:
+                done(layer.start + layer.row_size * stream.cells)
 
 
 def _layer(data: slotfile.Buffer, layer: slotfile.Layer, out: BinaryIO, cells: int, target: str, src_rot: int,

@@ -28,6 +28,7 @@ from wrapper.actions import ActionError
 from wrapper.generation import Generation, ServerLost
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
+from wrapper.progress import PROGRESS
 from wrapper.proxy import Observer
 from wrapper.settings import PATH, Section, choice, setting
 
@@ -153,8 +154,11 @@ async def save(rt: Generation) -> str:
         settings = await _settings(rt)
     except LlamaError as exc:
         raise ActionError(f"cannot read the server's slots: {exc}") from exc
-    report = [await _guarded(_save_one(rt, directory, slot, settings), {"slot": slot.get("id"), "tokens": 0,
-                                                                           "bytes": 0}) for slot in slots]
+    report = []
+    for index, slot in enumerate(slots):
+        PROGRESS.update(save=f"slot {index + 1} of {len(slots)}")
+        report.append(await _guarded(_save_one(rt, directory, slot, settings),
+                                     {"slot": slot.get("id"), "tokens": 0, "bytes": 0}))
     _state(rt).save = report
     _count("save", report, "saved")
     saved = [r for r in report if r["outcome"] == "saved"]
@@ -221,8 +225,13 @@ async def restore(rt: Generation) -> str:
         log.warning("slots.restore_skipped_all", error=str(exc))
         return f"skipped {len(files)} slot(s): {exc}"
     reuse = _state(rt).tracker(rt)
-    report = [await _guarded(_restore_one(rt, saved, settings, state_version),
-                             {"slot": saved.slot, "file": str(saved.kv_file), "tokens": 0}) for saved in files]
+    sizes = [saved.kv_file.stat().st_size if saved.kv_file.exists() else 0 for saved in files]
+    report = []
+    for index, saved in enumerate(files):
+        PROGRESS.update(restore=f"slot {index + 1} of {len(files)}",
+                        restore_mb=f"{sum(sizes[:index]) / 1e6:.1f} of {sum(sizes) / 1e6:.1f}")
+        report.append(await _guarded(_restore_one(rt, saved, settings, state_version),
+                                     {"slot": saved.slot, "file": str(saved.kv_file), "tokens": 0}))
     _state(rt).restore = report
     _count("restore", report, "restored")
     restored = [r for r in report if r["outcome"] == "restored"]
@@ -328,7 +337,8 @@ def _converted(rt: Generation, saved: slotdir.SavedSlot, sidecar: dict[str, Any]
     temporary = directory / f"slot{saved.slot}.bin.{os.getpid()}.tmp"
     try:
         done = kvconvert.convert(saved.kv_file, temporary, settings["cache_type_k"], settings["cache_type_v"],
-                                 rot_k, rot_v)
+                                 rot_k, rot_v, lambda read, size: PROGRESS.update(
+                                     conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"))
         header = slotfile.read(temporary)
         record = {k: v for k, v in sidecar.items() if k not in ("format", "slot", "file", "bytes", "fingerprint")}
         record.update(cache_type_k=settings["cache_type_k"], cache_type_v=settings["cache_type_v"],

@@ -25,6 +25,7 @@ from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
+from wrapper.progress import PROGRESS
 from wrapper.reload_plan import Refusal, ReloadPlan, ReloadRefused, plan
 from wrapper.server_help import flag_arity
 from wrapper.sysinfo import mem_available
@@ -114,27 +115,33 @@ class Reloader:
         new = host.new_generation(nxt.config, nxt.launch)
         try:
             if nxt.overlap:  # blue-green: the old server keeps serving while the new one loads
+                PROGRESS.begin("reloading: loading the new llama-server beside the old one")
                 try:
                     await new.start(host.server_line)
                 except Exception as exc:  # nothing was disturbed: the old server never stopped serving
                     return await self._roll_back(nxt, old, None, str(exc))
             began = time.monotonic()
             host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
+            PROGRESS.begin("reloading: draining")
             await host.drain(old.config.reload_drain_timeout)
+            PROGRESS.begin("reloading: saving slots")
             saved = await extensions.hand_over(old)
             if not nxt.overlap:
                 await old.stop()
+                PROGRESS.begin("reloading: loading the new llama-server")
                 try:
                     await new.start(host.server_line)
                 except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
                     return await self._roll_back(nxt, old, began, str(exc))
             host.install(new)
+            PROGRESS.begin("reloading: restoring slots")
             restored = await self._take_over(new)
             host.lifecycle.to(State.READY)  # the held requests go to the new server
             downtime_ms = round((time.monotonic() - began) * 1000, 1)
             if nxt.overlap:
                 await old.stop()
         finally:  # also when a SIGTERM cancels the reload: a new server that did not take over is stopped
+            PROGRESS.end()
             if new is not host.current and new.alive:
                 await new.stop()
         return await self._answer(nxt, True, "reloaded", downtime_ms, saved, restored, new)

@@ -9,6 +9,7 @@ from wrapper.actions import HookRun
 from wrapper.gate import Gate
 from wrapper.generation import Generation
 from wrapper.lifecycle import State
+from wrapper.progress import PROGRESS
 
 HOOK_RUNS_SHOWN = 20
 
@@ -25,6 +26,7 @@ def document(state: State, generation: Generation, gate: Gate, started_at: float
         "uptime_s": round(now - started_at, 3),
         "ready_for_s": round(now - ready_at, 3) if ready_at else None,
         "requests": {"in_flight": gate.in_flight, "held": gate.held},
+        "progress": PROGRESS.snapshot(),
         "argv_changes": launch.notes,
         **builtins,
         "hooks": [run.as_dict() for run in hook_runs[-HOOK_RUNS_SHOWN:]],

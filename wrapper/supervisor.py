@@ -33,12 +33,14 @@ from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
+from wrapper.progress import PROGRESS
 from wrapper.proxy import Observer
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
 
 log = structlog.get_logger()
 
+PROGRESS_EVERY_S = 2.0
 STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 KEEPALIVE_S = 4.0
 START_EVENTS = ("on_will_start", "on_startup")  # a failure here aborts the start; elsewhere it is logged
@@ -138,7 +140,26 @@ class Supervisor:
     def new_generation(self, config: Config, launch: Launch) -> Generation:
         return Generation(config, launch, LlamaClient(launch.url, self.session, launch.api_key), shared=self.shared)
 
+    async def _progress(self) -> None:
+        """Long work says how far it is, every PROGRESS_EVERY_S while it lasts (from PROGRESS_EVERY_S on)."""
+        logged: tuple[str | None, float] = (None, 0.0)
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S / 4)
+            shown = PROGRESS.snapshot()
+            if shown is None or shown["for_s"] < PROGRESS_EVERY_S:
+                continue
+            if shown["phase"] != logged[0] or time.monotonic() - logged[1] >= PROGRESS_EVERY_S:
+                log.info("progress", **shown, in_flight=self.gate.in_flight, held=self.gate.held)
+                logged = (shown["phase"], time.monotonic())
+
     async def _live(self) -> int:
+        ticker = asyncio.ensure_future(self._progress())
+        try:
+            return await self._lifetime()
+        finally:
+            ticker.cancel()
+
+    async def _lifetime(self) -> int:
         start = asyncio.ensure_future(self._start())
         await first_of(start, self._stop_requested.wait())
         if start.cancelled() or not start.done():  # a stop signal during the start aborted it
@@ -174,10 +195,14 @@ class Supervisor:
 
     async def _start(self) -> None:
         self.lifecycle.to(State.STARTING)
+        PROGRESS.begin("starting: on_will_start")
         await self._hook("on_will_start")
+        PROGRESS.begin("starting: loading the model")
         await self.generation.start(self.server_line)
         self.notifier.status("starting: running on_startup (restoring slots)")
+        PROGRESS.begin("starting: on_startup (restoring slots)")
         await surviving(self.generation, self.server_line, lambda: self._hook("on_startup"))
+        PROGRESS.end()
         self.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
         self._background = [asyncio.ensure_future(work) for work in extensions.background(self)]
@@ -241,11 +266,14 @@ class Supervisor:
         log.info("wrapper.drain", in_flight=in_flight, timeout_s=timeout)
         if in_flight:
             self.notifier.status(f"draining: {in_flight} request(s) in flight")
+        PROGRESS.begin("draining: requests in flight")
         await self.drain(timeout)
         drained_s = time.monotonic() - began
         self.notifier.status("draining: running on_will_stop (saving slots)")
+        PROGRESS.begin("draining: on_will_stop (saving slots)")
         seen = len(self.runner.history)
         await self._hook("on_will_stop")
+        PROGRESS.end()
         saved = [run.as_dict() for run in list(self.runner.history)[seen:]]
         self._drained = True
         answer = {"drained": True, "in_flight": in_flight, "left_in_flight": self.gate.in_flight,
@@ -274,12 +302,16 @@ class Supervisor:
         if served and not self.force.is_set():
             if self.gate.in_flight:
                 self.notifier.status(f"stopping: draining {self.gate.in_flight} request(s)")
+            PROGRESS.begin("stopping: draining")
             await self.drain(self.config.drain_timeout)
         if served and self.generation.alive and not self.force.is_set():
             self.notifier.status("stopping: running on_will_stop (saving slots)")
+            PROGRESS.begin("stopping: on_will_stop (saving slots)")
             await self._hook("on_will_stop")
         self.notifier.status("stopping: stopping llama-server")
+        PROGRESS.begin("stopping: stopping llama-server")
         finished = await self.generation.stop()
+        PROGRESS.end()
         self.result = _result(finished, ended)
         stop_s = time.monotonic() - stop_began
         if not self.force.is_set():

@@ -120,3 +120,14 @@ def test_what_is_not_converted_says_why(tmp_path: Path) -> None:
     truncated.write_bytes(transposed.read_bytes()[:100])
     with pytest.raises(NotConvertible, match="truncated"):
         convert(truncated, tmp_path / "out.bin", "q8_0", "q8_0", 0, 0)
+
+
+def test_a_conversion_says_how_far_it_is(tmp_path: Path) -> None:
+    k = np.random.default_rng(2).standard_normal((3, 16, 64)).astype(np.float16)
+    source = tmp_path / "s.bin"
+    slot_file(source, k, k, sections=2)
+    seen: list[tuple[int, int]] = []
+    convert(source, tmp_path / "d.bin", "q8_0", "q8_0", 0, 0, lambda done, size: seen.append((done, size)))
+    assert len(seen) == 2 * 2 * 3  # every layer of K and V, in both sections
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+    assert seen[-1] == (source.stat().st_size, source.stat().st_size)

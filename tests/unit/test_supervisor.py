@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from hooks import slotdir
-from tests.helpers import child_argv, running
+from tests.helpers import Wrapper, child_argv, running, wait_for
 from tests.slotfiles import slot_bytes
 from wrapper.model import fingerprint
 
@@ -41,3 +41,15 @@ def test_a_file_that_kills_the_server_is_set_aside_and_the_start_goes_on(tmp_pat
         restores = [e for e in wrapper.events("hook.run") if e["action"] == "slots.restore"]
         assert [r["outcome"] for r in restores] == ["failed", "ok"], restores
         assert wrapper.stop() == 0
+
+
+def test_long_work_says_how_far_it_is_in_status_and_the_log(tmp_path: Path) -> None:
+    config = "hooks:\n  on_startup: [{shell: sleep 5, timeout: 30s}]\n"
+    with Wrapper(tmp_path, child_argv(), config) as wrapper:
+        progress = wait_for(lambda: (wrapper.status() if wrapper.health() else {}).get("progress"), 30,
+                            "the start's progress in status")
+        assert progress["phase"] in ("starting: loading the model", "starting: on_startup (restoring slots)")
+        wrapper.wait_ready(30)
+        logged = [e for e in wrapper.events("progress") if e["phase"] == "starting: on_startup (restoring slots)"]
+        assert len(logged) >= 2 and logged[-1]["for_s"] >= 4  # every 2 s while it lasts
+        assert wrapper.status()["progress"] is None
