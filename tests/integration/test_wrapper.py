@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from tests.helpers import Wrapper, http, pid_alive, running, wait_for
 
@@ -100,3 +104,47 @@ def test_sigkill_of_the_wrapper_leaves_no_llama_server(tmp_path: Path, server_bi
         wrapper.signal_group(signal.SIGKILL)  # llama-swap's last resort, to the whole group
         wrapper.wait(10)
         wait_for(lambda: not pid_alive(pid), 10, "llama-server to die with the wrapper")
+
+
+def test_a_drain_lets_a_stream_finish_and_lands_the_save_then_the_stop_is_quick(
+        tmp_path: Path, server_bin: str, tiny_path: str) -> None:
+    config = f"""
+slots: {{dir: {tmp_path / "slots"}}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
+    token = "drain-token"
+    argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
+    with running(tmp_path, argv, config, env={"LLAMA_WRAPPER_ADMIN_TOKEN": token}) as wrapper:
+        chunks: list[bytes] = []
+
+        def stream() -> None:
+            body = json.dumps({"prompt": "Once upon a time", "n_predict": 300, "stream": True}).encode()
+            request = urllib.request.Request(f"{wrapper.url}/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                chunks.extend(line for line in reply if line.startswith(b"data:"))
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        wait_for(lambda: wrapper.status()["requests"]["in_flight"] == 1, 30, "the stream to be in flight")
+        answer: list[Any] = []
+        draining = threading.Thread(target=lambda: answer.append(http(
+            "POST", f"{wrapper.url}/wrapper/drain", {"timeout": "60s"},
+            headers={"Authorization": f"Bearer {token}"}, timeout=120)))
+        draining.start()
+        wait_for(lambda: wrapper.health() == 503, 2, "/health 503 at once")
+        assert http("POST", f"{wrapper.url}/completion", {"prompt": "late", "n_predict": 2})[0] == 503
+        streaming.join(120)
+        draining.join(120)
+        assert json.loads(chunks[-1][5:])["stop"] is True  # the stream ran to its end
+        status, _, raw = answer[0]
+        assert status == 200, raw
+        saves = json.loads(raw)["on_will_stop"]
+        assert saves[0]["action"] == "slots.save" and saves[0]["detail"].startswith("saved 1 slot(s)")
+        folder = next((tmp_path / "slots").iterdir())
+        assert json.loads((folder / "slot0.json").read_text())["tokens"] > 300
+        began = time.monotonic()
+        assert wrapper.stop() == 0
+        assert time.monotonic() - began < 1.0
