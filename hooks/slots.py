@@ -23,7 +23,6 @@ import structlog
 from hooks import kvconvert, slotdir, slotfile
 from hooks.compat import Mismatch, server_settings, skip_reason
 from hooks.reuse import ReuseTracker
-from wrapper import argv as args
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, ServerLost
 from wrapper.llama import LlamaError
@@ -96,14 +95,6 @@ def restore_report(rt: Generation) -> list[dict[str, Any]]:
     return _state(rt).restore
 
 
-def _saved_with_swa_full(directory: Path) -> bool:
-    for saved in slotdir.saved_slots(directory):
-        with contextlib.suppress(slotdir.SidecarError):
-            if slotdir.read_sidecar(saved.sidecar).get("swa_full"):
-                return True
-    return False
-
-
 def restored_tokens(rt: Generation) -> list[int]:
     """Tokens of each slot restored (or prefilled) into this generation."""
     return [int(e.get("tokens") or 0) for e in _state(rt).restore if e.get("outcome") in ("restored", "prefilled")]
@@ -142,10 +133,8 @@ async def save(rt: Generation) -> str:
     directory = _directory(rt)
     started = time.monotonic()
     _sweep(directory)
-    window = rt.launch.facts.get("sliding_window")
-    if window and not args.has(rt.launch.argv, args.SWA_FULL) and _saved_with_swa_full(directory):
-        reason = (f"this sliding-window model runs without --swa-full now (window {window}): a restored slot "
-                  "would not be reused, so the slots saved with a full cache are kept")
+    if rt.launch.keep_saved:  # a built-in's fit made a save now worse than the files there are
+        reason = rt.launch.keep_saved
         _state(rt).save = [{"outcome": "skipped", "reason": reason}]
         log.info("slots.save_skipped", reason=reason)
         return f"not saved: {reason}"

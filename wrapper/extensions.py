@@ -75,12 +75,14 @@ def launch_for(config: Config, shared: dict[str, Any], asks: Mapping[str, Any] |
     fit for (by family)."""
     launch = prepare_launch(config)
     argv, notes, fitted = list(launch.argv), list(launch.notes), dict(launch.fitted)
+    keep_saved = launch.keep_saved
     for builtin in in_use(config):
         if builtin.fit is not None:
             fit = builtin.fit(argv, replace(launch, argv=argv, fitted=dict(fitted)), config, shared, asks or {})
             argv, fitted[builtin.family] = fit.argv, fit.fitted
             notes += fit.notes
-    return replace(launch, argv=argv, notes=notes, fitted=fitted)
+            keep_saved = keep_saved or fit.keep_saved
+    return replace(launch, argv=argv, notes=notes, fitted=fitted, keep_saved=keep_saved)
 
 
 def bind(name: str, options: Mapping[str, Any], generation: Generation) -> BuiltinFn:

@@ -30,6 +30,7 @@ class Fitting:
     argv: list[str]
     notes: list[dict[str, str]] = field(default_factory=list)
     fitted: Any = None  # kept in `Launch.fitted[family]`
+    keep_saved: str | None = None  # why saves should keep the slot files there are (they would be worse now)
 
     def note(self, change: str, why: str) -> None:
         self.notes.append({"change": change, "why": why})
@@ -47,6 +48,7 @@ class Launch:
     admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
     admin_off: str | None = None  # why they are off although admin.token_file is set
     metrics: bool = False  # llama-server serves /metrics (GET /metrics passes it through)
+    keep_saved: str | None = None  # a built-in's fit made saves worse than the files there are: keep them (why)
     notes: list[dict[str, str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what the GGUF header says, when it was read
 

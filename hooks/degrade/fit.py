@@ -138,9 +138,12 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any],
     out.note(f"degrade: rung {chosen.name}, {context}",
              f"the largest context under the budget {format_size(budget)} ({source}); planned "
              f"{format_size(planned.total(planned.budget_device))} on the {planned.budget_device}")
+    swa_dropped = args.has(argv, args.SWA_FULL) and not args.has(out.argv, args.SWA_FULL)
+    if swa_dropped:
+        out.keep_saved = (f"rung {chosen.name} drops --swa-full: a slot saved now could not be reused, so the slots "
+                          "saved with a full sliding-window cache are kept")
     out.fitted = Fitted(chosen.name, rungs.index(chosen), chosen.max_ctx, planner.settings(out.argv), rungs,
-                          budget, source, args.has(argv, args.SWA_FULL) and not args.has(out.argv, args.SWA_FULL),
-                          verbosity_added)
+                        budget, source, swa_dropped, verbosity_added)
     return out
 
 
