@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks import server_reload, slots
+from hooks import conversations, server_reload, slots
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
 from hooks.degrade.settings import DEGRADE
@@ -70,6 +70,17 @@ class Builtin:
     routes: tuple[Route, ...] = ()
 
 
+def _both(first: Observer | None, second: Observer | None) -> Observer | None:
+    if first is None or second is None:
+        return first or second
+
+    def both(path: str, status: int, tail: bytes) -> None:
+        first(path, status, tail)
+        second(path, status, tail)
+
+    return both
+
+
 BUILTINS: tuple[Builtin, ...] = (
     Builtin(
         family=slots.FAMILY, settings=slots.SLOTS,
@@ -77,7 +88,11 @@ BUILTINS: tuple[Builtin, ...] = (
                  "slots.restore": BuiltinAction(lambda g, _: slots.restore(g),
                                                 doc="restore the saved slots the server can use")},
         fit=lambda argv, launch, config, _, __: fit_for_slots(argv, launch, config),
-        observer=slots.observer, status=slots.status, hand_over=slots.save_step, take_over=slots.take_over,
+        before=(Before(conversations.PATHS, conversations.before),),
+        observer=lambda g: _both(slots.observer(g), conversations.observer(g)),
+        status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},
+        metrics=conversations.metrics,
+        hand_over=slots.save_step, take_over=slots.take_over,
         reload_report=slots.restore_report,
     ),
     Builtin(

@@ -97,20 +97,26 @@ def check_pair(sidecar: dict[str, Any], kv_file: Path) -> None:
 
 def commit(directory: Path, slot: int, written: Path, record: dict[str, Any]) -> Path:
     """Make `written` (a verified KV file) slot `slot`'s current save; the previous pair stays whole until then."""
+    return commit_pair(directory, f"slot{slot}", written, {"slot": slot, **record}, _current_kv_file(directory, slot))
+
+
+def commit_pair(directory: Path, stem: str, written: Path, record: dict[str, Any], previous: Path | None) -> Path:
+    """Move `written` to `<stem>-<fingerprint>.bin`, then replace the sidecar `<stem>.json` that names it (the
+    one atomic step), then remove the `previous` KV file. Two writers of one stem (two wrappers on one folder)
+    each write their own KV file; the last sidecar wins and always names a whole file."""
     file_fingerprint = fingerprint(str(written))
-    final = directory / kv_name(slot, file_fingerprint)
-    previous = _current_kv_file(directory, slot)
+    final = directory / f"{stem}-{file_fingerprint[:12]}.bin"
     os.replace(written, final)
-    data = {"format": SIDECAR_FORMAT, "slot": slot, **record, "file": final.name,
-            "bytes": final.stat().st_size, "fingerprint": file_fingerprint}
-    target = sidecar_path(directory, slot)
+    data = {"format": SIDECAR_FORMAT, **record, "file": final.name, "bytes": final.stat().st_size,
+            "fingerprint": file_fingerprint}
+    target = directory / f"{stem}.json"
     temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as out:
         json.dump(data, out, indent=1)
         out.flush()
         os.fsync(out.fileno())
     os.replace(temporary, target)  # the commit: from here on the new pair is the current one
-    _fsync_directory(directory)
+    fsync_directory(directory)
     if previous is not None and previous != final:
         with contextlib.suppress(OSError):
             previous.unlink()
@@ -192,7 +198,7 @@ def _age(path: Path, now: float) -> float:
         return 0.0
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     with contextlib.suppress(OSError):
         handle = os.open(directory, os.O_RDONLY)
         try:

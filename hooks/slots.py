@@ -29,7 +29,7 @@ from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
 from wrapper.proxy import Observer
-from wrapper.settings import PATH, Section, choice, setting
+from wrapper.settings import BOOL, COUNT, NUMBER, PATH, SIZE, SIZE_OR_AUTO, Section, choice, setting
 
 log = structlog.get_logger()
 
@@ -42,6 +42,18 @@ class SlotSettings:
                         "where slot files are kept, one folder per model id (also `--slots-dir`)")
     swa_full: str = setting("auto", choice("auto", "always", "never"),
                             "add `--swa-full` so that restored slots of sliding-window models are reused")
+    cache: bool = setting(True, BOOL, "the conversation cache: pin requests to slots, keep every conversation "
+                          "that leaves a slot on disk and restore it when it comes back (with `slots.restore`)")
+    cache_budget: int = setting(20 << 30, SIZE, "the conversation cache's size on disk: the least recently used "
+                                "conversations go first")
+    cache_entry_max: int = setting(4 << 30, SIZE, "a conversation larger than this is not kept")
+    cache_min_free: int = setting(2 << 30, SIZE, "no conversation is written when less than this is free on disk")
+    min_tokens: int = setting(256, COUNT, "shorter conversations are not kept, and a restore must win this many "
+                              "tokens over what the slot holds")
+    restore_margin: float = setting(1.2, NUMBER, "restore when the predicted restore time times this is below "
+                                    "the predicted prefill time")
+    restore_rate: int | None = setting(None, SIZE_OR_AUTO, "bytes per second a restore reads (`auto`: measured; "
+                                       "give one for a slow disk)")
 
 
 SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)")
@@ -56,11 +68,19 @@ class SlotState:
     save: list[dict[str, Any]] = field(default_factory=list)
     restore: list[dict[str, Any]] = field(default_factory=list)
     reuse: ReuseTracker | None = None
+    held: dict[int, list[int]] = field(default_factory=dict)  # the tokens each slot holds, as far as we know
+    dirty: set[int] = field(default_factory=set)  # slots that served a request since their last save or restore
+    pinned: bool = False  # requests are pinned to slots (the conversation cache): `dirty` is exact
+    settings: dict[str, Any] | None = None  # the server's layout settings, once asked
 
     def tracker(self, rt: Generation) -> ReuseTracker:
         if self.reuse is None:
             self.reuse = ReuseTracker(rt.client)
         return self.reuse
+
+
+def state_of(rt: Generation) -> SlotState:
+    return _state(rt)
 
 
 def _state(rt: Generation) -> SlotState:
@@ -152,8 +172,10 @@ async def save(rt: Generation) -> str:
     _count("save", report, "saved")
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
+    unchanged = [r for r in report if r["outcome"] == "unchanged"]
     summary = (f"saved {len(saved)} slot(s), {sum(r['tokens'] for r in saved)} tokens, "
-               f"{sum(r['bytes'] for r in saved) / 1e6:.1f} MB in {time.monotonic() - started:.3f}s")
+               f"{sum(r['bytes'] for r in saved) / 1e6:.1f} MB in {time.monotonic() - started:.3f}s"
+               + (f"; {len(unchanged)} unchanged since their last save or restore" if unchanged else ""))
     if failed:
         raise ActionError(f"{summary}; {len(failed)} failed: {failed[0]['reason']}")
     return summary
@@ -164,6 +186,11 @@ async def _save_one(rt: Generation, directory: Path, slot: dict[str, Any], setti
     entry: dict[str, Any] = {"slot": number, "outcome": "empty", "tokens": 0, "bytes": 0}
     if slot.get("n_prompt_tokens") == 0:  # absent after a restore: such a slot is saved again
         return entry
+    state = _state(rt)
+    if state.pinned and number not in state.dirty and (directory / f"slot{number}.json").exists():
+        entry.update(outcome="unchanged", tokens=len(state.held.get(number, [])))
+        log.info("slots.unchanged", slot=number, tokens=entry["tokens"])
+        return entry  # no request since its last save or restore: the pair on disk holds it already
     temporary = directory / f"slot{number}.bin.{os.getpid()}.tmp"  # two wrappers of one model never collide
     started = time.monotonic()
     try:
@@ -180,6 +207,8 @@ async def _save_one(rt: Generation, directory: Path, slot: dict[str, Any], setti
             "save_ms": (answer.get("timings") or {}).get("save_ms"),
         }
         final = slotdir.commit(directory, number, temporary, record)
+        state.held[number] = header.tokens
+        state.dirty.discard(number)
     except (LlamaError, slotfile.SlotFileError, OSError) as exc:
         log.warning("slots.save_failed", slot=number, error=str(exc))
         return {**entry, "outcome": "failed", "reason": f"save failed: {exc}"}
@@ -199,6 +228,7 @@ async def restore(rt: Generation) -> str:
     """Restore each saved slot the running server can use; skip the rest with a reason. Never fails a start."""
     directory = _directory(rt)
     _sweep(directory)
+    _state(rt).pinned = SLOTS.of(rt.config).cache  # every completion is pinned from now on: `dirty` is exact
     files = slotdir.saved_slots(directory)
     if not files:
         _state(rt).restore = []
@@ -279,6 +309,8 @@ async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[
             raise ServerLost(f"llama-server died restoring slot {number} from {path.name}; the file was set "
                              f"aside in {folder}") from exc
         return _skipped(entry, f"the server refused it: {exc}{said}", failed=True)
+    _state(rt).held[number] = header.tokens
+    _state(rt).dirty.discard(number)
     entry.update(outcome="restored", tokens=int(answer.get("n_restored", header.n_tokens)),
                  server_ms=(answer.get("timings") or {}).get("restore_ms"),
                  total_ms=round((time.monotonic() - started) * 1000, 1), saved_at=sidecar.get("saved_at"))
@@ -321,13 +353,9 @@ def _converted(rt: Generation, saved: slotdir.SavedSlot, sidecar: dict[str, Any]
     """Rewrite a slot's KV file into the server's cache types and make it the slot's current pair."""
     directory = saved.kv_file.parent
     disabled = bool(settings["attn_rot_disable"])
-    rot_k = kvconvert.target_rotation(settings["cache_type_k"], rt.launch.facts.get("head_dim_k"), True, disabled)
-    rot_v = kvconvert.target_rotation(settings["cache_type_v"], rt.launch.facts.get("head_dim_v"), False, disabled)
     temporary = directory / f"slot{saved.slot}.bin.{os.getpid()}.tmp"
     try:
-        done = kvconvert.convert(saved.kv_file, temporary, settings["cache_type_k"], settings["cache_type_v"],
-                                 rot_k, rot_v, lambda read, size: PROGRESS.update(
-                                     conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"))
+        done = convert_for(rt, saved.kv_file, temporary, settings)
         header = slotfile.read(temporary)
         record = {k: v for k, v in sidecar.items() if k not in ("format", "slot", "file", "bytes", "fingerprint")}
         record.update(cache_type_k=settings["cache_type_k"], cache_type_v=settings["cache_type_v"],
@@ -347,6 +375,23 @@ def _converted(rt: Generation, saved: slotdir.SavedSlot, sidecar: dict[str, Any]
                              "mb_per_s": round(done.mb_per_s, 1)})
     log.info("slots.converted", slot=saved.slot, **entry["conversion"])
     return slotdir.read_sidecar(saved.sidecar), header, final
+
+
+def convert_for(rt: Generation, source: Path, target: Path, settings: dict[str, Any]) -> kvconvert.Conversion:
+    """Rewrite a state file into the running server's cache types and rotation (NotConvertible if it cannot)."""
+    disabled = bool(settings["attn_rot_disable"])
+    rot_k = kvconvert.target_rotation(settings["cache_type_k"], rt.launch.facts.get("head_dim_k"), True, disabled)
+    rot_v = kvconvert.target_rotation(settings["cache_type_v"], rt.launch.facts.get("head_dim_v"), False, disabled)
+    return kvconvert.convert(source, target, settings["cache_type_k"], settings["cache_type_v"], rot_k, rot_v,
+                             lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"))
+
+
+async def server_settings_of(rt: Generation) -> dict[str, Any]:
+    """The running server's settings that decide a state file's layout (asked once per generation)."""
+    state = _state(rt)
+    if state.settings is None:
+        state.settings = await _settings(rt)
+    return state.settings
 
 
 async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import click
 
 from hooks import slotdir, slotfile
+from hooks.convstore import Store
 from hooks.slots import SLOTS
 from wrapper.commands import Commands
 from wrapper.config import ConfigError, parse_config
@@ -55,6 +57,12 @@ def _rows(root: Path) -> list[dict[str, Any]]:
             except (slotdir.SidecarError, KeyError, AttributeError) as exc:
                 row["problem"] = f"sidecar: {exc}"
             rows.append(row)
+        for entry in Store(folder).entries():
+            rows.append({"model_id": folder.name, "slot": "conv", "file": str(entry.kv_file), "bytes": entry.bytes,
+                         "tokens": entry.n_tokens, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S",
+                                                                             time.localtime(entry.last_used)),
+                         "model": entry.record.get("model", {}).get("name"),
+                         "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"})
     return rows
 
 
@@ -63,7 +71,7 @@ def _rows(root: Path) -> list[dict[str, Any]]:
 @_CONFIG
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per slot file.")
 def list_slots(directory: str | None, config_path: str | None, as_json: bool) -> None:
-    """List saved slots per model: tokens, size, when, which build."""
+    """List saved slots and cached conversations (`conv`, SAVED is their last use) per model: tokens, size, when."""
     root = _slots_dir(directory, config_path)
     rows = _rows(root)
     if as_json:

@@ -68,13 +68,27 @@ async def forward_request(request: web.Request, up: Upstream, path: str) -> web.
     if body is None:
         return json_error(413, f"a completion request of more than {BODY_LIMIT >> 20} MiB", "invalid_request_error")
     outgoing = Outgoing(request.method, path, body, json_object(body))
-    for step in steps:
-        outgoing = await step.run(up, outgoing)
-    if growth is None:
-        result = await _exchange(request, up, path, outgoing.body, None)
-        assert isinstance(result, web.StreamResponse)
+    status: int | None = None
+    try:
+        if steps:  # the steps talk to llama-server: only once the gate lets requests through
+            admission = await up.gate.enter()
+            if admission is not Admission.ADMITTED:
+                return _refused(up, admission)
+            try:
+                for step in steps:
+                    outgoing = await step.run(up, outgoing)
+            finally:
+                up.gate.leave()
+        if growth is None:
+            result = await _exchange(request, up, path, outgoing.body, None)
+            assert isinstance(result, web.StreamResponse)
+        else:
+            result = await _growing(request, up, growth, path, outgoing.body)
+        status = result.status
         return result
-    return await _growing(request, up, growth, path, outgoing.body)
+    finally:  # also when the client hung up: a step's reservation must not outlive its request
+        for done in outgoing.after:
+            done(status)
 
 
 async def _growing(request: web.Request, up: Upstream, growth: Growth, path: str,
@@ -142,13 +156,8 @@ async def _exchange(request: web.Request, up: Upstream, path: str, body: bytes |
                     going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held:
     """One pass through the gate to llama-server; a context overflow is Caught when `body` can be sent again."""
     admission = await up.gate.enter()
-    if admission is Admission.REFUSED:
-        return json_error(503, f"llama-wrapper is {up.lifecycle.state}", "unavailable_error",
-                          {"Retry-After": RETRY_AFTER_S})
-    if admission is Admission.TIMED_OUT:
-        return json_error(503, f"llama-wrapper is {up.lifecycle.state} and held this request for "
-                          f"reload.hold_timeout ({up.config.reload_hold_timeout:g}s)", "unavailable_error",
-                          {"Retry-After": RETRY_AFTER_S})
+    if admission is not Admission.ADMITTED:
+        return _refused(up, admission)
     exchange = asyncio.ensure_future(forward(request, up.launch.url, up.session,
                                              up.observer(), path, body, catch, events, going_on))
     up.gate.track(exchange)
@@ -167,6 +176,15 @@ async def _exchange(request: web.Request, up: Upstream, path: str, body: bytes |
                           "unavailable_error", {"Retry-After": RETRY_AFTER_S})
     finally:
         up.gate.leave(exchange)
+
+
+def _refused(up: Upstream, admission: Admission) -> web.Response:
+    if admission is Admission.TIMED_OUT:
+        return json_error(503, f"llama-wrapper is {up.lifecycle.state} and held this request for "
+                          f"reload.hold_timeout ({up.config.reload_hold_timeout:g}s)", "unavailable_error",
+                          {"Retry-After": RETRY_AFTER_S})
+    return json_error(503, f"llama-wrapper is {up.lifecycle.state}", "unavailable_error",
+                      {"Retry-After": RETRY_AFTER_S})
 
 
 async def _grown_for(up: Upstream, growth: Growth, path: str, overflow: Caught,

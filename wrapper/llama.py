@@ -61,6 +61,10 @@ class LlamaClient:
         result: dict[str, Any] = await self._json("POST", "/completion", body)
         return result
 
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        """Any endpoint's JSON answer (LlamaError for an error or no answer)."""
+        return await self._json(method, path, body)
+
     async def _json(self, method: str, path: str, body: Any = None) -> Any:
         try:
             async with self._session.request(

@@ -40,6 +40,14 @@ class Metrics:
                                 ["status_class"], registry=r)
         self.in_flight = Gauge("llama_wrapper_requests_in_flight", "Requests being served", registry=r)
         self.held = Gauge("llama_wrapper_requests_held", "Requests held while starting or reloading", registry=r)
+        self.conv_entries = Gauge("llama_wrapper_conversation_cache_entries", "Conversations in the cache on disk",
+                                  registry=r)
+        self.conv_bytes = Gauge("llama_wrapper_conversation_cache_bytes", "Bytes of the cache on disk", registry=r)
+        self.conv_lookups = Counter("llama_wrapper_conversation_cache_lookups", "Requests that looked for their "
+                                    "conversation in the cache: hits and misses by reason", ["result", "reason"],
+                                    registry=r)
+        self.conv_bytes_written = Counter("llama_wrapper_conversation_cache_written_bytes",
+                                          "Bytes written into the cache", registry=r)
         self.degrade_rung = Gauge("llama_wrapper_degrade_rung", "1 for the rung of the ladder that runs",
                                   ["rung"], registry=r)
         self.degrade_context = Gauge("llama_wrapper_degrade_context_tokens", "The context the rung runs with",

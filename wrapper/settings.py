@@ -71,7 +71,16 @@ def _size_or_auto(r: Reader, node: yaml.Node, what: str) -> int | None:
     return None if r.value(node) == "auto" else r.converted(node, what, parse_size)
 
 
+def _positive(r: Reader, node: yaml.Node, what: str) -> float | None:
+    value = r.scalar(node, what, (int, float))
+    if value is not None and not value > 0:
+        r.error(node, f"{what} must be more than 0")
+        return None
+    return float(value) if value is not None else None
+
+
 BOOL = Kind("boolean", _scalar(bool))
+NUMBER = Kind("number > 0", _positive)
 COUNT = Kind("integer ≥ 0", _count)
 DURATION = Kind("duration", _converted(parse_duration), lambda v: f"{v:g}s")
 SIZE = Kind("size", _converted(parse_size), format_size)

@@ -5,7 +5,7 @@ observers of responses (wrapper/proxy.py's Observer)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from wrapper.config import Config
@@ -20,6 +20,7 @@ class Outgoing:
     path: str
     body: bytes
     payload: dict[str, Any] | None  # the body as a JSON object, when it is one
+    after: list[Callable[[int | None], None]] = field(default_factory=list)  # the status, None if cut
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,439 @@
+"""The conversation cache: every conversation comes back, not only the last one of each slot.
+
+A step before each completion request (hooks/registry.py declares it) learns the request's tokens (the server's
+own /apply-template and /tokenize), chooses the slot itself and pins the request to it (`id_slot`):
+  - a slot that holds the start of this conversation, else a free one, else the least recently used;
+  - the conversation that slot holds leaves it: unless it was saved unchanged already, it is saved into the
+    cache first (hooks/convstore.py), so nothing the server held is lost when it is overwritten;
+  - the cached conversation sharing the longest prefix with the request is restored into the slot when it wins
+    at least `slots.min_tokens` and its predicted restore time (bytes / measured restore rate) times
+    `slots.restore_margin` is below the predicted prefill time (tokens / measured prefill rate); else the server
+    prefills. Each decision is logged with both predictions (`conversations.decision`).
+Rates are measured per model on this machine (prefill from the answers' timings, restores from their own time)
+and kept in the slot folder (`rates.json`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from hooks import kvconvert, slotfile
+from hooks.compat import Mismatch, skip_reason
+from hooks.convstore import Entry, Store, common_prefix, part_name
+from hooks.slots import SLOTS, SlotSettings, convert_for, server_settings_of, state_of
+from wrapper.generation import Generation, Host
+from wrapper.llama import LlamaError
+from wrapper.metrics import METRICS
+from wrapper.proxy import Observer
+from wrapper.steps import Outgoing
+
+log = structlog.get_logger()
+
+FAMILY = "conversations"
+CHAT = ("/chat/completions", "/v1/chat/completions")
+PATHS = ("/completion", "/completions", "/v1/completions", *CHAT)
+OTHER_SLOT_USERS = ("/infill", "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
+                    "/v1/rerank", "/v1/reranking")
+EWMA = 0.3  # weight of the newest measurement in a rate
+WAIT_FOR_SLOT_S = 600.0
+_PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
+_PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
+
+
+@dataclass
+class Rates:
+    """Measured on this machine for this model: prefill tokens per second, restore bytes per second."""
+
+    prefill_tps: float | None = None
+    restore_bps: float | None = None
+
+    def learn_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 64 and seconds > 0:
+            self.prefill_tps = _mix(self.prefill_tps, tokens / seconds)
+
+    def learn_restore(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 20 and seconds > 0:
+            self.restore_bps = _mix(self.restore_bps, nbytes / seconds)
+
+
+def _mix(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+@dataclass
+class Conversations:
+    """The cache's state for the wrapper's life (it outlives generations: a reload keeps it)."""
+
+    rates: Rates = field(default_factory=Rates)
+    rates_file: Path | None = None
+    busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
+    last_used: dict[int, float] = field(default_factory=dict)
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
+    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
+    written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
+    hits: int = 0
+    misses: dict[str, int] = field(default_factory=dict)
+    total_slots: int = 0
+
+    def bytes_written(self, within: float | None = None) -> int:
+        since = time.time() - within if within is not None else 0.0
+        return sum(n for at, n in self.written if at >= since)
+
+
+def state(generation: Generation) -> Conversations:
+    found = generation.shared.setdefault(FAMILY, Conversations())
+    assert isinstance(found, Conversations)
+    return found
+
+
+def enabled(generation: Generation) -> bool:
+    return SLOTS.of(generation.config).cache and isinstance(generation.launch.fitted.get(SLOTS.name), Path)
+
+
+def _store(generation: Generation) -> Store:
+    directory = generation.launch.fitted.get(SLOTS.name)
+    assert isinstance(directory, Path)
+    return Store(directory)
+
+
+# -- the step before a request -------------------------------------------------------------------------------
+
+
+async def before(host: Host, out: Outgoing) -> Outgoing:
+    generation = host.current
+    if not enabled(generation) or out.payload is None:
+        return out
+    try:
+        tokens = await _tokens(generation, out)
+    except (LlamaError, ValueError, TypeError) as exc:
+        log.debug("conversations.no_tokens", path=out.path, error=str(exc))
+        _unpinned(generation)
+        return out  # the server tokenizes it its own way; this request is not pinned
+    conv = state(generation)
+    if not conv.total_slots:
+        with contextlib.suppress(LlamaError):
+            conv.total_slots = int((await generation.client.props()).get("total_slots") or 1)
+    asked = out.payload.get("id_slot")
+    if isinstance(asked, int) and asked >= max(1, conv.total_slots):
+        return out  # a slot the server does not have: it answers that itself
+    slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
+    if slot is None:
+        return out
+    out.after.append(lambda status: _release(generation, conv, slot, tokens, status))
+    try:
+        await _make_room(generation, conv, slot, tokens)
+        await _bring_back(generation, conv, slot, tokens)
+    except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
+        log.exception("conversations.internal_error", slot=slot)
+    out.payload["id_slot"] = slot
+    out.body = json.dumps(out.payload).encode()
+    return out
+
+
+async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
+    payload = out.payload
+    assert payload is not None
+    client = generation.client
+    if out.path in CHAT:
+        template = await client.call("POST", "/apply-template", payload)
+        text = template["prompt"]
+    else:
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt that is not one string")
+        text = prompt
+    tokenized = await client.call("POST", "/tokenize", {"content": text, "add_special": True,
+                                                        "parse_special": True})
+    return [int(t) for t in tokenized["tokens"]]
+
+
+async def _reserve(generation: Generation, conv: Conversations, tokens: list[int], asked: int | None) -> int | None:
+    """The slot for this request, reserved until it is answered; waits while every slot serves one of ours (the
+    server would queue it the same way, and then put it in a slot whose conversation nobody saved)."""
+    held = state_of(generation).held
+    deadline = time.monotonic() + WAIT_FOR_SLOT_S
+    while True:
+        free = [s for s in range(max(1, conv.total_slots)) if s not in conv.busy and (asked is None or s == asked)]
+        if free:
+            break
+        if time.monotonic() > deadline:
+            return None
+        conv.freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
+    shared = {s: common_prefix(held.get(s, []), tokens) for s in free}
+    continuing = [s for s in free if shared[s] and shared[s] >= 0.5 * len(held.get(s, []))]
+    if continuing:
+        slot = max(continuing, key=lambda s: shared[s])
+    else:
+        empty = [s for s in free if not held.get(s)]
+        slot = empty[0] if empty else min(free, key=lambda s: conv.last_used.get(s, 0.0))
+    conv.busy.add(slot)
+    return slot
+
+
+def _release(generation: Generation, conv: Conversations, slot: int, tokens: list[int], status: int | None) -> None:
+    slots = state_of(generation)
+    conv.busy.discard(slot)
+    conv.last_used[slot] = time.monotonic()
+    if status is not None and status < 400:
+        slots.held[slot] = tokens  # and what it generated, which the next turn repeats
+    else:
+        slots.held.pop(slot, None)  # unknown now: it may hold part of it
+    slots.dirty.add(slot)
+    slots.pinned = True
+    conv.freed.set()
+
+
+# -- a conversation leaves its slot ---------------------------------------------------------------------------
+
+
+async def _make_room(generation: Generation, conv: Conversations, slot: int, tokens: list[int]) -> None:
+    slots = state_of(generation)
+    settings = SLOTS.of(generation.config)
+    held = slots.held.get(slot, [])
+    if len(held) < settings.min_tokens:
+        return  # too short to keep
+    if common_prefix(held, tokens) >= len(held) - 1:
+        return  # this request goes on with it: it does not leave
+    if slot not in slots.dirty and _store(generation).find(held) is not None:
+        return  # unchanged since it came from the cache (or went into it): nothing new to write
+    await save_slot(generation, slot, "it leaves its slot")
+
+
+async def save_slot(generation: Generation, slot: int, why: str) -> Entry | None:
+    """Save what a slot holds into the cache (unless it is there already); None when nothing was written."""
+    conv, slots = state(generation), state_of(generation)
+    settings = SLOTS.of(generation.config)
+    store = _store(generation)
+    store.sweep()
+    if store.free_bytes() < settings.cache_min_free:
+        _skip(conv, slot, f"less than slots.cache_min_free ({settings.cache_min_free >> 20} MiB) is free on disk")
+        return None
+    held = slots.held.get(slot, [])
+    part = store.directory / part_name(f"{len(held):016x}")
+    began = time.monotonic()
+    try:
+        answer = await generation.client.slot_action(slot, "save", part.name)
+        if int(answer.get("n_saved", 0)) < settings.min_tokens:
+            return None
+        header = slotfile.read(part)
+        slots.held[slot] = header.tokens
+        slots.dirty.discard(slot)
+        if (known := store.find(header.tokens)) is not None:
+            store.touch(known)
+            return None  # the cache has it already: nothing new is written
+        if header.bytes > settings.cache_entry_max:
+            _skip(conv, slot, f"{header.bytes >> 20} MiB is more than slots.cache_entry_max")
+            return None
+        record = {k: v for k, v in (await server_settings_of(generation)).items()
+                  if k in ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams",
+                           "total_slots", "n_ctx", "attn_rot_disable", "build")}
+        record.update(model=generation.launch.model.as_dict(), state_version=header.version,
+                      saved_at=time.time())
+        entry = store.commit(part, header.tokens, record)
+    except (LlamaError, slotfile.SlotFileError, OSError) as exc:
+        log.warning("conversations.save_failed", slot=slot, error=str(exc))
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            part.unlink()
+    conv.written.append((time.time(), entry.bytes))
+    METRICS.conv_bytes_written.inc(entry.bytes)
+    evicted = store.evict(settings.cache_budget, keep={entry.key})
+    log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
+             ms=round((time.monotonic() - began) * 1000, 1), evicted=[e.key for e in evicted])
+    return entry
+
+
+def _skip(conv: Conversations, slot: int, reason: str) -> None:
+    log.warning("conversations.save_skipped", slot=slot, reason=reason)
+
+
+# -- a conversation comes back --------------------------------------------------------------------------------
+
+
+async def _bring_back(generation: Generation, conv: Conversations, slot: int, tokens: list[int]) -> None:
+    settings = SLOTS.of(generation.config)
+    slots = state_of(generation)
+    store = _store(generation)
+    entry, shared = store.best(tokens)
+    in_slot = common_prefix(slots.held.get(slot, []), tokens)
+    if entry is None or shared <= in_slot:
+        _miss(conv, "not cached" if entry is None or shared == 0 else "the slot holds as much")
+        return
+    gain = shared - in_slot
+    restore_s, prefill_s = _predict(conv, settings, entry.bytes, gain)
+    pays = gain >= settings.min_tokens and (prefill_s is None or restore_s * settings.restore_margin < prefill_s)
+    why = (f"wins {gain} tokens" if pays else f"only {gain} tokens (slots.min_tokens {settings.min_tokens})"
+           if gain < settings.min_tokens else "a prefill is quicker")
+    decision = {"slot": slot, "entry": entry.key, "entry_tokens": entry.n_tokens, "shared": shared,
+                "in_slot": in_slot, "choice": "restore" if pays else "prefill", "why": why,
+                "predicted_restore_s": round(restore_s, 3),
+                "predicted_prefill_s": round(prefill_s, 3) if prefill_s is not None else None}
+    conv.decisions.append({"at": time.time(), **decision})
+    log.info("conversations.decision", **decision)
+    if not pays:
+        _miss(conv, "a prefill is quicker" if gain >= settings.min_tokens else "too little to win")
+        return
+    usable = await _usable(generation, store, entry, slot)
+    if usable is not None:
+        await _restore(generation, conv, store, usable, slot)
+
+
+async def _usable(generation: Generation, store: Store, entry: Entry, slot: int) -> Entry | None:
+    """The entry as this server can restore it: checked like a slot file, converted when only the cache types
+    differ (a reload or a rung changed them); None (a prefill) when it cannot be used, with the reason."""
+    settings = await server_settings_of(generation)
+    try:
+        header = slotfile.read(entry.kv_file)
+    except slotfile.SlotFileError as exc:
+        _skip_entry(generation, store, entry, f"unreadable: {exc}", remove=True)
+        return None
+    skip = skip_reason(slot, entry.record, header, generation.launch.model.id, settings, None)
+    if skip is None:
+        return entry
+    if skip.kind is not Mismatch.CACHE_TYPES:
+        _skip_entry(generation, store, entry, skip.reason, remove=False)
+        return None
+    part = store.directory / part_name(entry.key)
+    try:
+        done = await asyncio.to_thread(convert_for, generation, entry.kv_file, part, settings)
+        converted = slotfile.read(part)
+        record = {**{k: v for k, v in entry.record.items() if k not in ("format", "file", "bytes", "fingerprint")},
+                  "cache_type_k": settings["cache_type_k"], "cache_type_v": settings["cache_type_v"],
+                  "attn_rot_disable": settings["attn_rot_disable"]}
+        fresh = store.commit(part, converted.tokens, record)
+    except (kvconvert.NotConvertible, slotfile.SlotFileError, OSError) as exc:
+        _skip_entry(generation, store, entry, f"not converted: {exc}", remove=False)
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            part.unlink()
+    log.info("conversations.converted", entry=entry.key, ms=round(done.seconds * 1000, 1),
+             to=f"{settings['cache_type_k']}/{settings['cache_type_v']}")
+    return fresh
+
+
+def _skip_entry(generation: Generation, store: Store, entry: Entry, reason: str, remove: bool) -> None:
+    _miss(state(generation), "not usable")
+    log.info("conversations.entry_skipped", entry=entry.key, reason=reason, removed=remove)
+    if remove:
+        store.remove(entry)
+
+
+def _predict(conv: Conversations, settings: SlotSettings, nbytes: int, gain: int) -> tuple[float, float | None]:
+    rate = settings.restore_rate or conv.rates.restore_bps or 1e9  # 1 GB/s until measured
+    prefill = gain / conv.rates.prefill_tps if conv.rates.prefill_tps else None
+    return nbytes / rate, prefill
+
+
+async def _restore(generation: Generation, conv: Conversations, store: Store, entry: Entry, slot: int) -> None:
+    began = time.monotonic()
+    try:
+        answer = await generation.client.slot_action(slot, "restore", entry.kv_file.name)
+    except LlamaError as exc:
+        log.warning("conversations.restore_failed", slot=slot, entry=entry.key, error=str(exc))
+        _miss(conv, "the server refused it")
+        return
+    seconds = time.monotonic() - began
+    conv.rates.learn_restore(entry.bytes, seconds)
+    _save_rates(conv)
+    slots = state_of(generation)
+    slots.held[slot] = entry.tokens
+    slots.dirty.discard(slot)
+    store.touch(entry)
+    conv.hits += 1
+    METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
+    log.info("conversations.restored", slot=slot, entry=entry.key, tokens=int(answer.get("n_restored") or 0),
+             bytes=entry.bytes, ms=round(seconds * 1000, 1))
+
+
+def _miss(conv: Conversations, reason: str) -> None:
+    conv.misses[reason] = conv.misses.get(reason, 0) + 1
+    METRICS.conv_lookups.labels(result="miss", reason=reason).inc()
+
+
+# -- rates, what the wrapper reports -----------------------------------------------------------------------------
+
+
+def observer(generation: Generation) -> Observer | None:
+    if not enabled(generation):
+        return None
+    conv = state(generation)
+    _load_rates(generation, conv)
+
+    def seen(path: str, status: int, tail: bytes) -> None:
+        if path in OTHER_SLOT_USERS:
+            _unpinned(generation)  # it ran in some slot the wrapper did not choose
+        if status != 200:
+            return
+        tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)
+        if tokens and ms:
+            conv.rates.learn_prefill(int(tokens[-1]), float(ms[-1]) / 1000)
+
+    return seen
+
+
+def _unpinned(generation: Generation) -> None:
+    """A request the server put in a slot of its choosing: any slot may hold something else now."""
+    slots = state_of(generation)
+    slots.dirty.update(range(max(1, state(generation).total_slots, *(s + 1 for s in slots.held))))
+    slots.held.clear()
+
+
+def _load_rates(generation: Generation, conv: Conversations) -> None:
+    if conv.rates_file is not None:
+        return
+    directory = generation.launch.fitted.get(SLOTS.name)
+    if not isinstance(directory, Path):
+        return
+    conv.rates_file = directory / "rates.json"
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        conv.rates = Rates(**json.loads(conv.rates_file.read_text()))
+
+
+def _save_rates(conv: Conversations) -> None:
+    if conv.rates_file is None:
+        return
+    temporary = conv.rates_file.with_name(f"rates.json.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        temporary.write_text(json.dumps(asdict(conv.rates)))
+        os.replace(temporary, conv.rates_file)
+
+
+def metrics(generation: Generation) -> None:
+    if enabled(generation):
+        entries = _store(generation).entries()
+        METRICS.conv_entries.set(len(entries))
+        METRICS.conv_bytes.set(sum(e.bytes for e in entries))
+
+
+def status(generation: Generation) -> dict[str, Any]:
+    if not enabled(generation):
+        return {"on": False}
+    conv = state(generation)
+    entries = sorted(_store(generation).entries(), key=lambda e: e.last_used, reverse=True)
+    total = sum(e.bytes for e in entries)
+    METRICS.conv_entries.set(len(entries))
+    METRICS.conv_bytes.set(total)
+    return {
+        "on": True, "entries": [e.as_dict() for e in entries[:50]], "count": len(entries), "bytes": total,
+        "budget": SLOTS.of(generation.config).cache_budget,
+        "rates": {"prefill_tokens_per_s": conv.rates.prefill_tps, "restore_bytes_per_s": conv.rates.restore_bps},
+        "hits": conv.hits, "misses": dict(conv.misses), "decisions": list(conv.decisions),
+        "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
+    }
