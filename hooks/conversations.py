@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from hooks import kvconvert, slotfile
+from hooks import kvconvert, slotdir, slotfile
 from hooks.compat import Mismatch, skip_reason
 from hooks.convstore import Entry, Store, common_prefix, part_name
 from hooks.slots import SLOTS, SlotSettings, convert_for, server_settings_of, state_of
@@ -47,6 +47,7 @@ OTHER_SLOT_USERS = ("/infill", "/embedding", "/embeddings", "/v1/embeddings", "/
                     "/v1/rerank", "/v1/reranking")
 EWMA = 0.3  # weight of the newest measurement in a rate
 WAIT_FOR_SLOT_S = 600.0
+RATES_EVERY_S = 10.0  # a learnt prefill rate is written to rates.json at most this often
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
 _PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
 
@@ -77,6 +78,7 @@ class Conversations:
 
     rates: Rates = field(default_factory=Rates)
     rates_file: Path | None = None
+    rates_saved: float = 0.0
     busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
     last_used: dict[int, float] = field(default_factory=dict)
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
@@ -84,7 +86,6 @@ class Conversations:
     written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
     hits: int = 0
     misses: dict[str, int] = field(default_factory=dict)
-    total_slots: int = 0
 
     def bytes_written(self, within: float | None = None) -> int:
         since = time.time() - within if within is not None else 0.0
@@ -120,12 +121,13 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         log.debug("conversations.no_tokens", path=out.path, error=str(exc))
         _unpinned(generation)
         return out  # the server tokenizes it its own way; this request is not pinned
-    conv = state(generation)
-    if not conv.total_slots:
+    conv, slots = state(generation), state_of(generation)
+    _load_rates(generation, conv)
+    if not slots.total_slots:
         with contextlib.suppress(LlamaError):
-            conv.total_slots = int((await generation.client.props()).get("total_slots") or 1)
+            slots.total_slots = int((await generation.client.props()).get("total_slots") or 1)
     asked = out.payload.get("id_slot")
-    if isinstance(asked, int) and asked >= max(1, conv.total_slots):
+    if isinstance(asked, int) and asked >= max(1, slots.total_slots):
         return out  # a slot the server does not have: it answers that itself
     slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
     if slot is None:
@@ -163,10 +165,10 @@ async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
 async def _reserve(generation: Generation, conv: Conversations, tokens: list[int], asked: int | None) -> int | None:
     """The slot for this request, reserved until it is answered; waits while every slot serves one of ours (the
     server would queue it the same way, and then put it in a slot whose conversation nobody saved)."""
-    held = state_of(generation).held
+    held, total = state_of(generation).held, max(1, state_of(generation).total_slots)
     deadline = time.monotonic() + WAIT_FOR_SLOT_S
     while True:
-        free = [s for s in range(max(1, conv.total_slots)) if s not in conv.busy and (asked is None or s == asked)]
+        free = [s for s in range(total) if s not in conv.busy and (asked is None or s == asked)]
         if free:
             break
         if time.monotonic() > deadline:
@@ -194,6 +196,7 @@ def _release(generation: Generation, conv: Conversations, slot: int, tokens: lis
     else:
         slots.held.pop(slot, None)  # unknown now: it may hold part of it
     slots.dirty.add(slot)
+    slots.pairs.pop(slot, None)
     slots.pinned = True
     conv.freed.set()
 
@@ -209,9 +212,33 @@ async def _make_room(generation: Generation, conv: Conversations, slot: int, tok
         return  # too short to keep
     if common_prefix(held, tokens) >= len(held) - 1:
         return  # this request goes on with it: it does not leave
-    if slot not in slots.dirty and _store(generation).find(held) is not None:
+    store = _store(generation)
+    if slot not in slots.dirty and store.find(held) is not None:
         return  # unchanged since it came from the cache (or went into it): nothing new to write
+    pair = slots.pairs.get(slot)
+    if slot not in slots.dirty and pair is not None and _adopt(generation, store, slot, pair):
+        return  # the slot file written at the last stop holds it: it becomes an entry, no byte written
     await save_slot(generation, slot, "it leaves its slot")
+
+
+def _adopt(generation: Generation, store: Store, slot: int, pair: slotdir.SavedSlot) -> bool:
+    """Move a slot's file into the cache as its entry (the slot is about to hold something else, so the file no
+    longer says what it holds; the next save writes it anew)."""
+    slots = state_of(generation)
+    try:
+        record = slotdir.read_sidecar(pair.sidecar)
+        slotdir.check_pair(record, pair.kv_file)
+        tokens = slots.held[slot]
+        kept = {k: v for k, v in record.items() if k not in ("format", "slot", "file", "bytes", "fingerprint")}
+        entry = store.commit(pair.kv_file, tokens, kept)
+    except (slotdir.SidecarError, OSError, KeyError) as exc:
+        log.info("conversations.adopt_failed", slot=slot, error=str(exc))
+        return False
+    with contextlib.suppress(OSError):
+        pair.sidecar.unlink()  # it named the file that is an entry now
+    slots.pairs.pop(slot, None)
+    log.info("conversations.kept", slot=slot, tokens=entry.n_tokens, bytes=entry.bytes, from_file=pair.kv_file.name)
+    return True
 
 
 async def save_slot(generation: Generation, slot: int, why: str) -> Entry | None:
@@ -355,6 +382,7 @@ async def _restore(generation: Generation, conv: Conversations, store: Store, en
     slots = state_of(generation)
     slots.held[slot] = entry.tokens
     slots.dirty.discard(slot)
+    slots.pairs.pop(slot, None)
     store.touch(entry)
     conv.hits += 1
     METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
@@ -384,6 +412,8 @@ def observer(generation: Generation) -> Observer | None:
         tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)
         if tokens and ms:
             conv.rates.learn_prefill(int(tokens[-1]), float(ms[-1]) / 1000)
+            if time.monotonic() - conv.rates_saved > RATES_EVERY_S:
+                _save_rates(conv)
 
     return seen
 
@@ -391,7 +421,7 @@ def observer(generation: Generation) -> Observer | None:
 def _unpinned(generation: Generation) -> None:
     """A request the server put in a slot of its choosing: any slot may hold something else now."""
     slots = state_of(generation)
-    slots.dirty.update(range(max(1, state(generation).total_slots, *(s + 1 for s in slots.held))))
+    slots.dirty.update(range(max(1, slots.total_slots, *(s + 1 for s in slots.held))))
     slots.held.clear()
 
 
@@ -409,6 +439,7 @@ def _load_rates(generation: Generation, conv: Conversations) -> None:
 def _save_rates(conv: Conversations) -> None:
     if conv.rates_file is None:
         return
+    conv.rates_saved = time.monotonic()
     temporary = conv.rates_file.with_name(f"rates.json.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
         temporary.write_text(json.dumps(asdict(conv.rates)))

@@ -72,6 +72,8 @@ class SlotState:
     dirty: set[int] = field(default_factory=set)  # slots that served a request since their last save or restore
     pinned: bool = False  # requests are pinned to slots (the conversation cache): `dirty` is exact
     settings: dict[str, Any] | None = None  # the server's layout settings, once asked
+    total_slots: int = 0  # -np as the server reports it, once asked
+    pairs: dict[int, slotdir.SavedSlot] = field(default_factory=dict)  # slot files equal to what a slot holds
 
     def tracker(self, rt: Generation) -> ReuseTracker:
         if self.reuse is None:
@@ -209,6 +211,7 @@ async def _save_one(rt: Generation, directory: Path, slot: dict[str, Any], setti
         final = slotdir.commit(directory, number, temporary, record)
         state.held[number] = header.tokens
         state.dirty.discard(number)
+        state.pairs[number] = slotdir.SavedSlot(number, slotdir.sidecar_path(directory, number), final)
     except (LlamaError, slotfile.SlotFileError, OSError) as exc:
         log.warning("slots.save_failed", slot=number, error=str(exc))
         return {**entry, "outcome": "failed", "reason": f"save failed: {exc}"}
@@ -311,6 +314,7 @@ async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[
         return _skipped(entry, f"the server refused it: {exc}{said}", failed=True)
     _state(rt).held[number] = header.tokens
     _state(rt).dirty.discard(number)
+    _state(rt).pairs[number] = slotdir.SavedSlot(number, saved.sidecar, path)
     entry.update(outcome="restored", tokens=int(answer.get("n_restored", header.n_tokens)),
                  server_ms=(answer.get("timings") or {}).get("restore_ms"),
                  total_ms=round((time.monotonic() - started) * 1000, 1), saved_at=sidecar.get("saved_at"))

@@ -102,9 +102,12 @@ def test_a_conversation_begun_on_one_wrapper_continues_on_another_from_the_share
 def test_a_restore_slower_than_a_prefill_is_not_done_and_the_log_says_why(tmp_path: Path, server_bin: str,
                                                                           demo_path: str) -> None:
     chat, other = Chat("slow"), Chat("other")
-    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path, restore_rate="1KB")) as wrapper:
+    slow = config(tmp_path, restore_rate="1KB")  # a disk that reads 1 KB/s: as if throttled
+    with running(tmp_path, argv(server_bin, demo_path), slow) as wrapper:
         chat.turn(wrapper.url)
-        other.turn(wrapper.url)
+        other.turn(wrapper.url)  # "slow" leaves its slot: into the cache
+        assert wrapper.stop() == 0
+    with running(tmp_path, argv(server_bin, demo_path), slow) as wrapper:  # no RAM prompt cache to help now
         assert chat.turn(wrapper.url) < 0.5  # prefilled
         (decision,) = [e for e in wrapper.events("conversations.decision") if e["entry_tokens"] > 256]
         assert decision["choice"] == "prefill" and decision["why"] == "a prefill is quicker"
