@@ -85,6 +85,7 @@ class Conversations:
     decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
     written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
     hits: int = 0
+    hits_by_entry: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
 
     def bytes_written(self, within: float | None = None) -> int:
@@ -385,6 +386,7 @@ async def _restore(generation: Generation, conv: Conversations, store: Store, en
     slots.pairs.pop(slot, None)
     store.touch(entry)
     conv.hits += 1
+    conv.hits_by_entry[entry.key] = conv.hits_by_entry.get(entry.key, 0) + 1
     METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
     log.info("conversations.restored", slot=slot, entry=entry.key, tokens=int(answer.get("n_restored") or 0),
              bytes=entry.bytes, ms=round(seconds * 1000, 1))
@@ -462,7 +464,8 @@ def status(generation: Generation) -> dict[str, Any]:
     METRICS.conv_entries.set(len(entries))
     METRICS.conv_bytes.set(total)
     return {
-        "on": True, "entries": [e.as_dict() for e in entries[:50]], "count": len(entries), "bytes": total,
+        "on": True, "entries": [{**e.as_dict(), "hits": conv.hits_by_entry.get(e.key, 0)} for e in entries[:50]],
+        "count": len(entries), "bytes": total,
         "budget": SLOTS.of(generation.config).cache_budget,
         "rates": {"prefill_tokens_per_s": conv.rates.prefill_tps, "restore_bytes_per_s": conv.rates.restore_bps},
         "hits": conv.hits, "misses": dict(conv.misses), "decisions": list(conv.decisions),

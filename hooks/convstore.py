@@ -70,7 +70,7 @@ class Entry:
 
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.key, "tokens": self.n_tokens, "bytes": self.bytes, "file": self.kv_file.name,
-                "last_used": round(self.last_used, 3), "hits": int(self.record.get("hits") or 0)}
+                "last_used": round(self.last_used, 3)}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -152,7 +152,7 @@ class Store:
         return entry
 
     def touch(self, entry: Entry) -> None:
-        """A hit: its last use is now (the sidecar's mtime), and one more hit in the record."""
+        """A hit: its last use is now (the sidecar's mtime)."""
         with contextlib.suppress(OSError):
             os.utime(entry.sidecar)
             entry.last_used = entry.sidecar.stat().st_mtime
