@@ -2,7 +2,8 @@
 
 A step before each completion request (hooks/registry.py declares it) learns the request's tokens (the server's
 own /apply-template and /tokenize), chooses the slot itself and pins the request to it (`id_slot`):
-  - a slot that holds the start of this conversation, else a free one, else the least recently used;
+  - a slot that holds the start of this conversation, else an empty one, else the one whose conversation is
+    cheapest to move out (the shortest, then the least recently used);
   - the conversation that slot holds leaves it: unless it was saved unchanged already, it is saved into the
     cache first (hooks/convstore.py), so nothing the server held is lost when it is overwritten;
   - the cached conversation sharing the longest prefix with the request is restored into the slot when it wins
@@ -10,7 +11,7 @@ own /apply-template and /tokenize), chooses the slot itself and pins the request
     `slots.restore_margin` is below the predicted prefill time (tokens / measured prefill rate); else the server
     prefills. Each decision is logged with both predictions (`conversations.decision`).
 Rates are measured per model on this machine (prefill from the answers' timings, restores from their own time)
-and kept in the slot folder (`rates.json`).
+and kept in `~/.cache/llama-wrapper/rates/<model-id>.json`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from wrapper.generation import Generation, Host
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.proxy import Observer
+from wrapper.server_help import cache_dir
 from wrapper.steps import Outgoing
 
 log = structlog.get_logger()
@@ -133,7 +135,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
     if slot is None:
         return out
-    out.after.append(lambda status: _release(generation, conv, slot, tokens, status))
+    out.after.append(lambda status: _release(host, generation, conv, slot, tokens, status))
     try:
         await _make_room(generation, conv, slot, tokens)
         await _bring_back(generation, conv, slot, tokens)
@@ -181,24 +183,27 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
     continuing = [s for s in free if shared[s] and shared[s] >= 0.5 * len(held.get(s, []))]
     if continuing:
         slot = max(continuing, key=lambda s: shared[s])
-    else:
-        empty = [s for s in free if not held.get(s)]
-        slot = empty[0] if empty else min(free, key=lambda s: conv.last_used.get(s, 0.0))
+    else:  # an empty slot, else the one whose conversation is cheapest to move out (then the least recently used)
+        slot = min(free, key=lambda s: (len(held.get(s, [])), conv.last_used.get(s, 0.0)))
     conv.busy.add(slot)
     return slot
 
 
-def _release(generation: Generation, conv: Conversations, slot: int, tokens: list[int], status: int | None) -> None:
-    slots = state_of(generation)
+def _release(host: Host, first: Generation, conv: Conversations, slot: int, tokens: list[int],
+             status: int | None) -> None:
+    """The request is answered (or cut). It ran on the generation it began on, and on the current one when a
+    growth's reload sent it again there: the slot of each holds something new."""
     conv.busy.discard(slot)
     conv.last_used[slot] = time.monotonic()
-    if status is not None and status < 400:
-        slots.held[slot] = tokens  # and what it generated, which the next turn repeats
-    else:
-        slots.held.pop(slot, None)  # unknown now: it may hold part of it
-    slots.dirty.add(slot)
-    slots.pairs.pop(slot, None)
-    slots.pinned = True
+    for generation in {id(g): g for g in (first, host.current)}.values():
+        slots = state_of(generation)
+        if status is not None and status < 400:
+            slots.held[slot] = tokens  # and what it generated, which the next turn repeats
+        else:
+            slots.held.pop(slot, None)  # unknown now: it may hold part of it
+        slots.dirty.add(slot)
+        slots.pairs.pop(slot, None)
+        slots.pinned = True
     conv.freed.set()
 
 
@@ -211,8 +216,8 @@ async def _make_room(generation: Generation, conv: Conversations, slot: int, tok
     held = slots.held.get(slot, [])
     if len(held) < settings.min_tokens:
         return  # too short to keep
-    if common_prefix(held, tokens) >= len(held) - 1:
-        return  # this request goes on with it: it does not leave
+    if len(held) - common_prefix(held, tokens) < settings.min_tokens:
+        return  # this request goes on with it (what it drops is too little to keep): it does not leave
     store = _store(generation)
     if slot not in slots.dirty and store.find(held) is not None:
         return  # unchanged since it came from the cache (or went into it): nothing new to write
@@ -427,13 +432,15 @@ def _unpinned(generation: Generation) -> None:
     slots.held.clear()
 
 
+def rates_dir() -> Path:
+    """Where the measured rates are kept per model (this machine's cache, not the shared slot folder)."""
+    return cache_dir().parent / "rates"
+
+
 def _load_rates(generation: Generation, conv: Conversations) -> None:
     if conv.rates_file is not None:
         return
-    directory = generation.launch.fitted.get(SLOTS.name)
-    if not isinstance(directory, Path):
-        return
-    conv.rates_file = directory / "rates.json"
+    conv.rates_file = rates_dir() / f"{generation.launch.model.id}.json"
     with contextlib.suppress(OSError, ValueError, TypeError):
         conv.rates = Rates(**json.loads(conv.rates_file.read_text()))
 
@@ -442,8 +449,9 @@ def _save_rates(conv: Conversations) -> None:
     if conv.rates_file is None:
         return
     conv.rates_saved = time.monotonic()
-    temporary = conv.rates_file.with_name(f"rates.json.{os.getpid()}.tmp")
+    temporary = conv.rates_file.with_name(f"{conv.rates_file.name}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
+        conv.rates_file.parent.mkdir(parents=True, exist_ok=True)
         temporary.write_text(json.dumps(asdict(conv.rates)))
         os.replace(temporary, conv.rates_file)
 

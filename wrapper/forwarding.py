@@ -70,15 +70,13 @@ async def forward_request(request: web.Request, up: Upstream, path: str) -> web.
     outgoing = Outgoing(request.method, path, body, json_object(body))
     status: int | None = None
     try:
-        if steps:  # the steps talk to llama-server: only once the gate lets requests through
-            admission = await up.gate.enter()
+        if steps:  # the steps talk to llama-server: only once the gate lets requests through (not counted in
+            # flight: a step may wait for a slot that a growth's drain would otherwise wait for in turn)
+            admission = await up.gate.enter(counted=False)
             if admission is not Admission.ADMITTED:
                 return _refused(up, admission)
-            try:
-                for step in steps:
-                    outgoing = await step.run(up, outgoing)
-            finally:
-                up.gate.leave()
+            for step in steps:
+                outgoing = await step.run(up, outgoing)
         if growth is None:
             result = await _exchange(request, up, path, outgoing.body, None)
             assert isinstance(result, web.StreamResponse)

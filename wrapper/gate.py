@@ -47,8 +47,9 @@ class Gate:
             self._opened.clear()
         self._hold_limit = self._reload_hold_timeout if state is State.RELOADING else None
 
-    async def enter(self) -> Admission:
-        """Wait until requests may pass, are refused, or the hold limit passes."""
+    async def enter(self, counted: bool = True) -> Admission:
+        """Wait until requests may pass, are refused, or the hold limit passes. `counted`: the caller is in
+        flight until it leaves (not counted: it only waited for the gate, and a drain does not wait for it)."""
         loop = asyncio.get_running_loop()
         deadline = None if self._hold_limit is None else loop.time() + self._hold_limit
         self.held += 1
@@ -65,6 +66,8 @@ class Gate:
             return Admission.REFUSED
         if not self._opened.is_set():
             return Admission.TIMED_OUT
+        if not counted:
+            return Admission.ADMITTED
         self.in_flight += 1
         self._idle.clear()
         return Admission.ADMITTED

@@ -88,9 +88,10 @@ def schedule(workload: str) -> tuple[list[int], int, int]:
     return [i for _ in range(2) for i in range(4) for _ in range(4)], 4, 8
 
 
-def with_wrapper(server: str, model: str, parallel: int, workload: str, folder: Path) -> tuple[Run, float]:
+def with_wrapper(server: str, model: str, parallel: int, workload: str, folder: Path,
+                 extra: list[str]) -> tuple[Run, float]:
     order, count, every = schedule(workload)
-    argv = [server, "-m", model, "-c", "8192", "-np", str(parallel)]
+    argv = [server, "-m", model, "-c", "8192", "-np", str(parallel), *extra]
     chats, run = Chats(count), Run()
     wrapper = Wrapper(folder, argv, CONFIG.format(dir=folder / "slots"))
     wrappers = [wrapper]
@@ -130,10 +131,10 @@ def _bytes_per_token(wrapper: Wrapper) -> float:
     return size / tokens
 
 
-def never_stopped(server: str, model: str, parallel: int, workload: str) -> Run:
+def never_stopped(server: str, model: str, parallel: int, workload: str, extra: list[str]) -> Run:
     order, count, _ = schedule(workload)
     port = free_port()
-    process = subprocess.Popen([server, "-m", model, "-c", "8192", "-np", str(parallel), "--port", str(port)],
+    process = subprocess.Popen([server, "-m", model, "-c", "8192", "-np", str(parallel), *extra, "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -159,15 +160,17 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=1)
     parser.add_argument("--model", choices=("smollm2", "gemma"), default="smollm2")
     parser.add_argument("--workload", choices=("round-robin", "agent", "both"), default="both")
+    parser.add_argument("--server-args", default="", help="more llama-server arguments, for both (e.g. -kvu)")
     options = parser.parse_args()
+    extra = options.server_args.split()
     server = models.llama_server()
     model = models.demo() if options.model == "smollm2" else models.gemma()
     workloads = ("round-robin", "agent") if options.workload == "both" else (options.workload,)
-    print(f"model {Path(model).name}, -c 8192 -np {options.np}")
+    print(f"model {Path(model).name}, -c 8192 -np {options.np} {options.server_args}")
     for workload in workloads:
-        floor = never_stopped(server, model, options.np, workload)
+        floor = never_stopped(server, model, options.np, workload, extra)
         with tempfile.TemporaryDirectory() as folder:
-            ours, _ = with_wrapper(server, model, options.np, workload, Path(folder))
+            ours, _ = with_wrapper(server, model, options.np, workload, Path(folder), extra)
         floor_time = sum(t.seconds for t in floor.revisits())
         our_time = sum(t.seconds for t in ours.revisits())
         hits = sum(t.reused >= 0.9 for t in ours.revisits())
