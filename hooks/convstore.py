@@ -197,10 +197,10 @@ class Store:
         removed = []
         for path in self.directory.iterdir():
             part = _PART.match(path.name)
-            age = _age(path, now)
+            age = slotdir.age(path, now)
             if part:
                 mine = part.group(1) == host
-                litter = (mine and int(part.group(2)) != os.getpid() and not _alive(int(part.group(2)))) or \
+                litter = (mine and int(part.group(2)) != os.getpid() and not slotdir.alive(int(part.group(2)))) or \
                     age > PART_AGE_S
             else:
                 litter = bool(_KV_FILE.match(path.name)) and path.name not in named and age > ORPHAN_AGE_S
@@ -210,19 +210,3 @@ class Store:
                     removed.append(path.name)
         return removed
 
-
-def _age(path: Path, now: float) -> float:
-    try:
-        return now - path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

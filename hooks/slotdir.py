@@ -160,10 +160,10 @@ def sweep(directory: Path, now: float | None = None) -> list[str]:
     removed = []
     for path in directory.iterdir():
         temporary = _TEMPORARY.search(path.name)
-        if temporary and int(temporary.group(1)) != os.getpid() and not _alive(int(temporary.group(1))):
+        if temporary and int(temporary.group(1)) != os.getpid() and not alive(int(temporary.group(1))):
             litter = True
         elif _KV_FILE.match(path.name) and path.name not in current:
-            litter = _age(path, now) > ORPHAN_AGE_S
+            litter = age(path, now) > ORPHAN_AGE_S
         else:
             litter = False
         if litter:
@@ -181,7 +181,7 @@ def _current_kv_file(directory: Path, slot: int) -> Path | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -191,7 +191,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _age(path: Path, now: float) -> float:
+def age(path: Path, now: float) -> float:
     try:
         return now - path.stat().st_mtime
     except OSError:
