@@ -42,10 +42,6 @@ def sidecar_path(directory: Path, slot: int) -> Path:
     return directory / f"slot{slot}.json"
 
 
-def kv_name(slot: int, file_fingerprint: str) -> str:
-    return f"slot{slot}-{file_fingerprint[:12]}.bin"
-
-
 def read_sidecar(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
