@@ -269,8 +269,8 @@ async def save_slot(generation: Generation, slot: int, why: str) -> Entry | None
         if (known := store.find(header.tokens)) is not None:
             store.touch(known)
             return None  # the cache has it already: nothing new is written
-        if header.bytes > settings.cache_entry_max:
-            _skip(conv, slot, f"{header.bytes >> 20} MiB is more than slots.cache_entry_max")
+        if header.bytes > min(settings.cache_entry_max, settings.cache_budget):
+            _skip(conv, slot, f"{header.bytes >> 20} MiB is more than slots.cache_entry_max or slots.cache_budget")
             return None
         record = {k: v for k, v in (await server_settings_of(generation)).items()
                   if k in ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams",
