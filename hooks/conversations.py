@@ -86,6 +86,7 @@ class Conversations:
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
     decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
     written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
+    stores: dict[Path, Store] = field(default_factory=dict)  # one per folder: entries' tokens are read once
     hits: int = 0
     hits_by_entry: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
@@ -108,7 +109,10 @@ def enabled(generation: Generation) -> bool:
 def _store(generation: Generation) -> Store:
     directory = generation.launch.fitted.get(SLOTS.name)
     assert isinstance(directory, Path)
-    return Store(directory)
+    stores = state(generation).stores
+    if directory not in stores:
+        stores[directory] = Store(directory)
+    return stores[directory]
 
 
 # -- the step before a request -------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ async def save_slot(generation: Generation, slot: int, why: str) -> Entry | None
     store = _store(generation)
     store.sweep()
     if store.free_bytes() < settings.cache_min_free:
-        _skip(conv, slot, f"less than slots.cache_min_free ({settings.cache_min_free >> 20} MiB) is free on disk")
+        _skip(slot, f"less than slots.cache_min_free ({settings.cache_min_free >> 20} MiB) is free on disk")
         return None
     held = slots.held.get(slot, [])
     part = store.directory / part_name(f"{len(held):016x}")
@@ -270,7 +274,7 @@ async def save_slot(generation: Generation, slot: int, why: str) -> Entry | None
             store.touch(known)
             return None  # the cache has it already: nothing new is written
         if header.bytes > min(settings.cache_entry_max, settings.cache_budget):
-            _skip(conv, slot, f"{header.bytes >> 20} MiB is more than slots.cache_entry_max or slots.cache_budget")
+            _skip(slot, f"{header.bytes >> 20} MiB is more than slots.cache_entry_max or slots.cache_budget")
             return None
         record = {k: v for k, v in (await server_settings_of(generation)).items()
                   if k in ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams",
@@ -292,7 +296,7 @@ async def save_slot(generation: Generation, slot: int, why: str) -> Entry | None
     return entry
 
 
-def _skip(conv: Conversations, slot: int, reason: str) -> None:
+def _skip(slot: int, reason: str) -> None:
     log.warning("conversations.save_skipped", slot=slot, reason=reason)
 
 
