@@ -17,7 +17,7 @@ from wrapper.exits import EXIT_CONFIG
 from wrapper.listener import serve
 from wrapper.supervisor import Supervisor
 from wrapper.units import parse_duration
-from wrapper.usage import RUN_EXAMPLES
+from wrapper.usage import RUN_EXAMPLES, SERVER_COMMAND_SETTINGS, ServerCommand
 
 
 class _Duration(click.ParamType):  # type: ignore[type-arg]
@@ -33,8 +33,7 @@ class _Duration(click.ParamType):  # type: ignore[type-arg]
 DURATION = _Duration()
 
 
-@click.command(epilog=RUN_EXAMPLES,
-              context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command(cls=ServerCommand, epilog=RUN_EXAMPLES, context_settings=SERVER_COMMAND_SETTINGS)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
               show_envvar=True, help="YAML file with server, slots, proxy and hooks settings.")
 @click.option("--listen", envvar="LLAMA_WRAPPER_LISTEN", show_envvar=True, metavar="HOST:PORT",
