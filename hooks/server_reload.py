@@ -38,7 +38,7 @@ def _token(rt: Generation, url: str, token_file: Any) -> str | None:
     except ValueError as exc:
         raise ActionError(str(exc)) from exc
     if token is None and url == rt.launch.listen.url.rstrip("/"):
-        token = rt.launch.admin_token
+        token = rt.launch.admin.read()[0]
     return token
 
 

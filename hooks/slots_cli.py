@@ -91,9 +91,13 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
 
 
 @slots.command()
-@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("path", type=click.Path(dir_okay=False))
 def inspect(path: str) -> None:
-    """Read a slot file's header (tokens, cells, layers, K/V types, streams) and its sidecar."""
+    """Read a slot file's header (tokens, cells, layers, K/V types, streams) and its sidecar. Exit 1 when there is
+    no such file or it is not a slot file."""
+    if not Path(path).is_file():
+        click.echo(f"llama-wrapper: no such slot file: {path} (`llama-wrapper slots ls` lists them)", err=True)
+        sys.exit(EXIT_FAILED)
     try:
         summary = slotfile.read(path).summary()
     except slotfile.SlotFileError as exc:

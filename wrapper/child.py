@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -48,6 +49,24 @@ class Exit:
     def status(self) -> int:
         """A shell-style exit status: the code, or 128 + the signal."""
         return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+    @property
+    def crashed(self) -> bool:
+        """It ended in a way nobody asked for: by a signal other than our SIGTERM or our SIGKILL after the stop
+        timeout (a SIGSEGV, a SIGABRT, the kernel's OOM kill), or with a non-zero code before any SIGTERM."""
+        if self.returncode == 0:
+            return False
+        if self.signal is None:
+            return not self.asked
+        ours = (self.asked and self.signal == signal.SIGTERM) or (self.killed and self.signal == signal.SIGKILL)
+        return not ours
+
+    @property
+    def log_level(self) -> int:
+        """How loud its `child.exited` is: error for a crash, warning for a kill after the stop timeout."""
+        if self.crashed:
+            return logging.ERROR
+        return logging.WARNING if self.killed else logging.INFO
 
 
 async def spawn(

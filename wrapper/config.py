@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from wrapper import template
+from wrapper.auth import MAKE_TOKEN, token_path
 from wrapper.settings import Section
 from wrapper.units import parse_duration
 from wrapper.yamlread import Reader
@@ -174,7 +177,11 @@ def _read_root(r: Reader, root: yaml.Node, sections: Sequence[Section[Any]]) -> 
         if "token_file" in admin:
             token_file = r.scalar(admin["token_file"], "admin.token_file", (str,))
             if token_file:
-                values["admin_token_file"] = Path(os.path.expandvars(token_file)).expanduser()
+                values["admin_token_file"] = token_path(token_file)
+                if not values["admin_token_file"].is_file():
+                    r.warn(admin["token_file"], f"admin.token_file: {values['admin_token_file']} does not exist: "
+                           "the admin endpoints are off until it does; "
+                           + MAKE_TOKEN.format(file=values["admin_token_file"]))
     if "hooks" in top:
         hooks = r.mapping(top["hooks"], "hooks", HOOK_EVENTS)
         values["hooks"] = {event: _read_actions(r, hooks[event], event) if event in hooks else ()
@@ -252,11 +259,38 @@ def _read_action(r: Reader, node: yaml.Node, what: str, event: str) -> Action | 
     action = Action(**{k: v for k, v in fields.items() if v is not None})
     for problem in _template_problems(action, event):
         r.error(node, f"{what}: {problem}")
+    program: str | None = action.exec[0] if action.exec else _first_word(action.shell)
+    if program is not None and (unrunnable := _program_problem(program, on_path=bool(action.exec))) is not None:
+        r.warn(node, f"{what}: {unrunnable}")
     if action.shell is not None:
         for quoted in template.quoted_templates(action.shell):
             r.warn(node, f"{what}: {quoted} stands inside quotes in a shell command; every {{{{ }}}} value is "
                          "quoted for the shell already, and the quotes around it undo that: remove them")
     return action
+
+
+def _first_word(shell: str | None) -> str | None:
+    try:
+        words = shlex.split(shell or "")
+    except ValueError:
+        return None
+    return words[0] if words and "=" not in words[0].partition("/")[0] else None  # not `VAR=value cmd`
+
+
+def _program_problem(program: str, on_path: bool) -> str | None:
+    """Why an action's program will not run, when that can be told now (a script path; an exec's command)."""
+    if "{{" in program or "{%" in program:
+        return None  # known only when the hook runs
+    if "/" not in program:
+        if on_path and shutil.which(program) is None:
+            return f"{program!r} is not on PATH: the action will fail when it runs (give its full path)"
+        return None  # a shell's first word may be one of its own commands
+    path = Path(program).expanduser()
+    if not path.exists():
+        return f"{program} does not exist: the action will fail when it runs"
+    if path.is_dir() or not os.access(path, os.X_OK):
+        return f"{program} is not executable: the action will fail with 'Permission denied' (chmod +x {program})"
+    return None
 
 
 def _template_problems(action: Action, event: str) -> list[str]:

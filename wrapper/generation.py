@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from wrapper import argv as args
 from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
-from wrapper.launch import Launch
-from wrapper.llama import LlamaClient
+from wrapper.launch import Launch, ServerContext, server_context, training_context, with_context
+from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
 
 log = structlog.get_logger()
@@ -63,6 +64,7 @@ class Generation:
     child: Child | None = None
     state: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for this generation
     shared: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for the wrapper's whole life
+    context: ServerContext | None = None  # what the server runs with, from its /props once it is ready
 
     async def start(self, on_line: Callable[[Generation, str], None]) -> Child:
         """Spawn llama-server and wait until it answers /health 200; StartFailed otherwise (stopped then)."""
@@ -86,7 +88,36 @@ class Generation:
                                   f"({config.ready_timeout:g}s)")
             await asyncio.sleep(READY_POLL)
         log.info("child.ready", pid=child.pid, load_s=round(time.monotonic() - began, 3))
+        await self._learn_context()
         return child
+
+    async def _learn_context(self) -> None:
+        """Ask the server the context it runs with (llama-server caps a slot at the model's training context,
+        rounds to 256 cells, ...): when that is not the -c it was given, the argv and the config the wrapper
+        keeps say what runs, so that status, a reload's answer and the next reload see that."""
+        try:
+            props = await self.client.props()
+            settings = props.get("default_generation_settings") or {}
+            slot, slots = int(settings.get("n_ctx") or 0), int(props.get("total_slots") or 1)
+        except (LlamaError, AttributeError, TypeError, ValueError):
+            return
+        if slot <= 0 or slots <= 0:
+            return
+        launch, config = self.launch, self.config
+        learned = server_context(launch.argv, slot, slots, training_context(launch))
+        known = self.context
+        if known is not None and learned.asked == known.runs and learned.runs == known.runs:
+            return  # started again with what it runs recorded: what the first start learnt still says why
+        self.context = learned
+        if learned.asked is None or learned.runs == learned.asked:
+            return
+        log.info("context.applied", asked=learned.asked, runs=learned.runs, slot=slot, slots=slots, why=learned.why)
+        note = {"change": f"-c {learned.asked} -> {learned.runs}",
+                "why": f"llama-server runs {learned.runs} (GET /props: {slots} slot(s) of {slot}): {learned.why}; "
+                       "the argv shows what runs"}
+        self.launch = replace(launch, argv=with_context(launch.argv, learned.runs), notes=[*launch.notes, note])
+        if args.get(config.argv, args.CTX_SIZE) == str(learned.asked):  # not a built-in's fit of another -c
+            self.config = replace(config, argv=tuple(with_context(config.argv, learned.runs)))
 
     async def stop(self) -> Exit | None:
         """One SIGTERM, SIGKILL after server.stop_timeout; None when it never started."""
@@ -96,8 +127,8 @@ class Generation:
         if child.alive:
             log.info("child.stopping", pid=child.pid, timeout_s=self.config.stop_timeout)
         finished = await child.stop(self.config.stop_timeout)
-        log.info("child.exited", pid=child.pid, code=finished.code, signal=finished.signal_name,
-                 killed_after_timeout=finished.killed)
+        log.log(finished.log_level, "child.exited", pid=child.pid, code=finished.code, signal=finished.signal_name,
+                killed_after_timeout=finished.killed)
         return finished
 
     @property

@@ -37,7 +37,7 @@ def read_header(path: str) -> tuple[dict[str, Any], list[Tensor]]:
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _walk(data)
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError, OverflowError, RecursionError, struct.error) as exc:  # any damage, no traceback
         raise GGUFError(f"{path}: cannot read the GGUF header: {exc}") from exc
 
 
@@ -47,6 +47,8 @@ def _walk(data: mmap.mmap) -> tuple[dict[str, Any], list[Tensor]]:
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
     if version < 2:
         raise GGUFError(f"GGUF version {version} is too old")
+    if n_kv > len(data) or n_tensors > len(data):
+        raise GGUFError(f"the header claims {n_kv} keys and {n_tensors} tensors: a damaged file")
     pos = 24
     out: dict[str, Any] = {}
     for _ in range(n_kv):

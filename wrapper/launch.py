@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from wrapper import argv as args
-from wrapper.auth import admin_token, redacted, server_keys
+from wrapper.auth import AdminToken, redacted, server_keys
 from wrapper.config import Config, ConfigError, Listen
 from wrapper.gguf_meta import GGUFError, architecture_facts, read_metadata
 from wrapper.model import Model, from_argv
@@ -45,8 +45,7 @@ class Launch:
     env: dict[str, str]
     keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
     fitted: dict[str, Any] = field(default_factory=dict)  # what each built-in's fit set up for it (slots: a folder)
-    admin_token: str | None = None  # what POST /wrapper/* asks for; None: those endpoints are off
-    admin_off: str | None = None  # why they are off although admin.token_file is set
+    admin: AdminToken = field(default_factory=lambda: AdminToken(None, {}))  # what POST /wrapper/* asks for
     metrics: bool = False  # llama-server serves /metrics (GET /metrics passes it through)
     keep_saved: str | None = None  # a built-in's fit made saves worse than the files there are: keep them (why)
     notes: list[dict[str, str]] = field(default_factory=list)
@@ -109,6 +108,9 @@ def prepare(config: Config) -> Launch:
     if model.path and not os.path.isfile(model.path):
         raise ConfigError(f"the model file {model.path!r} (-m) does not exist: give the path of a .gguf file "
                           "(llama.cpp/get-model prints the demo model's)")
+    if model.path and (magic := _magic(model.path)) != b"GGUF":
+        raise ConfigError(f"the model file {model.path!r} (-m) is not a GGUF file (it starts with {magic!r}, not "
+                          "b'GGUF'): give the path of a .gguf model, not a folder, a download page or a sidecar")
     env = {**os.environ, **config.env}
     facts: dict[str, Any] = {}
     if model.path:
@@ -117,13 +119,16 @@ def prepare(config: Config) -> Launch:
         except GGUFError as exc:
             notes.append({"change": "could not read the model's GGUF header",
                           "why": f"{exc}; SWA detection, the -c default and memory plans are off"})
-    admin_off = None
-    try:
-        token = admin_token(config.admin_token_file, os.environ)
-    except ValueError as exc:  # the server still runs: only the admin endpoints are off, and the log says why
-        token, admin_off = None, str(exc)
     return Launch(argv=argv, port=port, listen=listen, model=model, env=env, keys=server_keys(argv, env),
-                  admin_token=token, admin_off=admin_off, metrics=metrics, notes=notes, facts=facts)
+                  admin=AdminToken(config.admin_token_file, os.environ), metrics=metrics, notes=notes, facts=facts)
+
+
+def _magic(path: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4)
+    except OSError as exc:
+        raise ConfigError(f"the model file {path!r} (-m) cannot be read: {exc.strerror}") from exc
 
 
 def _listen_from_server_args(host: str | None, port: str | None) -> Listen:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import structlog
 from aiohttp import web
 
 from wrapper import extensions
-from wrapper.auth import ADMIN_TOKEN_ENV, allowed, presented_bearer, presented_key
+from wrapper.auth import allowed, presented_bearer, presented_key
 from wrapper.forwarding import RETRY_AFTER_S, forward_request
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
@@ -46,25 +47,45 @@ def _unauthorized(request: web.Request) -> web.Response | None:
 
 def _not_admin(request: web.Request) -> web.Response | None:
     """POST /wrapper/* needs the admin token; without one configured, those endpoints are off."""
-    launch = request.app[SUPERVISOR].launch
-    token = launch.admin_token
+    admin = request.app[SUPERVISOR].launch.admin
+    was_off = admin.off
+    token, why = admin.read()  # read at each call: a token file made after the start turns them on
     if token is None:
-        why = launch.admin_off or (f"set admin.token_file in the config or {ADMIN_TOKEN_ENV}, then send "
-                                   "Authorization: Bearer <token>")
         return json_error(403, f"admin endpoints are off: {why}", "permission_error")
+    if was_off is not None:
+        log.info("admin.on", why="the admin token can be read now")
     if not allowed((token,), presented_bearer(request)):
         return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)",
                           "authentication_error")
     return None
 
 
+class _NotJson(ValueError):
+    """A request body that does not parse: the message says where (the parser's line and column)."""
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The body parsed as JSON; None for an empty one; _NotJson for one that is not JSON at all."""
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw.decode(request.charset or "utf-8"))
+    except json.JSONDecodeError as exc:
+        raise _NotJson(f"the body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise _NotJson(f"the body is not valid JSON: not {exc.encoding} text (byte {exc.start})") from exc
+    except LookupError as exc:  # a charset Python does not know
+        raise _NotJson(f"the body is not valid JSON: an unknown charset {request.charset!r}") from exc
+
+
 async def reload(request: web.Request) -> web.Response:
     if (refusal := _not_admin(request)) is not None:
         return refusal
     try:
-        body = await request.json()
-    except ValueError:
-        return json_error(400, "the body must be a JSON object of reload fields", "invalid_request_error")
+        body = await _json_body(request)
+    except _NotJson as exc:
+        return json_error(400, str(exc), "invalid_request_error")
     if not isinstance(body, dict):
         return json_error(400, "the body must be a JSON object of reload fields", "invalid_request_error")
     try:
@@ -92,9 +113,11 @@ async def drain(request: web.Request) -> web.Response:
         body = dict(request.query)
     else:
         try:
-            body = await request.json() if request.can_read_body else {}
-        except ValueError:
-            body = None
+            body = await _json_body(request)
+        except _NotJson as exc:
+            return json_error(400, str(exc), "invalid_request_error")
+        if body is None:  # an empty body: the default timeout
+            body = {}
     if not isinstance(body, dict) or set(body) - set(DRAIN_FIELDS):
         return json_error(400, 'the body must be empty or {"timeout": DURATION} (e.g. "30s"; default '
                           "server.drain_timeout)", "invalid_request_error")
@@ -160,9 +183,9 @@ async def builtin_route(request: web.Request) -> web.Response:
     body: Any = {}
     if request.method == "POST":
         try:
-            body = await request.json()
-        except ValueError:
-            body = None
+            body = await _json_body(request)
+        except _NotJson as exc:
+            return json_error(400, str(exc), "invalid_request_error")
         if not isinstance(body, dict):
             return json_error(400, "the body must be a JSON object", "invalid_request_error")
     if supervisor.lifecycle.state is not State.READY and request.method == "POST":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from wrapper import actions, extensions, hook_context, status
+from wrapper import actions, extensions, hook_context, logs, status
 from wrapper.actions import HookFailed, HookRunner
 from wrapper.aio import first_of
 from wrapper.child import Exit
@@ -113,15 +114,18 @@ class Supervisor:
                 log.info("argv.rewritten", **note)
             for warning in self.config.warnings:
                 log.warning("config.warning", note=warning)
-            if self.launch.admin_off:
-                log.warning("admin.off", why=self.launch.admin_off)
+            if self.launch.admin.token_file is not None and (off := self.launch.admin.read()[1]) is not None:
+                log.warning("admin.off", why=off)
             log.info("wrapper.starting", listen=self.launch.listen.url, server=self.launch.url,
                      argv=self.launch.shown_argv, model=self.launch.model.as_dict())
             listening = serve(self)
             try:
                 await listening.__aenter__()
             except OSError as exc:
-                log.error("wrapper.listen_failed", listen=self.launch.listen.url, error=str(exc))
+                taken = exc.errno == errno.EADDRINUSE
+                log.error("wrapper.listen_failed", listen=self.launch.listen.url, error=str(exc),
+                          hint=(f"{self.launch.listen.url} is taken by another program: choose another --listen "
+                                "(or stop what holds it)") if taken else "choose another --listen")
                 return await self._stop(Ended.START_FAILED)
             try:
                 return await self._live()
@@ -386,10 +390,7 @@ class Supervisor:
         return extensions.observer(self.generation)
 
     def server_line(self, generation: Generation, line: str) -> None:
-        if extensions.server_line(generation, line):
-            log.info("server.output", line=line)
-        else:
-            log.debug("server.output", line=line)
+        log.log(logs.server_output_level(line, extensions.server_line(generation, line)), "server.output", line=line)
 
     # -- for the admin endpoints ---------------------------------------------------------------------------
 

@@ -120,7 +120,9 @@ hooks:
         chunks: list[bytes] = []
 
         def stream() -> None:
-            body = json.dumps({"prompt": "Once upon a time", "n_predict": 300, "stream": True}).encode()
+            # ignore_eos: the stream runs its 300 tokens, in flight during the drain, wherever the model would stop
+            body = json.dumps({"prompt": "Once upon a time", "n_predict": 300, "ignore_eos": True,
+                               "stream": True}).encode()
             request = urllib.request.Request(f"{wrapper.url}/completion", data=body,
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as reply:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 
-from wrapper.gguf_meta import architecture_facts, read_metadata
+from wrapper.gguf_meta import GGUFError, architecture_facts, read_header, read_metadata
 
 
 def test_gguf_header_without_reading_arrays(tmp_path: Path) -> None:
@@ -28,3 +29,13 @@ def test_gguf_header_without_reading_arrays(tmp_path: Path) -> None:
     assert "tokenizer.ggml.tokens" not in meta
     assert architecture_facts(meta) == {"architecture": "gemma3", "context_length": 32768, "block_count": 4,
                                         "sliding_window": 512, "head_dim_k": None, "head_dim_v": None}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_damage_after_the_magic_is_a_gguf_error_never_a_traceback(tmp_path: Path, seed: int) -> None:
+    """A file that starts like a GGUF and goes on with noise (a cut download, a damaged disk)."""
+    path = tmp_path / "damaged.gguf"
+    noise = np.random.default_rng(seed).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + noise)
+    with pytest.raises(GGUFError):
+        read_header(str(path))

@@ -22,7 +22,7 @@ def test_a_file_that_kills_the_server_is_set_aside_and_the_start_goes_on(tmp_pat
     """A file that passes every check and still makes llama-server abort (GGML_ASSERT in its state read):
     the file goes to set-aside/ with its reason, the server starts again without it, the wrapper comes up."""
     model = tmp_path / "m.gguf"
-    model.write_bytes(np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    model.write_bytes(b"GGUF" + np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
     folder = tmp_path / "slots" / fingerprint(str(model))
     folder.mkdir(parents=True)
     written = folder / "slot0.bin.0.tmp"
