@@ -10,13 +10,13 @@ from hooks.slots import SLOTS
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.launch import Fitting, Launch
-from wrapper.server_help import supported_flags
+from wrapper.server_help import is_planning, supported_flags
 
 FALLBACK_CTX = 4096
 
 
 def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
-    """The slot built-ins' argv changes; `prepared` is this model's slot folder."""
+    """The slot built-ins' argv changes; `fitted` is this model's slot folder (created, unless only planning)."""
     slot_dir = SLOTS.of(config).dir / launch.model.id
     fit = Fitting(list(argv), fitted=slot_dir)
     facts = launch.facts
@@ -28,10 +28,11 @@ def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
     def has(name: str) -> bool:
         return flags is None or name in flags
 
-    try:
-        slot_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
+    if not is_planning():  # `llama-wrapper plan` creates nothing
+        try:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
     if has("--slot-save-path"):
         old = args.get(fit.argv, args.SLOT_SAVE_PATH)
         fit.argv = args.replace(fit.argv, args.SLOT_SAVE_PATH, str(slot_dir))

@@ -1,7 +1,8 @@
 """The memory planner: bytes per device and component for a llama-server command line, from the GGUF header.
 
 Weights are the tensor table's exact sizes (the layers `-ngl` offloads on the GPU, `token_embd` always on
-the CPU, the output layer on the GPU once every layer is), plus the CPU's repacked copy of Q4_0/Q4_K/IQ4_NL
+the CPU, the output layer on the GPU once every layer is: a model without `output.weight` (tied embeddings,
+e.g. Gemma) then gets a copy of `token_embd` there), plus the CPU's repacked copy of Q4_0/Q4_K/IQ4_NL
 layer tensors. KV follows llama.cpp's allocation exactly: per layer KV heads * head size * bytes per value *
 cells, cells = n_ctx padded to 256, sliding-window layers `min(n_ctx, window * n_seq + n_ubatch)` unless
 `--swa-full`. The compute buffer is an estimate (the ubatch's feed-forward activations, the attention mask
@@ -32,6 +33,7 @@ VALUE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 
 _REPACKED = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.IQ4_NL}
 # Which layers use the sliding window, per architecture (llama.cpp's set_swa_pattern): every n-th is global.
 _SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2, "exaone4": 4}
+DEVICE = ("-dev", "--device")  # `none`: offload nothing, whatever -ngl says
 
 
 class PlanError(Exception):
@@ -133,7 +135,8 @@ class Settings:
 
 
 def settings_from_argv(argv: Sequence[str], shape: ModelShape, gpu: bool) -> Settings:
-    """`gpu`: whether this llama-server build has a GPU device (without one, -ngl offloads nothing)."""
+    """`gpu`: whether this llama-server build has a GPU device, or the plan is for one (`plan --backend`);
+    without one, or with `-dev none`, -ngl offloads nothing."""
     def number(names: tuple[str, ...], default: int) -> int:
         value = args.get(argv, names)
         try:
@@ -143,6 +146,7 @@ def settings_from_argv(argv: Sequence[str], shape: ModelShape, gpu: bool) -> Set
 
     n_ctx = number(args.CTX_SIZE, 0) or shape.n_ctx_train or 4096
     ngl_text = args.get(argv, args.GPU_LAYERS)
+    gpu = gpu and (args.get(argv, DEVICE) or "").lower() != "none"
     if not gpu:
         layers = 0
     elif ngl_text is None or ngl_text in ("auto", "all", "-1"):
@@ -253,6 +257,9 @@ def _weights(result: Plan, shape: ModelShape, gpu_layers: int) -> None:
         result.add("GPU" if gpu else "CPU", "weights", nbytes)
         if not gpu and name.startswith("blk.") and type_id in _REPACKED and name.endswith(".weight"):
             result.add("CPU", "weights", nbytes)  # the CPU backend's repacked copy (CPU_REPACK)
+    if output_on_gpu and not any(name == "output.weight" for name, _, _ in shape.tensors):
+        # tied embeddings: llama.cpp loads token_embd again as the output layer, in that layer's GPU buffer
+        result.add("GPU", "weights", sum(nbytes for name, nbytes, _ in shape.tensors if name == "token_embd.weight"))
 
 
 def _compute(result: Plan, shape: ModelShape, s: Settings, gpu: bool) -> None:

@@ -1,4 +1,8 @@
-"""What a llama-server binary supports, learnt from its own `--help` and cached per binary."""
+"""What a llama-server binary supports, learnt from its own `--help` and cached per binary.
+
+Within `planning()` (`llama-wrapper plan`) nothing is written: the binary is asked, its answer is not cached,
+and a binary that is not found is no error (the launch plans for it as if it had every flag).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,32 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 _FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
 _COLUMNS = re.compile(r"(?<![,\s])\s{2,}")  # a help line: flags (a comma between them), 2+ spaces, the text
 _FORMAT = 2  # of the cache entries; older entries (a plain list) are read again from --help
+# While planning: what the binaries said so far, kept in memory only (binary, option -> parsed answer)
+_PLANNING: ContextVar[dict[tuple[str, str], Any] | None] = ContextVar("planning", default=None)
+
+
+@contextmanager
+def planning() -> Iterator[None]:
+    """Prepare a launch only to plan it: write nothing (no cache entry, no slot folder; each answer is kept in
+    memory for the plan's life), and take a binary that is not found for one that has every flag."""
+    token = _PLANNING.set({})
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
+def is_planning() -> bool:
+    return _PLANNING.get() is not None
 
 
 def cache_dir() -> Path:
@@ -50,7 +74,8 @@ def parse_devices(text: str) -> list[str] | None:
 
 
 def _asked(binary: str, option: str, parse: Any) -> Any:
-    """What `binary option` says, parsed; cached per binary (path, size and mtime) under the user cache."""
+    """What `binary option` says, parsed; cached per binary (path, size and mtime) under the user cache (while
+    planning: read from it, never written)."""
     path = shutil.which(binary)
     if path is None:
         return None
@@ -62,11 +87,17 @@ def _asked(binary: str, option: str, parse: Any) -> Any:
         return json.loads(cached.read_text())
     except (OSError, ValueError):
         pass
+    planned = _PLANNING.get()
+    if planned is not None and (path, option) in planned:
+        return planned[path, option]
     try:
         done = subprocess.run([path, option], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     parsed = parse(done.stdout + done.stderr)
+    if planned is not None:  # a plan writes nothing
+        planned[path, option] = parsed
+        return parsed
     if parsed is None:
         return None
     cached.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ from wrapper.units import format_size
 
 MIN_START_CTX = 1024  # the first rung whose context reaches this (or the ceiling) is where a start begins
 VERBOSITY = ("-lv", "--verbosity", "--log-verbosity")
+GPU_BACKENDS = ("cuda", "vulkan", "metal")
+BACKENDS = ("cpu", *GPU_BACKENDS)  # what `plan --backend` plans for instead of this build's devices
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Ask:
 
     rung: str | None = None
     budget: tuple[int, str] | None = None  # bytes and where they come from
+    backend: str | None = None  # plan for this backend (BACKENDS), not for this build's devices: `plan --backend`
 
     def as_mapping(self) -> dict[str, Any]:
         return {FAMILY: self}
@@ -46,13 +49,21 @@ class NoRungFits(ConfigError):
         self.rungs, self.budget, self.budget_source = rungs, budget, source
 
 
+def offloads(binary: str, backend: str | None = None) -> bool:
+    """Whether `-ngl` puts layers on a GPU: one of the GPU backends when a plan names one, else whether this
+    llama-server build lists a GPU (`--list-devices`; a CPU-only build, or one that does not say, offloads
+    nothing)."""
+    return backend in GPU_BACKENDS if backend is not None else bool(devices(binary))
+
+
 def planner_for(argv: Sequence[str], model_path: str, model_id: str, config: Config, state: DegradeState,
-                budget: int) -> Planner:
+                budget: int, backend: str | None = None) -> Planner:
+    """`backend`: plan for it instead of this build's devices; the figures measured here are then not used."""
     if state.shape is None:
         state.shape = read_shape(model_path)
     shape = state.shape
-    gpu = bool(devices(argv[0]))
-    runs = calibration.load(model_id)
+    gpu = offloads(argv[0], backend)
+    runs = calibration.load(model_id) if backend is None else []
     user_ctx = _int(args.get(config.argv, args.CTX_SIZE))
     ceiling = min(shape.n_ctx_train or 1 << 20, user_ctx or 1 << 20)
 
@@ -84,10 +95,10 @@ def auto_budget(reserve: int, argv: Sequence[str]) -> tuple[int, str]:
 
 
 def ladder_for(argv: Sequence[str], launch: Launch, config: Config, state: DegradeState,
-               budget: int) -> tuple[Planner, list[RungPlan]]:
+               budget: int, backend: str | None = None) -> tuple[Planner, list[RungPlan]]:
     settings = DEGRADE.of(config)
     assert launch.model.path is not None
-    planner = planner_for(argv, launch.model.path, launch.model.id, config, state, budget)
+    planner = planner_for(argv, launch.model.path, launch.model.id, config, state, budget, backend)
     rungs = build(argv, settings.ladder, planner, flag_arity(argv[0]), config.argv,
                   planner.shape.swa_window is not None)
     return planner, rungs
@@ -112,7 +123,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any],
         budget, source = resolve_budget(settings, argv)
         state.budget, state.budget_source = budget, source  # the budget a start resolves stays in force
     try:
-        planner, rungs = ladder_for(argv, launch, config, state, budget)
+        planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
     except PlanError as exc:
         out.note("degrade: off", f"cannot plan this model: {exc}")
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,18 @@ def test_the_largest_context_is_the_last_that_fits() -> None:
     assert largest_ctx(shape, settings, budget - 1, ceiling=131072) == 32768 - 256
     assert largest_ctx(shape, settings, budget, ceiling=8192) == 8192
     assert largest_ctx(shape, settings, 1000, ceiling=8192) == 0
+
+
+def test_tied_embeddings_are_copied_to_the_gpu_with_the_output_layer() -> None:
+    """Without output.weight llama.cpp loads token_embd again as the output layer, in that layer's buffer: on
+    the GPU once every layer is offloaded (on the CPU it is the same tensor, counted once)."""
+    full = h200_model()
+    tied = replace(full, tensors=tuple(t for t in full.tensors if t[0] != "output.weight"))
+    embeddings = 2048 * 32000 * 2
+    layers_only, with_output = (plan(tied, Settings(n_ctx=4096, gpu_layers=n)) for n in (24, 25))
+    assert with_output.devices["GPU"]["weights"] - layers_only.devices["GPU"]["weights"] == embeddings + 2048 * 4
+    assert with_output.devices["CPU"]["weights"] == embeddings  # token_embd stays on the CPU as well
+    on_cpu = plan(tied, Settings(n_ctx=4096))
+    assert on_cpu.devices["CPU"]["weights"] == tied.weights_bytes
+    untied = plan(full, Settings(n_ctx=4096, gpu_layers=25))
+    assert untied.devices["GPU"]["weights"] == with_output.devices["GPU"]["weights"]  # output.weight's place
