@@ -21,7 +21,7 @@ from wrapper import extensions
 from wrapper.config import Config
 from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
 from wrapper.gate import Admission, Gate
-from wrapper.generation import Host
+from wrapper.generation import Generation, Host
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle
 from wrapper.proxy import STARTED, Caught, Held, Observer, broken_off, forward, json_error, json_object
@@ -101,7 +101,7 @@ async def _growing(request: web.Request, up: Upstream, growth: Growth, path: str
     request_now, sent, earlier = original or {}, body, None
     result: web.StreamResponse | Caught | Held | None = None
     for _ in range(MAX_GROWTHS + 1):
-        n_ctx = _slot_ctx(up.launch.argv)
+        n_ctx = _slot_ctx(up.current)
 
         def wanted(payload: dict[str, Any], status: int, n_ctx: int = n_ctx, going_on: bool = earlier is not None,
                    asked: dict[str, Any] = request_now) -> bool:
@@ -212,7 +212,7 @@ async def _growing_stream(request: web.Request, up: Upstream, growth: Growth, pa
     response: web.StreamResponse | None = None
     held = b""  # the last events of the answer so far, sent when it cannot go on
     for _ in range(MAX_GROWTHS + 1):
-        n_ctx = _slot_ctx(up.launch.argv)
+        n_ctx = _slot_ctx(up.current)
         events = Events(chat, skip=text if chat else "", continuing=response is not None)
         result = await _exchange(request, up, path, sent, lambda p, status: status >= 400 and _overflowed(p),
                                  events, response)
@@ -259,8 +259,12 @@ def _overflowed(payload: dict[str, Any]) -> bool:
         error.get("message") == POOL_FULL
 
 
-def _slot_ctx(argv: list[str]) -> int:
-    """The context one slot has: -c, or -c / -np when every slot has its own KV (no -kvu)."""
+def _slot_ctx(generation: Generation) -> int:
+    """The context one slot has: as the server said at its start, else -c, or -c / -np when every slot has its
+    own KV (no -kvu)."""
+    if generation.context is not None:
+        return generation.context.slot
+    argv = generation.launch.argv
     n_ctx = int(args.get(argv, args.CTX_SIZE) or 0)
     parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
     return n_ctx if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED) else n_ctx // parallel

@@ -15,9 +15,10 @@ import structlog
 from wrapper import argv as args
 from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
-from wrapper.launch import Launch, ServerContext, server_context, training_context, with_context
+from wrapper.launch import Launch
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
+from wrapper.server_context import ServerContext, server_context, training_context, with_context
 
 log = structlog.get_logger()
 

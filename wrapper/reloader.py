@@ -27,6 +27,15 @@ from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
 from wrapper.reload_plan import Refusal, ReloadPlan, ReloadRefused, plan
+from wrapper.server_context import (
+    TRAINING_CONTEXT,
+    ServerContext,
+    asked_context,
+    expected_context,
+    share,
+    training_context,
+    with_context,
+)
 from wrapper.server_help import flag_arity
 from wrapper.sysinfo import mem_available
 
@@ -65,6 +74,8 @@ class NextGeneration:
     launch: Launch
     overlap: bool
     overlap_why: str
+    asked_ctx: int | None = None  # the -c asked for: the config's after a body's edits, else the fit's
+    before_ctx: str | None = None  # the -c the previous generation ran with
 
 
 class Reloader:
@@ -80,18 +91,33 @@ class Reloader:
         if why is not None and not body:
             reload_plan = ReloadPlan(list(config.argv))
         else:
-            reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
+            try:
+                reload_plan = plan(config.argv, body, flag_arity(config.argv[0]))
+            except ReloadRefused as exc:
+                reworded = _said_unchanged(exc, current) if "n_ctx" in body else None
+                if reworded is None:
+                    raise
+                raise reworded from exc
         new_config = replace(config, argv=tuple(reload_plan.argv)).with_settings(reload_plan.settings)
         try:
             launch = replace(extensions.launch_for(new_config, current.shared, asks), listen=current.launch.listen)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from exc
+        expected = expected_context(launch.argv, training_context(launch))
+        unchanged = _same_server(current.launch.argv, launch.argv, expected)
+        asked = asked_context(launch.argv if why is not None else new_config.argv)
         if why is not None:
             reload_plan.changes = [why, *_argv_changes(current.launch.argv, launch.argv)]
-            if args.remove(launch.argv, args.PORT) == args.remove(current.launch.argv, args.PORT):
+            if unchanged:
                 raise ReloadRefused(f"nothing to change ({why})", 409, Refusal.NOTHING_TO_CHANGE)
+        elif unchanged and not reload_plan.settings:
+            story = _Story.of(asked, expected, launch)
+            said = (f"n_ctx {asked} would run {story.runs} ({story.reason}), which is what runs now" if story
+                    else "the new command line is the one that runs now")
+            raise ReloadRefused(f"nothing to change: {said}", reason=Refusal.NOTHING_TO_CHANGE)
         overlap, overlap_why = self._overlap(config, launch)
-        return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why)
+        return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why, asked,
+                              args.get(current.launch.argv, args.CTX_SIZE))
 
     def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
         policy = config.reload_overlap
@@ -171,16 +197,27 @@ class Reloader:
 
     async def _answer(self, nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
                       saved: str | None, restored: str | None, generation: Generation) -> dict[str, Any]:
-        try:
-            props = await generation.client.props()
-            n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
-        except LlamaError:
-            n_ctx = 0
+        context = generation.context
+        if context is not None:
+            n_ctx = context.slot
+        else:
+            try:
+                props = await generation.client.props()
+                n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
+            except LlamaError:
+                n_ctx = 0
+        changes = list(nxt.plan.changes)
+        story = _Story.of(nxt.asked_ctx, context, generation.launch) if success else None
+        if story is not None and (told := _told(changes, story, nxt.before_ctx)) is not None:
+            changes = told
+            message += f" ({story.message})"
         if not extensions.keeps_conversations(nxt.config):
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
-            "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": nxt.plan.changes,
+            "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": changes,
+            "context": ({**context.as_dict(), "asked": nxt.asked_ctx, "why": story.why if story else None}
+                        if success and context is not None else None),
             "save": saved, "restore": restored, "slots": extensions.restore_report(generation) if success else [],
         }
         log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})
@@ -201,15 +238,122 @@ def _argv_changes(old: list[str], new: list[str]) -> list[str]:
     return changes + [f"{flag} removed" for flag in before if flag not in after]
 
 
+def _is_flag(arg: str) -> bool:
+    return arg.startswith("-") and not arg.lstrip("-").replace(".", "").isdigit()  # -1 is a value
+
+
 def _options(argv: list[str]) -> dict[str, str]:
     """Each flag of a command line with the value that follows it ("" for a switch); the last one wins."""
-    def is_flag(arg: str) -> bool:
-        return arg.startswith("-") and not arg.lstrip("-").replace(".", "").isdigit()  # -1 is a value
-
     found: dict[str, str] = {}
     for index, arg in enumerate(argv[1:], start=1):
-        if is_flag(arg):
+        if _is_flag(arg):
             name, eq, inline = arg.partition("=")
             following = argv[index + 1] if index + 1 < len(argv) else ""
-            found[name] = inline if eq else following if following and not is_flag(following) else ""
+            found[name] = inline if eq else following if following and not _is_flag(following) else ""
     return found
+
+
+@dataclass(frozen=True)
+class _Story:
+    """How the -c asked for relates to what a server runs (or will): capped, rounded, or shared by slots."""
+
+    asked: int
+    runs: int
+    slot: int
+    slots: int
+    why: str
+    shared: bool  # `runs` is what was asked, shared by the slots, each with less (capped)
+    capped: bool  # a slot has less than its share of what was asked
+
+    @staticmethod
+    def of(asked: int | None, context: ServerContext | None, launch: Launch) -> _Story | None:
+        """None when it runs as asked (or either is unknown). `context.asked` is the -c the server was given,
+        which a built-in's fit (degrade) may have made other than `asked`."""
+        if asked is None or context is None:
+            return None
+        capped = context.slot < share(asked, context.slots, context.unified)
+        if context.runs == asked and not capped:
+            return None
+        train = training_context(launch)
+        if capped and train is not None and context.slot == train:
+            why = TRAINING_CONTEXT
+        elif context.asked is not None and context.asked != asked:
+            why = _fit_why(launch) or f"a built-in's fit gave llama-server -c {context.asked}"
+        else:
+            why = context.why or "as llama-server reports it (GET /props)"
+        shared = context.runs == asked and context.slots > 1 and context.unified
+        if context.runs == asked and not shared:
+            return None
+        return _Story(asked, context.runs, context.slot, context.slots, why, shared, capped)
+
+    @property
+    def reason(self) -> str:
+        """`why`, with the slots' cap when there are several (and it is not said otherwise)."""
+        if self.capped and self.slots > 1 and not self.shared:
+            return f"{self.slots} slots of at most {self.slot}, {self.why}"
+        return self.why
+
+    @property
+    def suffix(self) -> str:
+        """Added to the -c entry of `changes`."""
+        if self.shared:
+            return f"({self.slots} slots share {self.runs}, each at most {self.slot}: {self.why})"
+        return f"(asked {self.asked}, runs {self.runs}: {self.reason})"
+
+    @property
+    def message(self) -> str:
+        if self.shared:
+            return (f"n_ctx {self.runs} is shared by {self.slots} slots, each conversation at most {self.slot}: "
+                    f"{self.why}")
+        return f"asked n_ctx {self.asked}, llama-server runs {self.runs}: {self.reason}"
+
+
+def _told(changes: list[str], story: _Story, before: str | None) -> list[str] | None:
+    """`changes` with the -c entry saying what runs, or one added when only the context that runs changed;
+    None when the context is not news (neither asked for nor changed)."""
+    for index, change in enumerate(changes):
+        if change.startswith(tuple(f"{name} " for name in args.CTX_SIZE)):
+            return [*changes[:index], f"{change} {story.suffix}", *changes[index + 1:]]
+    if before != str(story.runs):
+        return [*changes, f"-c {before or '(unset)'} -> {story.runs} {story.suffix}"]
+    return None
+
+
+def _fit_why(launch: Launch) -> str | None:
+    """What a built-in's fit said of the -c it chose (the last note that names one)."""
+    for note in reversed(launch.notes):
+        change = note.get("change", "")
+        if change.startswith("-c ") and " -> " in change and "GET /props" in note.get("why", ""):
+            continue  # the wrapper's own record of what the server runs
+        if "-c " in change:
+            return f"{change.split(', -c ')[0]}: {note.get('why', '')}"
+    return None
+
+
+def _same_server(old: list[str], new: list[str], expected: ServerContext | None) -> bool:
+    """Whether `new` runs what `old` runs now (the port aside): the same flags, and a -c that runs the same
+    (`expected`: what llama-server will make of the new -c)."""
+    if expected is not None and expected.asked is not None and expected.runs != expected.asked:
+        new = with_context(new, expected.runs)
+
+    def key(argv: list[str]) -> tuple[list[tuple[str, str]], str | None]:
+        rest = args.remove(args.remove(argv, args.PORT), args.CTX_SIZE)
+        flags = []  # every occurrence with its value, wherever it stands
+        for index in range(1, len(rest)):
+            if _is_flag(rest[index]):
+                flags.append(next(iter(_options([rest[0], *rest[index:index + 2]]).items())))
+        return sorted(flags), args.get(argv, args.CTX_SIZE)
+
+    return key(old) == key(new)
+
+
+def _said_unchanged(refused: ReloadRefused, current: Generation) -> ReloadRefused | None:
+    """The plan's "nothing to change", saying what runs when the -c asked is the one given already (None
+    when that is nothing to add)."""
+    asked = asked_context(current.config.argv)
+    story = _Story.of(asked, current.context, current.launch)
+    if refused.reason is not Refusal.NOTHING_TO_CHANGE or story is None:
+        return None
+    runs = (f"{story.slots} slots share it, each at most {story.slot}: {story.why}" if story.shared else
+            f"llama-server runs {story.runs}: {story.reason}")
+    return ReloadRefused(f"nothing to change: -c is {asked} already ({runs})", refused.status, refused.reason)

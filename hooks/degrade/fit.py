@@ -146,9 +146,12 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any],
     planned = chosen.plan
     assert planned is not None
     context = f"-c {before} -> {chosen.max_ctx}" if before and before != str(chosen.max_ctx) else f"-c {chosen.max_ctx}"
+    limit = f"the largest context under the budget {format_size(budget)} ({source})"
+    if planner.ceiling - chosen.max_ctx < 256:  # the ceiling held it, not the budget
+        bound = "the model's training context" if planner.ceiling == planner.shape.n_ctx_train else "the -c given"
+        limit = f"{bound} ({planner.ceiling}), within the budget {format_size(budget)} ({source})"
     out.note(f"degrade: rung {chosen.name}, {context}",
-             f"the largest context under the budget {format_size(budget)} ({source}); planned "
-             f"{format_size(planned.total(planned.budget_device))} on the {planned.budget_device}")
+             f"{limit}; planned {format_size(planned.total(planned.budget_device))} on the {planned.budget_device}")
     swa_dropped = args.has(argv, args.SWA_FULL) and not args.has(out.argv, args.SWA_FULL)
     if swa_dropped:
         out.keep_saved = (f"rung {chosen.name} drops --swa-full: a slot saved now could not be reused, so the slots "

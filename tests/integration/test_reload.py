@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -199,3 +200,106 @@ hooks:
         failing = Wrapper(tmp_path, [server_bin, "-m", tiny_path, "-c", "1024"], refused)
         assert failing.wait(60) == 3  # a failed on_will_start is a failed start
         assert "n_ctx must be a positive integer" in failing.log_path.read_text()
+
+
+# -- the context that runs -----------------------------------------------------------------------------------
+
+
+def reload_cli(wrapper: Wrapper, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "wrapper.cli", "reload", "--url", wrapper.url, *flags],
+                          capture_output=True, text=True, timeout=300,
+                          env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+
+
+def ctx_of(wrapper: Wrapper) -> str | None:
+    """The -c of the argv that status shows."""
+    argv: list[str] = wrapper.status()["server"]["argv"]
+    found = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("-c", "--ctx-size")]
+    return found[-1] if found else None
+
+
+def ctx_change(answer: dict[str, Any]) -> str:
+    (change,) = [c for c in answer["changes"] if c.startswith(("-c ", "--ctx-size "))]
+    return str(change)
+
+
+def test_a_context_above_the_training_context_is_reported_as_it_runs(tmp_path: Path, server_bin: str,
+                                                                    demo_path: str) -> None:
+    """The demo model is trained for 8192 tokens and llama-server caps a slot there: a reload to 16384 says
+    so, the argv it records says 8192, asking again changes nothing, and a smaller context still reloads."""
+    argv = [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"]
+    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        status, answer = reload(wrapper, {"n_ctx": 16384, "cache_type_k": "q8_0", "cache_type_v": "q8_0"})
+        assert status == 200 and answer["success"], answer
+        assert answer["n_ctx"] == 8192
+        assert ctx_change(answer) == "-c 4096 -> 16384 (asked 16384, runs 8192: the model's training context)"
+        assert "asked n_ctx 16384" in answer["message"] and "runs 8192" in answer["message"], answer["message"]
+        assert "the model's training context" in answer["message"]
+        assert answer["context"] == {"asked": 16384, "runs": 8192, "slot": 8192, "slots": 1,
+                                     "why": "the model's training context"}
+        state = wrapper.status()
+        assert ctx_of(wrapper) == "8192" and state["last_reload"]["changes"] == answer["changes"]
+        assert any(note["change"] == "-c 16384 -> 8192" for note in state["argv_changes"]), state["argv_changes"]
+        pid = state["server"]["pid"]
+
+        again = reload_cli(wrapper, "--ctx", "16384")
+        assert again.returncode == 1, again
+        assert "nothing to change: n_ctx 16384 would run 8192 (the model's training context)" in again.stderr, again
+        assert wrapper.status()["server"]["pid"] == pid and ctx_of(wrapper) == "8192"
+
+        smaller = reload_cli(wrapper, "--ctx", "4096")
+        assert smaller.returncode == 0, smaller
+        assert "  -c 8192 -> 4096" in smaller.stdout.splitlines(), smaller.stdout
+        assert ctx_of(wrapper) == "4096" and wrapper.status()["server"]["pid"] != pid
+        complete(wrapper.url, "Still serving.")
+
+
+def test_the_demo_s_shared_context_says_what_one_conversation_gets(tmp_path: Path, server_bin: str,
+                                                                  demo_path: str) -> None:
+    """`make demo`: no -np (four slots on one unified KV). -c 16384 is a pool the four share, each slot capped
+    at the training context: the answer says so, and the same ask again is refused as changing nothing."""
+    argv = [server_bin, "-m", demo_path, "-c", "8192"]
+    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        status, answer = reload(wrapper, {"n_ctx": 16384, "cache_type_k": "q8_0", "cache_type_v": "q8_0"})
+        assert status == 200 and answer["success"], answer
+        assert answer["n_ctx"] == 8192  # what one conversation has (GET /props)
+        assert ctx_change(answer) == \
+            "-c 8192 -> 16384 (4 slots share 16384, each at most 8192: the model's training context)"
+        assert "each conversation at most 8192" in answer["message"], answer["message"]
+        assert ctx_of(wrapper) == "16384"
+        status, refused = reload(wrapper, {"n_ctx": 16384})
+        message = refused["error"]["message"]
+        assert status == 400 and message.startswith("nothing to change: -c is 16384 already"), message
+        assert "each at most 8192: the model's training context" in message, message
+
+
+DEGRADE = """
+slots: {{dir: {dir}}}
+degrade: {{budget: 2GiB}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
+
+
+def test_with_degrade_an_impossible_context_is_reported_as_the_one_that_runs(tmp_path: Path, server_bin: str,
+                                                                             demo_path: str) -> None:
+    argv = [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"]
+    with running(tmp_path, argv, DEGRADE.format(dir=tmp_path / "slots"),
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        assert ctx_of(wrapper) == "4096"
+        status, answer = reload(wrapper, {"n_ctx": 999999999})
+        assert status == 200 and answer["success"], answer
+        assert answer["n_ctx"] == 8192
+        assert ctx_change(answer) == \
+            "-c 4096 -> 999999999 (asked 999999999, runs 8192: the model's training context)", answer["changes"]
+        assert "runs 8192" in answer["message"] and "the model's training context" in answer["message"]
+        assert ctx_of(wrapper) == "8192" and wrapper.status()["degrade"]["n_ctx"] == 8192
+        for ask in (999999999, 16384):
+            status, refused = reload(wrapper, {"n_ctx": ask})
+            message = refused["error"]["message"]
+            assert status == 400 and message.startswith("nothing to change"), message
+            assert re.search(r"runs? 8192", message) and "the model's training context" in message, message
+        status, answer = reload(wrapper, {"n_ctx": 4096})
+        assert status == 200 and answer["success"] and answer["n_ctx"] == 4096, answer
+        assert ctx_of(wrapper) == "4096"
