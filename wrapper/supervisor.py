@@ -44,6 +44,7 @@ log = structlog.get_logger()
 PROGRESS_EVERY_S = 2.0
 STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 KEEPALIVE_S = 4.0
+SAME_SIGNAL_S = 0.1  # the same signal again within this is one delivered twice (make passes it on), not a second
 START_EVENTS = ("on_will_start", "on_startup")  # a failure here aborts the start; elsewhere it is logged
 SLOT_EVENTS = ("on_startup", "on_will_stop", "on_reload")  # the context shows the server's slots then
 
@@ -71,6 +72,8 @@ class Supervisor:
         self.ready_at: float | None = None
         self.result: str | None = None
         self._signals = 0
+        self._first_signal: signal.Signals | None = None
+        self._first_signal_at = 0.0
         self._stop_requested = asyncio.Event()
         self._reload_started = asyncio.Event()
         self.force = asyncio.Event()  # set by a second signal
@@ -318,8 +321,7 @@ class Supervisor:
         PROGRESS.end()
         self.result = _result(finished, ended)
         stop_s = time.monotonic() - stop_began
-        if not self.force.is_set():
-            await self._hook("on_stopped", finished=finished)
+        await self._hook("on_stopped", finished=finished)  # after a second signal: logged as skipped
         if ended_hooks := await self.runner.end_leftovers():
             log.info("hook.leftovers_ended", hooks=ended_hooks)
         self.lifecycle.to(State.STOPPED)
@@ -337,8 +339,16 @@ class Supervisor:
         return finished.status  # the child died on its own
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        now = time.monotonic()
+        if self._signals == 1 and sig == self._first_signal and now - self._first_signal_at < SAME_SIGNAL_S:
+            # the same group signal delivered twice: by the kill of the process group and by a parent that
+            # passes it on (make does) — one request to stop, not a second signal
+            log.info("wrapper.signal_repeated", signal=sig.name,
+                     after_ms=round((now - self._first_signal_at) * 1000, 3))
+            return
         self._signals += 1
         if self._signals == 1:
+            self._first_signal, self._first_signal_at = sig, now
             self._stop_requested.set()
         else:  # a second signal: skip what is left of the hooks (and the drain), still stop the child
             self.force.set()
@@ -354,7 +364,10 @@ class Supervisor:
     async def _hook(self, event: str, finished: Exit | None = None) -> None:
         """Run a hook; in a start hook a failure aborts the start (StartFailed), elsewhere it is logged."""
         hook_actions = self.config.hooks[event]
-        if not hook_actions or self.force.is_set():
+        if not hook_actions:
+            return
+        if self.force.is_set():
+            log.warning("hook.skipped_by_second_signal", hook=event)
             return
         context = await self._context(event, finished)
         self._hook_task = asyncio.ensure_future(self.runner.run(event, hook_actions, context))

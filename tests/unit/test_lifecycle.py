@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import Wrapper, child_argv, free_port, http, pid_alive, wait_for
+from wrapper.supervisor import SAME_SIGNAL_S
 
 RECORD_HOOKS = """
 hooks:
@@ -168,10 +170,27 @@ hooks:
         pid = wrapper.status()["server"]["pid"]
         wrapper.signal_group()
         wait_for(lambda: lines(log) == ["begin"], 30, "on_will_stop to begin")
+        time.sleep(SAME_SIGNAL_S * 2)  # a second Ctrl-C, not the first one delivered twice
         wrapper.signal_group()
         assert wrapper.wait(30) == 0
     assert lines(log) == ["begin"]
     assert not pid_alive(pid)
+    assert [e["hook"] for e in wrapper.events("hook.skipped_by_second_signal")] == ["on_will_stop", "on_stopped"]
+
+
+def test_one_signal_delivered_twice_is_one_stop_with_every_hook(tmp_path: Path) -> None:
+    """`make demo` in a terminal's process group: a SIGTERM to the group reaches the wrapper, and make passes its own
+    copy on microseconds later. That is one request to stop: the save still runs."""
+    log = tmp_path / "hooks.log"
+    config = (f"hooks:\n  on_will_stop:\n    - shell: echo saved >> {log}\n"
+              f"  on_stopped:\n    - shell: echo stopped >> {log}\n")
+    with Wrapper(tmp_path, child_argv(), config) as wrapper:
+        wrapper.wait_ready(30)
+        wrapper.signal_group()
+        wrapper.process.send_signal(signal.SIGTERM)
+        assert wrapper.wait(30) == 0
+    assert lines(log) == ["saved", "stopped"]
+    assert len(wrapper.events("wrapper.signal")) == 1 and wrapper.events("wrapper.signal_repeated")
 
 
 def test_sigkill_of_the_wrapper_takes_the_child_with_it(tmp_path: Path) -> None:
