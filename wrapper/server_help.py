@@ -18,6 +18,11 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger()
+_ASKED: dict[Path, Any] = {}  # answers that could not be cached on disk
+
 _FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
 _COLUMNS = re.compile(r"(?<![,\s])\s{2,}")  # a help line: flags (a comma between them), 2+ spaces, the text
 _FORMAT = 2  # of the cache entries; older entries (a plain list) are read again from --help
@@ -83,6 +88,8 @@ def _asked(binary: str, option: str, parse: Any) -> Any:
     key = hashlib.sha256(f"{_FORMAT}\0{os.path.realpath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
     suffix = "" if option == "--help" else option.strip("-") + "-"
     cached = cache_dir() / f"{suffix}{key.hexdigest()[:24]}.json"
+    if cached in _ASKED:
+        return _ASKED[cached]
     try:
         return json.loads(cached.read_text())
     except (OSError, ValueError):
@@ -100,10 +107,15 @@ def _asked(binary: str, option: str, parse: Any) -> Any:
         return parsed
     if parsed is None:
         return None
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(parsed, sort_keys=True))
-    temporary.replace(cached)
+    try:  # a cache: a home that cannot be written costs the next start one more probe, nothing else
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        temporary = cached.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(parsed, sort_keys=True))
+        temporary.replace(cached)
+    except OSError as exc:
+        _ASKED[cached] = parsed  # asked once per process, then
+        log.warning("cache.unwritable", file=str(cached), error=str(exc),
+                    hint="set XDG_CACHE_HOME to a folder this user can write")
     return parsed
 
 

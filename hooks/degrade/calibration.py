@@ -16,8 +16,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from hooks.memory import MiB, Plan, Settings
 from wrapper.server_help import cache_dir
+
+log = structlog.get_logger()
 
 _BUFFER = re.compile(r"(load_tensors|llama_kv_cache|sched_reserve|llama_context):\s+(\S+)\s+(model|KV|compute|output)"
                      r" buffer size =\s+([\d.]+) MiB")
@@ -78,11 +82,14 @@ def remember(model_id: str, measured: Measured, settings: Settings) -> None:
     run = replace(measured, settings=asdict(settings))
     runs = [r for r in load(model_id) if r.settings != run.settings] + [run]
     path = store_path(model_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         temporary.write_text(json.dumps({"runs": [asdict(r) for r in runs[-KEPT_RUNS:]]}, indent=1))
         temporary.replace(path)
+    except OSError as exc:  # the figures are a cache: the next plan predicts instead
+        log.warning("cache.unwritable", file=str(path), error=str(exc),
+                    hint="set XDG_CACHE_HOME to a folder this user can write")
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink()

@@ -4,6 +4,7 @@ warnings, exit codes as the README gives them."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -100,3 +101,14 @@ def test_a_model_that_is_not_gguf_is_exit_2_before_spawning(tmp_path: Path) -> N
     done = cli(["run", "--", "touch", str(marker), "-m", str(page)])
     assert done.returncode == 2 and not marker.exists()
     assert "is not a GGUF file" in done.stderr and "<!do" in done.stderr
+
+
+def test_a_home_that_cannot_be_written_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    """A service user without a home: the caches are skipped with a warning; the slot folder is the error."""
+    not_a_folder = tmp_path / "home"
+    not_a_folder.write_text("")
+    env = {"PATH": os.environ["PATH"], "HOME": str(not_a_folder)}
+    config = Path(__file__).resolve().parents[2] / "examples" / "chat.yaml"
+    done = cli(["run", "--log-format", "json", "--config", str(config), "--", *child_argv()], env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "slots.dir: cannot create" in done.stderr

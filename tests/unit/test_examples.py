@@ -66,7 +66,11 @@ def test_each_llama_swap_config_runs_the_wrapper_with_budgets_that_cover_it(name
     save = next(a for a in settings["hooks"]["on_will_stop"] if a.get("builtin") == "slots.save")
     stop_s = parse_duration(settings.get("server", {}).get("stop_timeout", "10s"))
     assert model["unloadTimeout"] > parse_duration(save["timeout"]) + stop_s  # the save fits the unload
-    assert swap["healthCheckTimeout"] >= parse_duration(settings.get("server", {}).get("ready_timeout", "300s"))
+    restore = next(a for a in settings["hooks"]["on_startup"] if a.get("builtin") == "slots.restore")
+    drain_s = parse_duration(settings.get("server", {}).get("drain_timeout", "5s"))
+    assert model["unloadTimeout"] > drain_s + parse_duration(save["timeout"]) + stop_s
+    ready_s = parse_duration(settings.get("server", {}).get("ready_timeout", "300s"))
+    assert swap["healthCheckTimeout"] >= ready_s + parse_duration(restore.get("timeout", "30s"))
 
 
 def test_the_readme_shows_the_examples_as_they_are() -> None:
@@ -74,6 +78,11 @@ def test_the_readme_shows_the_examples_as_they_are() -> None:
     assert _readme_block("# examples/llama-swap-27b.yaml") == yaml.safe_load(
         (EXAMPLES / "llama-swap-27b.yaml").read_text())
     assert _readme_block("# examples/gemma-27b.yaml") == yaml.safe_load((EXAMPLES / "gemma-27b.yaml").read_text())
+    quick = _readme_block("# llama-swap's config.yaml")  # the quick start's: the same budgets as the example's
+    example = yaml.safe_load((EXAMPLES / "llama-swap.yaml").read_text())
+    assert quick["healthCheckTimeout"] == example["healthCheckTimeout"]
+    assert quick["models"]["chat"]["unloadTimeout"] == example["models"]["chat"]["unloadTimeout"]
+    assert _wrapper_argv(quick["models"]["chat"]["cmd"])[0] == _wrapper_argv(example["models"]["chat"]["cmd"])[0]
 
 
 def test_the_recipe_fits_the_card_as_the_readme_says(tmp_path: Path) -> None:
