@@ -190,7 +190,8 @@ def test_one_signal_delivered_twice_is_one_stop_with_every_hook(tmp_path: Path) 
         wrapper.process.send_signal(signal.SIGTERM)
         assert wrapper.wait(30) == 0
     assert lines(log) == ["saved", "stopped"]
-    assert len(wrapper.events("wrapper.signal")) == 1 and wrapper.events("wrapper.signal_repeated")
+    # the kernel may merge the two while the first is pending; either way one stop, counted once
+    assert [e["count"] for e in wrapper.events("wrapper.signal")] == [1]
 
 
 def test_sigkill_of_the_wrapper_takes_the_child_with_it(tmp_path: Path) -> None:
