@@ -9,7 +9,10 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
+import structlog
+
 from hooks.registry import ACTIONS, BUILTINS, SECTIONS, Builtin, Route
+from wrapper import logs
 from wrapper.actions import BuiltinFn
 from wrapper.config import Config, ConfigError, load_config, parse_config
 from wrapper.generation import Generation, Host
@@ -18,6 +21,8 @@ from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
 from wrapper.steps import Before, Growth
+
+log = structlog.get_logger()
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -71,7 +76,7 @@ def in_use(config: Config) -> list[Builtin]:
 
 def launch_for(config: Config, shared: dict[str, Any], asks: Mapping[str, Any] | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
-    `shared`: the built-ins' lifelong state (the supervisor's); `asks`: what a built-in's move asks the next
+    `shared`: the built-ins' lifelong state (what serves keeps it); `asks`: what a built-in's move asks the next
     fit for (by family)."""
     launch = prepare_launch(config)
     argv, notes, fitted = list(launch.argv), list(launch.notes), dict(launch.fitted)
@@ -140,6 +145,11 @@ def server_line(generation: Generation, line: str) -> bool:
     """Show one line of llama-server's output to the built-ins; False when every one says it is only noise."""
     shown = [b.server_line(generation, line) for b in in_use(generation.config) if b.server_line is not None]
     return all(shown)
+
+
+def server_output(generation: Generation, line: str) -> None:
+    """Log one line of llama-server's output, at the level its text and the built-ins give it."""
+    log.log(logs.server_output_level(line, server_line(generation, line)), "server.output", line=line)
 
 
 def background(host: Host) -> list[Coroutine[Any, Any, None]]:

@@ -10,21 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
 from wrapper import argv as args
 from wrapper import extensions
-from wrapper.config import Config
 from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
-from wrapper.gate import Admission, Gate
-from wrapper.generation import Generation, Host
-from wrapper.launch import Launch
-from wrapper.lifecycle import Lifecycle
-from wrapper.proxy import STARTED, Caught, Held, Observer, broken_off, forward, json_error, json_object
+from wrapper.gate import Admission
+from wrapper.generation import Generation
+from wrapper.proxy import STARTED, Caught, Held, broken_off, forward, json_error, json_object
+from wrapper.serving import Serving
 from wrapper.sse import Events, as_answer
 from wrapper.steps import CannotGrow, Grown, Growth, Outgoing
 
@@ -39,29 +36,13 @@ MAX_GROWTHS = 3
 CONTINUABLE = ("/completion", *CHAT_PATHS)
 
 
-class Upstream(Host, Protocol):
-    """What the forwarding needs of the supervisor (a Host to the built-ins' steps)."""
-
-    gate: Gate
-    lifecycle: Lifecycle
-    session: aiohttp.ClientSession
-
-    @property
-    def config(self) -> Config: ...
-
-    @property
-    def launch(self) -> Launch: ...
-
-    def observer(self) -> Observer | None: ...
-
-
-async def forward_request(request: web.Request, up: Upstream, path: str) -> web.StreamResponse:
+async def forward_request(request: web.Request, serving: Serving, path: str) -> web.StreamResponse:
     """Forward one request: as a stream, or read whole when a step or a growth may need it again."""
-    config = up.config
+    config = serving.current.config
     growth = extensions.growth(config) if path in GROWABLE else None
     steps = [step for step in extensions.before(config) if path in step.paths]
     if request.method != "POST" or (growth is None and not steps) or (request.content_length or 0) > BODY_LIMIT:
-        result = await _exchange(request, up, path, None, None)
+        result = await _exchange(request, serving, path, None, None)
         assert isinstance(result, web.StreamResponse)  # nothing is caught or held without a body to send again
         return result
     body = await _read_whole(request, BODY_LIMIT)
@@ -72,16 +53,16 @@ async def forward_request(request: web.Request, up: Upstream, path: str) -> web.
     try:
         if steps:  # the steps talk to llama-server: only once the gate lets requests through (not counted in
             # flight: a step may wait for a slot that a growth's drain would otherwise wait for in turn)
-            admission = await up.gate.enter(counted=False)
+            admission = await serving.gate.enter(counted=False)
             if admission is not Admission.ADMITTED:
-                return _refused(up, admission)
+                return _refused(serving, admission)
             for step in steps:
-                outgoing = await step.run(up, outgoing)
+                outgoing = await step.run(serving, outgoing)
         if growth is None:
-            result = await _exchange(request, up, path, outgoing.body, None)
+            result = await _exchange(request, serving, path, outgoing.body, None)
             assert isinstance(result, web.StreamResponse)
         else:
-            result = await _growing(request, up, growth, path, outgoing.body)
+            result = await _growing(request, serving, growth, path, outgoing.body)
         status = result.status
         return result
     finally:  # also when the client hung up: a step's reservation must not outlive its request
@@ -89,19 +70,19 @@ async def forward_request(request: web.Request, up: Upstream, path: str) -> web.
             done(status)
 
 
-async def _growing(request: web.Request, up: Upstream, growth: Growth, path: str,
+async def _growing(request: web.Request, serving: Serving, growth: Growth, path: str,
                    body: bytes) -> web.StreamResponse:
     """Send a completion request; on a context overflow grow the context and send it again. A non-streamed
     answer cut by a full context is continued after a growth (degrade.continue): the client gets one answer."""
     original = json_object(body)
-    can_continue = growth.continues(up.config) and original is not None and path in CONTINUABLE
+    can_continue = growth.continues(serving.current.config) and original is not None and path in CONTINUABLE
     if can_continue and original is not None and original.get("stream") is True:
-        return await _growing_stream(request, up, growth, path, body, original)
+        return await _growing_stream(request, serving, growth, path, body, original)
     continuing = can_continue and original is not None and original.get("stream") is not True
     request_now, sent, earlier = original or {}, body, None
     result: web.StreamResponse | Caught | Held | None = None
     for _ in range(MAX_GROWTHS + 1):
-        n_ctx = _slot_ctx(up.current)
+        n_ctx = _slot_ctx(serving.current)
 
         def wanted(payload: dict[str, Any], status: int, n_ctx: int = n_ctx, going_on: bool = earlier is not None,
                    asked: dict[str, Any] = request_now) -> bool:
@@ -109,12 +90,12 @@ async def _growing(request: web.Request, up: Upstream, growth: Growth, path: str
                 return _overflowed(payload)
             return continuing and (going_on or cut_by_context(path, asked, payload, n_ctx) is not None)
 
-        result = await _exchange(request, up, path, sent, wanted)
+        result = await _exchange(request, serving, path, sent, wanted)
         if not isinstance(result, Caught):
             assert isinstance(result, web.StreamResponse)  # no events filter: nothing is held
             return result
         if result.status >= 400:
-            refusal = await _grown_for(up, growth, path, result, request_now)
+            refusal = await _grown_for(serving, growth, path, result, request_now)
             if refusal is None:
                 continue
             return web.json_response(earlier) if earlier is not None else refusal  # a continuation: what came
@@ -123,7 +104,7 @@ async def _growing(request: web.Request, up: Upstream, growth: Growth, path: str
         if cut is None:
             return web.json_response(answer)
         used, more = cut
-        grown = await growth.grow(up, used + (more or growth.headroom(up.config)), False)
+        grown = await growth.grow(serving, used + (more or growth.headroom(serving.current.config)), False)
         if not isinstance(grown, Grown):
             log.info("degrade.continuation_refused", path=path,
                      why=grown.reason if isinstance(grown, CannotGrow) else "no plan to grow with")
@@ -149,16 +130,16 @@ async def _read_whole(request: web.Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-async def _exchange(request: web.Request, up: Upstream, path: str, body: bytes | None,
+async def _exchange(request: web.Request, serving: Serving, path: str, body: bytes | None,
                     catch: Callable[[dict[str, Any], int], bool] | None, events: Events | None = None,
                     going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held:
     """One pass through the gate to llama-server; a context overflow is Caught when `body` can be sent again."""
-    admission = await up.gate.enter()
+    admission = await serving.gate.enter()
     if admission is not Admission.ADMITTED:
-        return _refused(up, admission)
-    exchange = asyncio.ensure_future(forward(request, up.launch.url, up.session,
-                                             up.observer(), path, body, catch, events, going_on))
-    up.gate.track(exchange)
+        return _refused(serving, admission)
+    exchange = asyncio.ensure_future(forward(request, serving.current.launch.url, serving.session,
+                                             extensions.observer(serving.current), path, body, catch, events, going_on))
+    serving.gate.track(exchange)
     try:
         return await exchange  # cancelled with us when the client hangs up: llama-server then stops the work
     except asyncio.CancelledError:
@@ -173,25 +154,25 @@ async def _exchange(request: web.Request, up: Upstream, path: str, body: bytes |
         return json_error(503, "llama-wrapper is stopping: the request was cut at the drain deadline",
                           "unavailable_error", {"Retry-After": RETRY_AFTER_S})
     finally:
-        up.gate.leave(exchange)
+        serving.gate.leave(exchange)
 
 
-def _refused(up: Upstream, admission: Admission) -> web.Response:
+def _refused(serving: Serving, admission: Admission) -> web.Response:
     if admission is Admission.TIMED_OUT:
-        return json_error(503, f"llama-wrapper is {up.lifecycle.state} and held this request for "
-                          f"reload.hold_timeout ({up.config.reload_hold_timeout:g}s)", "unavailable_error",
+        return json_error(503, f"llama-wrapper is {serving.lifecycle.state} and held this request for "
+                          f"reload.hold_timeout ({serving.current.config.reload_hold_timeout:g}s)", "unavailable_error",
                           {"Retry-After": RETRY_AFTER_S})
-    return json_error(503, f"llama-wrapper is {up.lifecycle.state}", "unavailable_error",
+    return json_error(503, f"llama-wrapper is {serving.lifecycle.state}", "unavailable_error",
                       {"Retry-After": RETRY_AFTER_S})
 
 
-async def _grown_for(up: Upstream, growth: Growth, path: str, overflow: Caught,
+async def _grown_for(serving: Serving, growth: Growth, path: str, overflow: Caught,
                      asked: dict[str, Any]) -> web.Response | None:
     """Grow the context for a refused request: None when it may be sent again, else the refusal for the client
     (llama-server's, its message saying why it could not grow)."""
     pool_full = overflow.payload["error"].get("message") == POOL_FULL
-    needed = 0 if pool_full else _needed(overflow.payload, asked, growth.headroom(up.config))
-    grown = await growth.grow(up, needed, pool_full)
+    needed = 0 if pool_full else _needed(overflow.payload, asked, growth.headroom(serving.current.config))
+    grown = await growth.grow(serving, needed, pool_full)
     if isinstance(grown, Grown):
         log.info("degrade.retry", path=path, needed=needed)
         return None
@@ -203,7 +184,7 @@ async def _grown_for(up: Upstream, growth: Growth, path: str, overflow: Caught,
     return web.json_response({**overflow.payload, "error": error}, status=overflow.status)
 
 
-async def _growing_stream(request: web.Request, up: Upstream, growth: Growth, path: str, body: bytes,
+async def _growing_stream(request: web.Request, serving: Serving, growth: Growth, path: str, body: bytes,
                           original: dict[str, Any]) -> web.StreamResponse:
     """A streamed completion request: grown and sent again on an overflow (before any event); an answer cut by
     a full context goes on in the same stream after a growth, its stop event held back until then."""
@@ -212,12 +193,12 @@ async def _growing_stream(request: web.Request, up: Upstream, growth: Growth, pa
     response: web.StreamResponse | None = None
     held = b""  # the last events of the answer so far, sent when it cannot go on
     for _ in range(MAX_GROWTHS + 1):
-        n_ctx = _slot_ctx(up.current)
+        n_ctx = _slot_ctx(serving.current)
         events = Events(chat, skip=text if chat else "", continuing=response is not None)
-        result = await _exchange(request, up, path, sent, lambda p, status: status >= 400 and _overflowed(p),
+        result = await _exchange(request, serving, path, sent, lambda p, status: status >= 400 and _overflowed(p),
                                  events, response)
         if isinstance(result, Caught):
-            refusal = await _grown_for(up, growth, path, result, request_now)
+            refusal = await _grown_for(serving, growth, path, result, request_now)
             if refusal is None:
                 continue
             if response is None:
@@ -236,7 +217,8 @@ async def _growing_stream(request: web.Request, up: Upstream, growth: Growth, pa
         used, more = cut
         generated += int(((final or {}).get("timings") or {}).get("predicted_n") or (final or {}).get(
             "tokens_predicted") or 0)
-        if not isinstance(await growth.grow(up, used + (more or growth.headroom(up.config)), False), Grown):
+        room = used + (more or growth.headroom(serving.current.config))
+        if not isinstance(await growth.grow(serving, room, False), Grown):
             break
         so_far = ({"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": generated}} if chat
                   else {"content": text, "tokens_predicted": generated})

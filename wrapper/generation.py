@@ -37,7 +37,7 @@ class ServerLost(Exception):
 
 
 class Host(Protocol):
-    """What built-ins may ask of the wrapper around them (the supervisor)."""
+    """What built-ins may ask of the wrapper around them (what serves: wrapper/serving.py)."""
 
     @property
     def current(self) -> Generation:

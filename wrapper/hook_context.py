@@ -1,5 +1,6 @@
 """What a hook's templates see: one shape, declared once. The template check (wrapper/template.py), the
-variables shell and exec actions get (wrapper/actions.py) and the supervisor's hooks all come from here."""
+variables shell and exec actions get (wrapper/actions.py) and the hooks that run (wrapper/hooks_running.py) all
+come from here."""
 
 from __future__ import annotations
 

@@ -19,18 +19,20 @@ from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
 from wrapper.proxy import BadPath, canonical_path, json_error
 from wrapper.reload_plan import ReloadRefused
+from wrapper.serving import Serving
 from wrapper.supervisor import Supervisor
 from wrapper.units import parse_duration
 
 log = structlog.get_logger()
 
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor", Supervisor)
+SERVING: web.AppKey[Serving] = web.AppKey("serving", Serving)
 _READ_METHODS = ("GET", "HEAD")
 
 
 async def health(request: web.Request) -> web.Response:
     """200 only when ready: the child is healthy and every on_startup hook is done. Never waits, never asks a key."""
-    state = request.app[SUPERVISOR].lifecycle.state
+    state = request.app[SERVING].lifecycle.state
     if state is State.READY:
         return web.json_response({"status": "ok"})
     message = "Loading model" if state is State.STARTING else f"llama-wrapper is {state}"
@@ -39,7 +41,7 @@ async def health(request: web.Request) -> web.Response:
 
 def _unauthorized(request: web.Request) -> web.Response | None:
     """llama-server's own 401 when it has API keys and the request brings none of them."""
-    keys = request.app[SUPERVISOR].launch.keys
+    keys = request.app[SERVING].current.launch.keys
     if keys and not allowed(keys, presented_key(request)):
         return json_error(401, "Invalid API Key", "authentication_error")
     return None
@@ -47,7 +49,7 @@ def _unauthorized(request: web.Request) -> web.Response | None:
 
 def _not_admin(request: web.Request) -> web.Response | None:
     """POST /wrapper/* needs the admin token; without one configured, those endpoints are off."""
-    admin = request.app[SUPERVISOR].launch.admin
+    admin = request.app[SERVING].current.launch.admin
     was_off = admin.off
     token, why = admin.read()  # read at each call: a token file made after the start turns them on
     if token is None:
@@ -89,7 +91,7 @@ async def reload(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         return json_error(400, "the body must be a JSON object of reload fields", "invalid_request_error")
     try:
-        answer = await request.app[SUPERVISOR].reload(body)
+        answer = await request.app[SERVING].reload(body)
     except ReloadRefused as exc:
         return json_error(exc.status, str(exc), "invalid_request_error" if exc.status == 400 else "conflict")
     except asyncio.CancelledError:
@@ -107,7 +109,6 @@ async def drain(request: web.Request) -> web.Response:
     /wrapper/drain?timeout=30s too: a preStop httpGet can only GET). Both need the admin token."""
     if (refusal := _not_admin(request)) is not None:
         return refusal
-    supervisor = request.app[SUPERVISOR]
     body: Any
     if request.method == "GET":
         body = dict(request.query)
@@ -122,11 +123,12 @@ async def drain(request: web.Request) -> web.Response:
         return json_error(400, 'the body must be empty or {"timeout": DURATION} (e.g. "30s"; default '
                           "server.drain_timeout)", "invalid_request_error")
     try:
-        timeout = parse_duration(body["timeout"]) if "timeout" in body else supervisor.config.drain_timeout
+        timeout = (parse_duration(body["timeout"]) if "timeout" in body
+                   else request.app[SERVING].current.config.drain_timeout)
     except ValueError as exc:
         return json_error(400, f"timeout: {exc}", "invalid_request_error")
     try:
-        answer = await supervisor.drain_for_stop(timeout)
+        answer = await request.app[SUPERVISOR].stop_drain.ask(timeout)
     except ReloadRefused as exc:
         return json_error(exc.status, str(exc), "conflict")
     return web.json_response(answer)
@@ -141,17 +143,17 @@ def _is_slot_action(method: str, path: str) -> bool:
 
 
 async def proxied(request: web.Request) -> web.StreamResponse:
-    supervisor = request.app[SUPERVISOR]
+    serving = request.app[SERVING]
     try:
         path = canonical_path(request.rel_url.raw_path)
     except (BadPath, UnicodeDecodeError) as exc:
         return json_error(400, f"bad request path: {exc}", "invalid_request_error")
     if request.body_exists and (refusal := _unauthorized(request)) is not None:
         return refusal  # llama-server would refuse it too, after reading the body: don't even stream it there
-    if _is_slot_action(request.method, path) and not supervisor.config.allow_slot_actions:
+    if _is_slot_action(request.method, path) and not serving.current.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
-    response = await forward_request(request, supervisor, path)
+    response = await forward_request(request, serving, path)
     METRICS.answered(response.status)
     return response
 
@@ -161,24 +163,27 @@ async def metrics(request: web.Request) -> web.Response:
     API keys like llama-server's own /metrics."""
     if (refusal := _unauthorized(request)) is not None:
         return refusal
-    supervisor = request.app[SUPERVISOR]
-    server = await supervisor.current.client.metrics() if supervisor.launch.metrics else b""
+    serving = request.app[SERVING]
+    server = await serving.current.client.metrics() if serving.current.launch.metrics else b""
     if server and not server.endswith(b"\n"):
         server += b"\n"
-    return web.Response(body=server + supervisor.metrics(),
+    METRICS.in_flight.set(serving.in_flight)  # the gauges read now
+    METRICS.held.set(serving.gate.held)
+    extensions.refresh_metrics(serving.current)
+    return web.Response(body=server + METRICS.text(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 async def builtin_route(request: web.Request) -> web.Response:
     """An endpoint a built-in declares (GET /wrapper/memory, POST /wrapper/budget)."""
-    supervisor = request.app[SUPERVISOR]
+    serving = request.app[SERVING]
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
     declared = next((r for r in extensions.all_routes() if r.path == route and r.method == request.method), None)
     assert declared is not None
     refusal = _not_admin(request) if request.method == "POST" else _unauthorized(request)
     if refusal is not None:
         return refusal
-    if declared not in extensions.routes(supervisor.config):
+    if declared not in extensions.routes(serving.current.config):
         return json_error(409, f"{declared.path} is off: {declared.off}", "conflict")
     body: Any = {}
     if request.method == "POST":
@@ -188,15 +193,16 @@ async def builtin_route(request: web.Request) -> web.Response:
             return json_error(400, str(exc), "invalid_request_error")
         if not isinstance(body, dict):
             return json_error(400, "the body must be a JSON object", "invalid_request_error")
-    if supervisor.lifecycle.state is not State.READY and request.method == "POST":
-        return json_error(409, f"llama-wrapper is {supervisor.lifecycle.state}", "conflict")
-    status_code, answer = await declared.handler(supervisor, body)
+    if serving.lifecycle.state is not State.READY and request.method == "POST":
+        return json_error(409, f"llama-wrapper is {serving.lifecycle.state}", "conflict")
+    status_code, answer = await declared.handler(serving, body)
     return web.json_response(answer, status=status_code)
 
 
 def application(supervisor: Supervisor) -> web.Application:
     app = web.Application()
     app[SUPERVISOR] = supervisor
+    app[SERVING] = supervisor.serving
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
     app.router.add_get("/metrics", metrics)
@@ -217,7 +223,7 @@ async def serve(supervisor: Supervisor) -> AsyncIterator[None]:
                            handler_cancellation=True)
     await runner.setup()
     try:
-        listen = supervisor.launch.listen
+        listen = supervisor.serving.current.launch.listen
         site = web.TCPSite(runner, listen.host, listen.port, reuse_address=True)
         await site.start()
         log.info("wrapper.listening", url=listen.url)

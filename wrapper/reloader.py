@@ -2,8 +2,9 @@
 
 With overlap (blue-green) the new llama-server loads while the old one goes on serving, and requests are held
 only from then on: the downtime is drain + save + restore, not the model load; without it the old one stops
-first. A reload whose new server does not come
-up rolls back to the previous argv and keeps serving; a SIGTERM during a reload stops with the slots saved.
+first. A reload whose new server does not come up rolls back to the previous argv and keeps serving; a SIGTERM
+during a reload stops with the slots saved. The cycle returns its answer; what serves (wrapper/serving.py) keeps
+it and runs on_reload.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import structlog
 from wrapper import argv as args
 from wrapper import extensions
 from wrapper.config import Config, ConfigError
-from wrapper.gate import Gate
 from wrapper.generation import Generation, surviving
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
@@ -45,26 +45,19 @@ OVERLAP_MEMORY_FACTOR = 1.5  # auto overlap on CPU: MemAvailable must exceed thi
 
 
 class ReloadHost(Protocol):
-    """What a reload needs of the supervisor around it."""
+    """What a reload needs of what serves (wrapper/serving.py)."""
 
-    gate: Gate
-    lifecycle: Lifecycle
-    last_reload: dict[str, Any] | None
+    @property
+    def lifecycle(self) -> Lifecycle: ...
 
     @property
     def current(self) -> Generation: ...
 
     def new_generation(self, config: Config, launch: Launch) -> Generation: ...
 
-    def server_line(self, generation: Generation, line: str) -> None: ...
-
     def install(self, generation: Generation) -> None: ...
 
-    def request_stop(self) -> None: ...
-
     async def drain(self, timeout: float) -> None: ...
-
-    async def run_hook(self, event: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -143,7 +136,7 @@ class Reloader:
             if nxt.overlap:  # blue-green: the old server keeps serving while the new one loads
                 PROGRESS.begin("reloading: loading the new llama-server beside the old one")
                 try:
-                    await new.start(host.server_line)
+                    await new.start(extensions.server_output)
                 except Exception as exc:  # nothing was disturbed: the old server never stopped serving
                     return await self._roll_back(nxt, old, None, str(exc))
             began = time.monotonic()
@@ -156,7 +149,7 @@ class Reloader:
                 await old.stop()
                 PROGRESS.begin("reloading: loading the new llama-server")
                 try:
-                    await new.start(host.server_line)
+                    await new.start(extensions.server_output)
                 except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
                     return await self._roll_back(nxt, old, began, str(exc))
             host.install(new)
@@ -174,7 +167,7 @@ class Reloader:
 
     async def _take_over(self, generation: Generation) -> str | None:
         """The built-ins' restore into the new generation, surviving a server that dies under it."""
-        return await surviving(generation, self.host.server_line, lambda: extensions.take_over(generation))
+        return await surviving(generation, extensions.server_output, lambda: extensions.take_over(generation))
 
     async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
                          reason: str) -> dict[str, Any]:
@@ -183,10 +176,9 @@ class Reloader:
         log.warning("reload.failed", reason=reason, overlap=nxt.overlap)
         if began is not None:
             try:
-                await old.start(host.server_line)
-            except Exception as exc:
-                log.error("reload.rollback_failed", error=str(exc))
-                host.request_stop()  # nothing is left to serve with: stop as if signalled, slots already saved
+                await old.start(extensions.server_output)
+            except Exception as exc:  # nothing is left to serve with: the supervisor sees the dead server and
+                log.error("reload.rollback_failed", error=str(exc))  # stops, the slots already saved
                 raise
             host.install(old)
             await self._take_over(old)
@@ -195,7 +187,8 @@ class Reloader:
         return await self._answer(nxt, False, f"reload failed, the previous settings are back: {reason}",
                                   downtime_ms, None, None, host.current)
 
-    async def _answer(self, nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
+    @staticmethod
+    async def _answer(nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
                       saved: str | None, restored: str | None, generation: Generation) -> dict[str, Any]:
         context = generation.context
         if context is not None:
@@ -224,8 +217,6 @@ class Reloader:
         METRICS.reloads.labels(outcome="success" if success else "rolled_back").inc()
         if success:
             METRICS.reload_downtime.observe(downtime_ms / 1000)
-        self.host.last_reload = answer
-        await self.host.run_hook("on_reload")
         return answer
 
 

@@ -15,7 +15,7 @@ from wrapper import extensions, logs
 from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
 from wrapper.exits import EXIT_CONFIG
 from wrapper.listener import serve
-from wrapper.supervisor import Supervisor
+from wrapper.supervisor import supervise
 from wrapper.units import parse_duration
 from wrapper.usage import RUN_EXAMPLES, SERVER_COMMAND_SETTINGS, ServerCommand
 
@@ -77,7 +77,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
-    sys.exit(asyncio.run(Supervisor(config, launch, shared).run(serve)))
+    sys.exit(asyncio.run(supervise(config, launch, shared, serve)))
 
 
 @click.command()
