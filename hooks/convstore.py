@@ -1,173 +1,140 @@
-"""The conversation cache on disk: one entry per conversation that left a slot, in the model's slot folder (the
-server's --slot-save-path, so that it restores an entry by its plain name).
+"""The store as a folder: the model's slot folder (llama-server's --slot-save-path, so that it restores an entry
+by its plain name), shared by every host pointed at it (NFS, a ReadWriteMany volume).
 
-An entry is a pair, committed as slot pairs are (hooks/slotdir.py): `conv-<key>-<fingerprint>.bin`, the state
+An entry is a pair committed as hooks/slotdir.py commits one: `conv-<key>-<fingerprint>.bin`, the state
 llama-server wrote (its token ids first), and the sidecar `conv-<key>.json` that names it, written last. The key
-is a hash of the entry's tokens: two wrappers on one folder (NFS, a ReadWriteMany volume) that save the same
-conversation write the same key, each its own KV file, and the last sidecar wins; a reader only ever follows a
-committed sidecar to a whole file, and a half-written file has a name no reader looks at. The folder is listed
-again at each lookup, so an entry another wrapper wrote is found. The sidecar's mtime is the entry's last use.
+is a hash of the entry's tokens: two hosts that save the same state write the same key, each its own KV file,
+and the last sidecar wins; a reader only ever follows a committed sidecar to a whole file, and a half-written
+part has a name no reader looks at. The listing is kept and done again when the folder's mtime changes (a
+commit or a removal by any host) or once it is RELIST_S old (NFS caches attributes). The sidecar's mtime is
+the entry's last use.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import itertools
 import mmap
 import os
 import re
 import shutil
-import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hooks import slotdir, slotfile
+from hooks.store import Entry, Held, Unreadable, common_prefix, key_of
 
-PREFIX = "conv-"
-_SIDECAR = re.compile(r"^conv-([0-9a-f]{16})\.json$")
-_KV_FILE = re.compile(r"^conv-([0-9a-f]{16})-[0-9a-f]{12}\.bin$")
-_PART = re.compile(r"^conv-[0-9a-f]{16}\.bin\.part-(.+)-(\d+)$")  # being written by host, pid
+PREFIX = slotdir.ENTRY_PREFIX
+RELIST_S = 30.0
 PART_AGE_S = 3600.0  # another host's part this old is litter (a writer that died)
 ORPHAN_AGE_S = 60.0
+_SIDECAR = re.compile(r"^conv-([0-9a-f]{16})\.json$")
+_KV_FILE = re.compile(r"^conv-([0-9a-f]{16})-[0-9a-f]{12}\.bin$")
+_PART = re.compile(r"^conv-[A-Za-z0-9]+\.bin\.part-([A-Za-z0-9]+)-(\d+)$")  # being written by host, pid
+_parts = itertools.count()
 
 
-def key_of(tokens: list[int]) -> str:
-    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()[:16]
+def part_name(what: str) -> str:
+    """Where llama-server writes a state before it is committed: host, pid and a count keep writers apart."""
+    label = re.sub(r"[^A-Za-z0-9]", "", what)[:24] or "state"
+    return f"{PREFIX}{label}{next(_parts)}.bin.part-{slotdir.host_id()}-{os.getpid()}"
 
 
-def part_name(key: str) -> str:
-    """Where llama-server writes an entry before it is committed: host and pid keep writers apart."""
-    host = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname()) or "host"
-    return f"{PREFIX}{key}.bin.part-{host}-{os.getpid()}"
-
-
-@dataclass
-class Entry:
-    key: str
-    sidecar: Path
-    kv_file: Path
-    n_tokens: int
-    bytes: int
-    last_used: float
-    record: dict[str, Any]
-    _tokens: list[int] | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        """Its token ids, read from the state file's header once."""
-        if self._tokens is None:
-            data, _ = slotfile.open_map(self.kv_file)
-            try:
-                self._tokens = slotfile.header(data, str(self.kv_file)).tokens
-            finally:
-                if isinstance(data, mmap.mmap):
-                    data.close()
-        return self._tokens
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "tokens": self.n_tokens, "bytes": self.bytes, "file": self.kv_file.name,
-                "last_used": round(self.last_used, 3)}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.asarray(a[:n]), np.asarray(b[:n])
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if len(differ) else n
-
-
-class Store:
-    def __init__(self, directory: Path) -> None:
+class DirectoryStore:
+    def __init__(self, directory: Path, relist_s: float = RELIST_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = directory
-        self._known: dict[str, Entry] = {}  # by sidecar name and mtime: tokens are read once
+        self._relist_s, self._clock = relist_s, clock
+        self._index: dict[str, Entry] = {}
+        self._files: dict[str, tuple[Path, Path]] = {}  # key -> sidecar, KV file
+        self._legacy_entries: dict[str, Entry] = {}  # pairs of the earlier layout, by `slot<N>`: not in lookups
+        self._seen: tuple[float, float] | None = None  # the folder's mtime and when it was listed
+
+    # -- lookups ---------------------------------------------------------------------------------------------
 
     def entries(self) -> list[Entry]:
-        """Every committed entry now (what other wrappers committed too); unreadable ones are left out."""
-        found = []
-        for path in self.directory.glob(f"{PREFIX}*.json") if self.directory.is_dir() else []:
-            match = _SIDECAR.match(path.name)
-            if not match:
-                continue
-            try:
-                mtime = path.stat().st_mtime
-                known = self._known.get(path.name)
-                if known is not None and known.last_used == mtime and known.kv_file.exists():
-                    found.append(known)
-                    continue
-                record = slotdir.read_sidecar(path)
-                kv_file = self._kv_file(path, record)
-                entry = Entry(match.group(1), path, kv_file, int(record.get("tokens") or 0),
-                              int(record.get("bytes") or 0), mtime, record)
-            except (OSError, slotdir.SidecarError, ValueError, TypeError):
-                continue
-            self._known[path.name] = entry
-            found.append(entry)
-        return found
+        return list(self._look().values())
 
-    def _kv_file(self, sidecar: Path, record: dict[str, Any]) -> Path:
-        name = record.get("file")
-        if not isinstance(name, str) or not _KV_FILE.match(name):
-            raise slotdir.SidecarError(f"{sidecar.name} names an odd file: {name!r}")
-        return sidecar.parent / name
+    def get(self, key: str) -> Entry | None:
+        if key in self._legacy_entries:
+            return self._legacy_entries[key]
+        sidecar = slotdir.entry_sidecar(self.directory, key)
+        if not sidecar.exists():
+            self._forget(key)
+            return None
+        return self._read(sidecar, key) or Entry(key, 0, 0, 0.0, {}, sidecar.name, True, _unreadable(sidecar.name))
 
     def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `tokens`, and how long that prefix is."""
         best: Entry | None = None
         length = 0
         for entry in self.entries():
             try:
                 shared = common_prefix(entry.tokens, tokens)
-            except (OSError, slotfile.SlotFileError):
+            except Unreadable:
                 continue
             if shared > length or (shared == length and best is not None and entry.n_tokens < best.n_tokens):
                 best, length = entry, shared
         return best, length
 
     def find(self, tokens: list[int]) -> Entry | None:
-        """The entry holding exactly these tokens, if any (then a save would write nothing new)."""
-        key = key_of(tokens)
-        return next((e for e in self.entries() if e.key == key and e.n_tokens == len(tokens)), None)
+        found = self._look().get(key_of(tokens))
+        return found if found is not None and found.n_tokens == len(tokens) else None
+
+    def held(self, host: str) -> list[Held]:
+        found = {saved.slot: self._legacy(saved) for saved in slotdir.legacy_slots(self.directory)}
+        _, noted = slotdir.note_of(self.directory, host)
+        for slot, each in noted.items():
+            found[slot] = Held(slot, each.key, each.n_tokens, self.get(each.key))
+        return [found[slot] for slot in sorted(found)]
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def part(self, what: str) -> Iterator[Path]:
+        path = self.directory / part_name(what)
+        try:
+            yield path
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
-        """Make a verified state file an entry; the entries it extends (its prefixes) are removed after."""
         key = key_of(tokens)
+        sidecar = slotdir.entry_sidecar(self.directory, key)
         previous = None
         with contextlib.suppress(OSError, slotdir.SidecarError):
-            previous = self._kv_file(self.directory / f"{PREFIX}{key}.json",
-                                     slotdir.read_sidecar(self.directory / f"{PREFIX}{key}.json"))
-        final = slotdir.commit_pair(self.directory, f"{PREFIX}{key}", written,
-                                    {"key": key, "tokens": len(tokens), **record}, previous)
-        for entry in self.entries():
-            if entry.key != key and entry.n_tokens < len(tokens) and common_prefix(entry.tokens, tokens) == \
-                    entry.n_tokens:
-                self.remove(entry)  # a shorter state of the same conversation: the new one holds it all
-        entry = next(e for e in self.entries() if e.key == key)
-        assert entry.kv_file == final or entry.kv_file.exists()
+            previous = self._kv_file(sidecar, slotdir.read_sidecar(sidecar))
+        slotdir.commit_pair(self.directory, f"{PREFIX}{key}", written, {"key": key, "tokens": len(tokens), **record},
+                            previous)
+        self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
+        entry = self._read(sidecar, key, tokens)
+        assert entry is not None
+        for other in self.entries():
+            with contextlib.suppress(Unreadable):
+                if other.key != key and other.n_tokens < len(tokens) and \
+                        common_prefix(other.tokens, tokens) == other.n_tokens:
+                    self.remove(other)  # a shorter state of the same conversation: the new one holds it all
         return entry
 
     def touch(self, entry: Entry) -> None:
-        """A hit: its last use is now (the sidecar's mtime)."""
+        sidecar, _ = self._files.get(entry.key, (slotdir.entry_sidecar(self.directory, entry.key), None))
         with contextlib.suppress(OSError):
-            os.utime(entry.sidecar)
-            entry.last_used = entry.sidecar.stat().st_mtime
+            os.utime(sidecar)
+            entry.last_used = sidecar.stat().st_mtime
 
     def remove(self, entry: Entry) -> None:
-        for path in (entry.sidecar, entry.kv_file):  # the sidecar first: nothing names a half-removed pair
+        sidecar, kv_file = self._where(entry)
+        for path in (sidecar, kv_file):  # the sidecar first: nothing names a half-removed pair
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        self._known.pop(entry.sidecar.name, None)
-
-    def total_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries())
+        self._forget(entry.key)
 
     def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
-        """Remove the least recently used entries until they fit `budget` bytes."""
+        if sum(e.bytes for e in self.entries()) <= budget:
+            return []
+        self._seen = None  # other hosts' hits moved their last use: look again before removing anything
         entries = sorted(self.entries(), key=lambda e: e.last_used)
         total = sum(e.bytes for e in entries)
         removed = []
@@ -181,6 +148,35 @@ class Store:
             removed.append(entry)
         return removed
 
+    def set_aside(self, entry: Entry, reason: str) -> str:
+        sidecar, kv_file = self._where(entry)
+        folder = slotdir.set_aside(sidecar, kv_file, reason)
+        self._forget(entry.key)
+        return str(folder)
+
+    def note(self, host: str, slots: dict[int, Entry]) -> bool:
+        path, noted = slotdir.note_of(self.directory, host)
+        merged = {**noted, **{slot: slotdir.Noted(slot, e.key, e.n_tokens) for slot, e in slots.items()}}
+        superseded = {slot for slot in slots if slot in {s.slot for s in slotdir.legacy_slots(self.directory)}}
+        if merged == noted and path is not None and path.name == f"held-{host}.json" and not superseded:
+            return False
+        slotdir.write_note(self.directory, host, merged)
+        slotdir.remove_legacy(self.directory, superseded)  # after the note: the slot's state is named there
+        return True
+
+    # -- making an entry readable by llama-server ------------------------------------------------------------
+
+    def local(self, entry: Entry) -> Path:
+        sidecar, kv_file = self._where(entry)
+        try:
+            slotdir.check_pair(slotdir.read_sidecar(sidecar), kv_file)
+        except slotdir.SidecarError as exc:
+            raise Unreadable(f"no usable sidecar: {exc}") from exc
+        return kv_file
+
+    def fetch_seconds(self, entry: Entry) -> float:
+        return 0.0  # on local disk (or a mounted share) already
+
     def free_bytes(self) -> int:
         try:
             return shutil.disk_usage(self.directory).free
@@ -188,20 +184,21 @@ class Store:
             return 0
 
     def sweep(self, now: float | None = None) -> list[str]:
-        """Parts of dead writers on this host (or of any host, once an hour old) and KV files no sidecar names."""
+        """Parts of dead writers on this host (or of any host, once an hour old), KV files no sidecar names,
+        and what dead saves of the earlier layout left."""
         if not self.directory.is_dir():
             return []
         now = time.time() if now is None else now
-        named = {e.kv_file.name for e in self.entries()}
-        host = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname()) or "host"
-        removed = []
+        self._seen = None
+        named = {self._where(e)[1].name for e in self.entries()}
+        host = slotdir.host_id()
+        removed = slotdir.sweep(self.directory, now)
         for path in self.directory.iterdir():
             part = _PART.match(path.name)
             age = slotdir.age(path, now)
             if part:
-                mine = part.group(1) == host
-                litter = (mine and int(part.group(2)) != os.getpid() and not slotdir.alive(int(part.group(2)))) or \
-                    age > PART_AGE_S
+                pid = int(part.group(2))
+                litter = (part.group(1) == host and pid != os.getpid() and not slotdir.alive(pid)) or age > PART_AGE_S
             else:
                 litter = bool(_KV_FILE.match(path.name)) and path.name not in named and age > ORPHAN_AGE_S
             if litter:
@@ -210,3 +207,89 @@ class Store:
                     removed.append(path.name)
         return removed
 
+    # -- the listing -----------------------------------------------------------------------------------------
+
+    def _look(self) -> dict[str, Entry]:
+        try:
+            mtime = self.directory.stat().st_mtime
+        except OSError:
+            return {}
+        now = self._clock()
+        if self._seen is not None and self._seen[0] == mtime and now - self._seen[1] < self._relist_s:
+            return self._index
+        self._seen = (mtime, now)  # taken before the listing: a change during it is seen at the next look
+        found = {}
+        for path in self.directory.glob(f"{PREFIX}*.json"):
+            match = _SIDECAR.match(path.name)
+            if match and (entry := self._read(path, match.group(1))) is not None:
+                found[entry.key] = entry
+        for key in set(self._index) - set(found):
+            self._forget(key)  # removed by another host
+        return self._index
+
+    def _read(self, sidecar: Path, key: str, tokens: list[int] | None = None) -> Entry | None:
+        """The entry a sidecar describes, kept from the last look when neither it nor its KV file changed."""
+        try:
+            mtime = sidecar.stat().st_mtime
+            known = self._index.get(key)
+            if known is not None and known.last_used == mtime and self._files[key][0] == sidecar:
+                return known
+            record = slotdir.read_sidecar(sidecar)
+            kv_file = self._kv_file(sidecar, record)
+        except (OSError, slotdir.SidecarError, ValueError, TypeError):
+            return None
+        if tokens is None and known is not None and self._files[key][1] == kv_file:
+            tokens = known._tokens  # the same file: its tokens are known
+        entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), mtime, record,
+                      kv_file.name, True, _tokens_of(kv_file), tokens)
+        self._index[key], self._files[key] = entry, (sidecar, kv_file)
+        return entry
+
+    def _legacy(self, saved: slotdir.SavedSlot) -> Held:
+        """A slot's pair of the earlier layout, as an entry of its own (named by its slot: it is not in lookups)."""
+        key = f"slot{saved.slot}"
+        try:
+            record = slotdir.read_sidecar(saved.sidecar)
+        except slotdir.SidecarError:
+            record = {}
+        entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), 0.0, record,
+                      saved.kv_file.name, False, _tokens_of(saved.kv_file))
+        self._files[key], self._legacy_entries[key] = (saved.sidecar, saved.kv_file), entry
+        return Held(saved.slot, key, entry.n_tokens, entry)
+
+    def _where(self, entry: Entry) -> tuple[Path, Path]:
+        if entry.key in self._files:
+            return self._files[entry.key]
+        sidecar = slotdir.entry_sidecar(self.directory, entry.key)
+        return sidecar, self.directory / entry.name
+
+    def _forget(self, key: str) -> None:
+        self._index.pop(key, None)
+        self._files.pop(key, None)
+        self._legacy_entries.pop(key, None)
+
+    def _kv_file(self, sidecar: Path, record: dict[str, Any]) -> Path:
+        name = record.get("file")
+        if not isinstance(name, str) or not _KV_FILE.match(name):
+            raise slotdir.SidecarError(f"{sidecar.name} names an odd file: {name!r}")
+        return sidecar.parent / name
+
+
+def _tokens_of(kv_file: Path) -> Callable[[], list[int]]:
+    def load() -> list[int]:
+        try:
+            data, _ = slotfile.open_map(kv_file)
+            try:
+                return slotfile.header(data, str(kv_file)).tokens
+            finally:
+                if isinstance(data, mmap.mmap):
+                    data.close()
+        except (OSError, slotfile.SlotFileError) as exc:
+            raise Unreadable(f"{kv_file.name}: {exc}") from exc
+    return load
+
+
+def _unreadable(name: str) -> Callable[[], list[int]]:
+    def load() -> list[int]:
+        raise Unreadable(f"{name} cannot be read")
+    return load

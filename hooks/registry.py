@@ -70,17 +70,6 @@ class Builtin:
     routes: tuple[Route, ...] = ()
 
 
-def _both(first: Observer | None, second: Observer | None) -> Observer | None:
-    if first is None or second is None:
-        return first or second
-
-    def both(path: str, status: int, tail: bytes) -> None:
-        first(path, status, tail)
-        second(path, status, tail)
-
-    return both
-
-
 BUILTINS: tuple[Builtin, ...] = (
     Builtin(
         family=slots.FAMILY, settings=slots.SLOTS,
@@ -88,12 +77,15 @@ BUILTINS: tuple[Builtin, ...] = (
                  "slots.restore": BuiltinAction(lambda g, _: slots.restore(g),
                                                 doc="restore the saved slots the server can use")},
         fit=lambda argv, launch, config, _, __: fit_for_slots(argv, launch, config),
-        before=(Before(conversations.PATHS, conversations.before),),
-        observer=lambda g: _both(slots.observer(g), conversations.observer(g)),
-        status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},
-        metrics=conversations.metrics,
+        observer=slots.observer,
+        status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},  # where status has had it
         hand_over=slots.save_step, take_over=slots.take_over,
         reload_report=slots.restore_report,
+    ),
+    Builtin(  # the conversation cache: on with the slot built-ins (its settings are `slots.cache*`)
+        family=conversations.FAMILY, in_use=conversations.in_use,
+        before=(Before(conversations.PATHS, conversations.before),),
+        observer=conversations.observer, metrics=conversations.metrics,
     ),
     Builtin(
         family="server",

@@ -1,10 +1,16 @@
-"""A model's slot folder: which saved pair is current, how a new pair replaces it as one, what is litter.
+"""A model's slot folder: how a pair (a KV file and the sidecar naming it) is committed as one, what each
+host's slots held at its last stop, what is litter.
 
-Per slot N the sidecar `slotN.json` is the record of the current save: it names its KV file
-`slotN-<fingerprint>.bin` and that file's size and fingerprint. A save writes the new KV file under its own
-name, then replaces the sidecar (the one atomic step), then removes the old KV file. Killed at any point, the
-folder holds either the old pair or the new one, both whole; what is left over is removed at the next start.
-Folders written before this layout (`slotN.bin` beside `slotN.json`) are still read.
+A pair's sidecar `<stem>.json` names its KV file `<stem>-<fingerprint>.bin` and that file's size and
+fingerprint. A commit writes the new KV file under its own name, then replaces the sidecar (the one atomic
+step), then removes the old KV file. Killed at any point, the folder holds either the old pair or the new one,
+both whole; what is left over is removed at the next start.
+
+Saved states are entries `conv-<key>` named by what they hold (hooks/convstore.py); what each slot of a host
+held at its last stop is that host's note `held-<host>.json` (slot -> entry key), so hosts sharing a folder
+never overwrite each other's states. Folders of the earlier layouts (per slot `slotN.json` naming
+`slotN-<fingerprint>.bin`, or `slotN.bin` beside it) are still read: a slot a note does not name keeps its pair
+until a save of that slot replaces it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +38,35 @@ class SidecarError(ValueError):
     """A sidecar that is missing, unreadable, or does not describe its KV file."""
 
 
+ENTRY_PREFIX = "conv-"
+_NOTE = re.compile(r"^held-([A-Za-z0-9]+)\.json$")
+_KEY = re.compile(r"^[0-9a-f]{16}$")
+
+
 @dataclass(frozen=True)
 class SavedSlot:
     slot: int
     sidecar: Path
     kv_file: Path
+    key: str | None = None  # the entry a host's note names; None for a pair of the earlier layout
+
+
+@dataclass(frozen=True)
+class Noted:
+    """One slot of a host's note."""
+
+    slot: int
+    key: str
+    n_tokens: int
+
+
+def host_id() -> str:
+    """This host's name in its note (two wrappers of one model on one host share it: the last stop wins)."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname()) or "host"
+
+
+def entry_sidecar(directory: Path, key: str) -> Path:
+    return directory / f"{ENTRY_PREFIX}{key}.json"
 
 
 def sidecar_path(directory: Path, slot: int) -> Path:
@@ -62,8 +93,55 @@ def kv_file_of(sidecar: Path, data: dict[str, Any]) -> Path:
     return sidecar.parent / name
 
 
-def saved_slots(directory: Path) -> list[SavedSlot]:
-    """Every slot that has a sidecar, with the KV file it names (which may be missing: check before use)."""
+def saved_slots(directory: Path, host: str | None = None) -> list[SavedSlot]:
+    """What each slot held at the host's last stop (its note, else the newest note of another host), with the
+    pairs of the earlier layout for slots no note names; the KV files may be missing: check before use."""
+    _, noted = note_of(directory, host or host_id())
+    found = {saved.slot: saved for saved in legacy_slots(directory)}
+    for slot, entry in noted.items():
+        sidecar = entry_sidecar(directory, entry.key)
+        try:
+            kv_file = kv_file_of(sidecar, read_sidecar(sidecar))
+        except SidecarError:
+            kv_file = sidecar.with_suffix(".bin")
+        found[slot] = SavedSlot(slot, sidecar, kv_file, entry.key)
+    return [found[slot] for slot in sorted(found)]
+
+
+def note_of(directory: Path, host: str) -> tuple[Path | None, dict[int, Noted]]:
+    """The host's note (else the newest of another host's: a host of a new name takes over) and its slots."""
+    notes = {match.group(1): path for path in (directory.glob("held-*.json") if directory.is_dir() else [])
+             if (match := _NOTE.match(path.name))}
+    chosen = notes.get(host) or max(notes.values(), key=_mtime, default=None)
+    if chosen is None:
+        return None, {}
+    try:
+        data = read_sidecar(chosen)
+        return chosen, {int(slot): Noted(int(slot), str(held["entry"]), int(held.get("tokens") or 0))
+                        for slot, held in dict(data["slots"]).items() if _KEY.match(str(held["entry"]))}
+    except (SidecarError, KeyError, TypeError, ValueError, AttributeError):
+        return chosen, {}
+
+
+def write_note(directory: Path, host: str, slots: dict[int, Noted]) -> None:
+    """Replace the host's note in one step."""
+    data = {"format": SIDECAR_FORMAT, "host": host, "saved_at": time.time(),
+            "slots": {str(n.slot): {"entry": n.key, "tokens": n.n_tokens} for n in sorted(slots.values(),
+                                                                                     key=lambda n: n.slot)}}
+    _write_json(directory / f"held-{host}.json", data)
+
+
+def drop_from_notes(directory: Path, keys: set[str]) -> None:
+    """Every host's note forgets these entries (they were removed)."""
+    for path in directory.glob("held-*.json") if keys and directory.is_dir() else []:
+        match = _NOTE.match(path.name)
+        _, noted = note_of(directory, match.group(1)) if match else (None, {})
+        if match and any(n.key in keys for n in noted.values()):
+            write_note(directory, match.group(1), {s: n for s, n in noted.items() if n.key not in keys})
+
+
+def legacy_slots(directory: Path) -> list[SavedSlot]:
+    """Every slot that has a sidecar of the earlier layout, with the KV file it names."""
     found = []
     for path in directory.glob("slot*.json") if directory.is_dir() else []:
         match = _SIDECAR.match(path.name)
@@ -105,18 +183,26 @@ def commit_pair(directory: Path, stem: str, written: Path, record: dict[str, Any
     os.replace(written, final)
     data = {"format": SIDECAR_FORMAT, **record, "file": final.name, "bytes": final.stat().st_size,
             "fingerprint": file_fingerprint}
-    target = directory / f"{stem}.json"
+    _write_json(directory / f"{stem}.json", data)  # the commit: from here on the new pair is the current one
+    if previous is not None and previous != final:
+        with contextlib.suppress(OSError):
+            previous.unlink()
+    return final
+
+
+def _write_json(target: Path, data: dict[str, Any]) -> None:
     temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as out:
         json.dump(data, out, indent=1)
         out.flush()
         os.fsync(out.fileno())
-    os.replace(temporary, target)  # the commit: from here on the new pair is the current one
-    fsync_directory(directory)
-    if previous is not None and previous != final:
-        with contextlib.suppress(OSError):
-            previous.unlink()
-    return final
+    os.replace(temporary, target)
+    fsync_directory(directory=target.parent)
+
+
+def remove_legacy(directory: Path, slots: set[int]) -> list[Path]:
+    """Remove the earlier layout's pairs of these slots (a note names what they hold now)."""
+    return [path for saved in legacy_slots(directory) if saved.slot in slots for path in remove(saved)]
 
 
 def remove(saved: SavedSlot) -> list[Path]:
@@ -132,17 +218,17 @@ def remove(saved: SavedSlot) -> list[Path]:
 SET_ASIDE = "set-aside"
 
 
-def set_aside(saved: SavedSlot, reason: str) -> Path:
+def set_aside(sidecar: Path, kv_file: Path, reason: str) -> Path:
     """Move a pair that made the server fail out of the way (`<dir>/set-aside/`), with a note of why: it is
     kept for a look, never restored again. The KV file goes first, then the sidecar (nothing points at a
     half-moved pair)."""
-    folder = saved.sidecar.parent / SET_ASIDE
+    folder = sidecar.parent / SET_ASIDE
     folder.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    for path in (saved.kv_file, saved.sidecar):
+    for path in (kv_file, sidecar):
         with contextlib.suppress(FileNotFoundError):
             path.replace(folder / f"{stamp}-{path.name}")
-    note = folder / f"{stamp}-slot{saved.slot}.reason.txt"
+    note = folder / f"{stamp}-{sidecar.stem}.reason.txt"
     note.write_text(reason + "\n")
     return folder
 
@@ -152,7 +238,7 @@ def sweep(directory: Path, now: float | None = None) -> list[str]:
     if not directory.is_dir():
         return []
     now = time.time() if now is None else now
-    current = {saved.kv_file.name for saved in saved_slots(directory)}
+    current = {saved.kv_file.name for saved in legacy_slots(directory)}
     removed = []
     for path in directory.iterdir():
         temporary = _TEMPORARY.search(path.name)
@@ -185,6 +271,13 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def age(path: Path, now: float) -> float:

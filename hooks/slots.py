@@ -1,28 +1,25 @@
-"""Built-ins `slots.save` and `slots.restore`: slot KV caches kept across restarts, never a good file lost.
+"""Built-ins `slots.save` and `slots.restore`: slot KV caches kept across restarts, never a good state lost.
 
-Files: `<slots.dir>/<model-id>/slot<N>.json` (our sidecar, the record of the current save) and the KV file it
-names, `slot<N>-<fingerprint>.bin` (what llama-server wrote). A save goes to a temporary name, is parsed
-back, and only then replaces the previous pair, in one step (see hooks/slotdir.py).
+A save makes what each slot holds an entry of the store (named by its tokens: hooks/store.py), then writes
+this host's note of which entry each slot held; a restore puts back what the note names. Hosts sharing one
+slot folder each keep their own note, and every state is an entry any of them can find.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import re
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from hooks import kvconvert, slotdir, slotfile
-from hooks.compat import Mismatch, server_settings, skip_reason
+from hooks import slotdir, slotfile
 from hooks.reuse import ReuseTracker
+from hooks.slotbook import book_of
+from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
+from hooks.store import Entry, Held, Store, Unreadable
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, ServerLost
 from wrapper.llama import LlamaError
@@ -58,31 +55,19 @@ class SlotSettings:
 
 SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)")
 
-_LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
-
 
 @dataclass
 class SlotState:
-    """What the slot built-ins know of one generation: the last save and restore, and the reuse watch."""
+    """What the slot built-ins report of one generation: the last save and restore, and the reuse watch."""
 
     save: list[dict[str, Any]] = field(default_factory=list)
     restore: list[dict[str, Any]] = field(default_factory=list)
     reuse: ReuseTracker | None = None
-    held: dict[int, list[int]] = field(default_factory=dict)  # the tokens each slot holds, as far as we know
-    dirty: set[int] = field(default_factory=set)  # slots that served a request since their last save or restore
-    pinned: bool = False  # requests are pinned to slots (the conversation cache): `dirty` is exact
-    settings: dict[str, Any] | None = None  # the server's layout settings, once asked
-    total_slots: int = 0  # -np as the server reports it, once asked
-    pairs: dict[int, slotdir.SavedSlot] = field(default_factory=dict)  # slot files equal to what a slot holds
 
     def tracker(self, rt: Generation) -> ReuseTracker:
         if self.reuse is None:
             self.reuse = ReuseTracker(rt.client)
         return self.reuse
-
-
-def state_of(rt: Generation) -> SlotState:
-    return _state(rt)
 
 
 def _state(rt: Generation) -> SlotState:
@@ -91,11 +76,11 @@ def _state(rt: Generation) -> SlotState:
     return state
 
 
-def _directory(rt: Generation) -> Path:
-    directory = rt.launch.fitted.get(FAMILY)
-    if not isinstance(directory, Path):
+def _store(rt: Generation) -> Store:
+    store = store_of(rt)
+    if store is None:
         raise ActionError("slot persistence is off: the wrapper did not prepare a slot folder")
-    return directory
+    return store
 
 
 # -- what the registry declares (hooks/registry.py) -------------------------------------------------------
@@ -142,36 +127,38 @@ async def take_over(rt: Generation) -> str:
     return f"{summary}; {warmed}" if warmed else summary
 
 
-async def _settings(rt: Generation) -> dict[str, Any]:
-    props = await rt.client.props()
-    return server_settings(rt.launch.argv, rt.launch.env, props, rt.launch.facts)
-
-
 # -- save -------------------------------------------------------------------------------------------------
 
 
 async def save(rt: Generation) -> str:
-    """Save every slot that holds tokens; keep the previous file whenever a save is empty or fails."""
-    directory = _directory(rt)
+    """Save every slot that holds tokens, then note which entry each holds; a slot whose save is empty or
+    fails keeps what the note said."""
+    store = _store(rt)
     started = time.monotonic()
-    _sweep(directory)
-    if rt.launch.keep_saved:  # a built-in's fit made a save now worse than the files there are
+    _sweep(store)
+    if rt.launch.keep_saved:  # a built-in's fit made a save now worse than the states there are
         reason = rt.launch.keep_saved
         _state(rt).save = [{"outcome": "skipped", "reason": reason}]
         log.info("slots.save_skipped", reason=reason)
         return f"not saved: {reason}"
     try:
         slots = await rt.client.slots()
-        settings = await _settings(rt)
     except LlamaError as exc:
         raise ActionError(f"cannot read the server's slots: {exc}") from exc
+    held: dict[int, Entry] = {}
     report = []
     for index, slot in enumerate(slots):
         PROGRESS.update(save=f"slot {index + 1} of {len(slots)}")
-        report.append(await _guarded(_save_one(rt, directory, slot, settings),
+        report.append(await _guarded(_save_one(rt, store, slot, held),
                                      {"slot": slot.get("id"), "tokens": 0, "bytes": 0}))
     _state(rt).save = report
     _count("save", report, "saved")
+    if held:
+        try:
+            store.note(slotdir.host_id(), held)
+        except OSError as exc:
+            raise ActionError(f"the note of what each slot holds could not be written: {exc}") from exc
+        store.evict(SLOTS.of(rt.config).cache_budget, keep={e.key for e in held.values()})
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     unchanged = [r for r in report if r["outcome"] == "unchanged"]
@@ -183,43 +170,31 @@ async def save(rt: Generation) -> str:
     return summary
 
 
-async def _save_one(rt: Generation, directory: Path, slot: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+async def _save_one(rt: Generation, store: Store, slot: dict[str, Any], held: dict[int, Entry]) -> dict[str, Any]:
     number = int(slot["id"])
     entry: dict[str, Any] = {"slot": number, "outcome": "empty", "tokens": 0, "bytes": 0}
     if slot.get("n_prompt_tokens") == 0:  # absent after a restore: such a slot is saved again
         return entry
-    state = _state(rt)
-    if state.pinned and number not in state.dirty and (directory / f"slot{number}.json").exists():
-        entry.update(outcome="unchanged", tokens=len(state.held.get(number, [])))
+    book = book_of(rt)
+    if (key := book.entry_of(number)) is not None and (known := store.get(key)) is not None:
+        held[number] = known  # no request since its last save or restore: the store holds it already
+        entry.update(outcome="unchanged", tokens=len(book.holds(number)), entry=key)
         log.info("slots.unchanged", slot=number, tokens=entry["tokens"])
-        return entry  # no request since its last save or restore: the pair on disk holds it already
-    temporary = directory / f"slot{number}.bin.{os.getpid()}.tmp"  # two wrappers of one model never collide
-    started = time.monotonic()
+        return entry
     try:
-        answer = await rt.client.slot_action(number, "save", temporary.name)
-        if int(answer.get("n_saved", 0)) == 0:
-            log.info("slots.save_empty", slot=number, kept_previous=bool(slotdir.saved_slots(directory)))
-            return entry
-        header = slotfile.read(temporary)  # a file we cannot read back never replaces a good one
-        record = {
-            "model": rt.launch.model.as_dict(), "tokens": header.n_tokens, "state_version": header.version,
-            **{k: settings[k] for k in ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified",
-                                       "kv_streams", "total_slots", "n_ctx", "attn_rot_disable", "build")},
-            "saved_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "save_ms": (answer.get("timings") or {}).get("save_ms"),
-        }
-        final = slotdir.commit(directory, number, temporary, record)
-        state.held[number] = header.tokens
-        state.dirty.discard(number)
-        state.pairs[number] = slotdir.SavedSlot(number, slotdir.sidecar_path(directory, number), final)
-    except (LlamaError, slotfile.SlotFileError, OSError) as exc:
-        log.warning("slots.save_failed", slot=number, error=str(exc))
-        return {**entry, "outcome": "failed", "reason": f"save failed: {exc}"}
-    finally:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-    entry.update(outcome="saved", tokens=header.n_tokens, bytes=header.bytes, server_ms=record["save_ms"],
-                 total_ms=round((time.monotonic() - started) * 1000, 1), file=str(final))
+        saved = await save_into(rt, store, number)
+    except NotSaved as exc:
+        log.warning("slots.save_failed", slot=number, error=exc.reason)
+        return {**entry, "outcome": "failed", "reason": exc.reason}
+    if saved is None:
+        log.info("slots.save_empty", slot=number)
+        return entry
+    held[number] = saved.entry
+    entry.update(outcome="saved" if saved.new else "unchanged", tokens=saved.entry.n_tokens, entry=saved.entry.key)
+    if not saved.new:  # the store held that state already (another host saved it, or it left its slot)
+        log.info("slots.unchanged", slot=number, tokens=entry["tokens"])
+        return entry
+    entry.update(bytes=saved.entry.bytes, server_ms=saved.server_ms, total_ms=saved.total_ms, file=saved.entry.name)
     log.info("slots.saved", **entry)
     return entry
 
@@ -228,32 +203,34 @@ async def _save_one(rt: Generation, directory: Path, slot: dict[str, Any], setti
 
 
 async def restore(rt: Generation) -> str:
-    """Restore each saved slot the running server can use; skip the rest with a reason. Never fails a start."""
-    directory = _directory(rt)
-    _sweep(directory)
-    _state(rt).pinned = SLOTS.of(rt.config).cache  # every completion is pinned from now on: `dirty` is exact
-    files = slotdir.saved_slots(directory)
-    if not files:
+    """Restore what each slot held at this host's last stop, as far as the running server can use it; skip
+    the rest with a reason. Never fails a start."""
+    store = _store(rt)
+    _sweep(store)
+    book = book_of(rt)
+    book.exact = SLOTS.of(rt.config).cache  # every completion is pinned from now on: the book is exact
+    held = store.held(slotdir.host_id())
+    if not held:
         _state(rt).restore = []
-        log.info("slots.restore_nothing", dir=str(directory))
+        log.info("slots.restore_nothing", dir=str(rt.launch.fitted.get(FAMILY)))
         return "no saved slots"
     started = time.monotonic()
     try:
-        settings = await _settings(rt)
-        state_version = await _state_version(rt, directory)
+        settings = await server_settings_of(rt)
+        book.state_version = await _state_version(rt, store)
     except (LlamaError, OSError, slotfile.SlotFileError) as exc:
-        _state(rt).restore = [{"slot": saved.slot, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
-                             for saved in files]
+        _state(rt).restore = [{"slot": h.slot, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
+                              for h in held]
         log.warning("slots.restore_skipped_all", error=str(exc))
-        return f"skipped {len(files)} slot(s): {exc}"
+        return f"skipped {len(held)} slot(s): {exc}"
     reuse = _state(rt).tracker(rt)
-    sizes = [saved.kv_file.stat().st_size if saved.kv_file.exists() else 0 for saved in files]
+    sizes = [h.entry.bytes if h.entry else 0 for h in held]
     report = []
-    for index, saved in enumerate(files):
-        PROGRESS.update(restore=f"slot {index + 1} of {len(files)}",
+    for index, each in enumerate(held):
+        PROGRESS.update(restore=f"slot {index + 1} of {len(held)}",
                         restore_mb=f"{sum(sizes[:index]) / 1e6:.1f} of {sum(sizes) / 1e6:.1f}")
-        report.append(await _guarded(_restore_one(rt, saved, settings, state_version),
-                                     {"slot": saved.slot, "file": str(saved.kv_file), "tokens": 0}))
+        report.append(await _guarded(_restore_one(rt, store, each),
+                                     {"slot": each.slot, "entry": each.key, "tokens": 0}))
     _state(rt).restore = report
     _count("restore", report, "restored")
     restored = [r for r in report if r["outcome"] == "restored"]
@@ -264,60 +241,33 @@ async def restore(rt: Generation) -> str:
             f"in {time.monotonic() - started:.3f}s")
 
 
-async def _state_version(rt: Generation, directory: Path) -> int:
+async def _state_version(rt: Generation, store: Store) -> int:
     """The slot-file version this server writes, learnt by saving the (still empty) slot 0 once."""
-    probe = directory / f".probe-state-version.{os.getpid()}.bin"
-    try:
+    with store.part("probe") as probe:
         await rt.client.slot_action(0, "save", probe.name)
         return slotfile.version(probe)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            probe.unlink()
 
 
-async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[str, Any],
-                       state_version: int) -> dict[str, Any]:
-    number, path = saved.slot, saved.kv_file
-    entry: dict[str, Any] = {"slot": number, "file": str(path), "outcome": "skipped", "tokens": 0}
+async def _restore_one(rt: Generation, store: Store, held: Held) -> dict[str, Any]:
+    entry: dict[str, Any] = {"slot": held.slot, "entry": held.key, "file": held.entry.name if held.entry else None,
+                             "outcome": "skipped", "tokens": held.n_tokens}
+    if held.entry is None:
+        return _skipped(entry, f"its state {held.key} is gone (evicted, or replaced by a longer state of its "
+                               "conversation, which the conversation cache brings back)")
     try:
-        sidecar = slotdir.read_sidecar(saved.sidecar)
-        slotdir.check_pair(sidecar, path)
-    except slotdir.SidecarError as exc:
-        return _skipped(entry, f"no usable sidecar: {exc}")
-    try:
-        header = slotfile.read(path)
-        entry["tokens"] = header.n_tokens
-        entry["bytes"] = header.bytes
-    except slotfile.SlotFileError as exc:
-        return _skipped(entry, f"unreadable file: {exc}")
-    skip = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
-    if skip is not None and skip.kind is Mismatch.CACHE_TYPES:  # the same tokens in other types: convert the file
-        converted = await asyncio.to_thread(_converted, rt, saved, sidecar, settings, entry)  # /health answers
-        if converted is not None:
-            sidecar, header, path = converted
-            skip = skip_reason(number, sidecar, header, rt.launch.model.id, settings, state_version)
-    if skip is not None:
-        entry["warmable"] = skip.warmable
-        return _skipped(entry, skip.reason)
-    mark = rt.child.lines_seen if rt.child else 0
-    started = time.monotonic()
-    try:
-        answer = await rt.client.slot_action(number, "restore", path.name)
-    except LlamaError as exc:
-        said = await _server_says(rt, mark)
-        if exc.status is None and await _died(rt):  # no answer at all: did it die?
-            reason = f"llama-server died restoring it: {exc}{said}"
-            folder = slotdir.set_aside(saved, reason)
-            log.error("slots.set_aside", slot=number, file=str(path), to=str(folder), reason=reason)
-            raise ServerLost(f"llama-server died restoring slot {number} from {path.name}; the file was set "
-                             f"aside in {folder}") from exc
-        return _skipped(entry, f"the server refused it: {exc}{said}", failed=True)
-    _state(rt).held[number] = header.tokens
-    _state(rt).dirty.discard(number)
-    _state(rt).pairs[number] = slotdir.SavedSlot(number, saved.sidecar, path)
-    entry.update(outcome="restored", tokens=int(answer.get("n_restored", header.n_tokens)),
-                 server_ms=(answer.get("timings") or {}).get("restore_ms"),
-                 total_ms=round((time.monotonic() - started) * 1000, 1), saved_at=sidecar.get("saved_at"))
+        done = await restore_into(rt, store, held.entry, held.slot)
+    except NotRestored as exc:
+        if exc.header is not None:
+            entry.update(tokens=exc.header.n_tokens, bytes=exc.header.bytes)
+        if exc.conversion is not None:
+            entry["conversion"] = exc.conversion
+        entry["warmable"] = exc.warmable
+        return _skipped(entry, exc.reason, failed=exc.failed)
+    entry.update(outcome="restored", entry=done.entry.key, file=done.entry.name, tokens=done.n_restored,
+                 bytes=done.header.bytes, server_ms=done.server_ms, total_ms=done.total_ms,
+                 saved_at=done.entry.record.get("saved_at"))
+    if done.conversion is not None:
+        entry["conversion"] = done.conversion
     log.info("slots.restored", **entry)
     return entry
 
@@ -325,77 +275,36 @@ async def _restore_one(rt: Generation, saved: slotdir.SavedSlot, settings: dict[
 async def warm(rt: Generation) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
-    entries = [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
-               or (e.get("outcome") == "skipped" and e.get("warmable"))]
-    if not entries:
+    rows = [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
+            or (e.get("outcome") == "skipped" and e.get("warmable"))]
+    store = store_of(rt)
+    if not rows or store is None:
         return ""
     reuse = _state(rt).tracker(rt)
     started = time.monotonic()
     total_slots = int((await rt.client.props()).get("total_slots") or 1)
     warmed = 0
-    for entry in entries:
+    for row in rows:
         try:
-            tokens = slotfile.read(entry["file"]).tokens
-            answer = await rt.client.prefill(int(entry["slot"]), tokens)
-        except (slotfile.SlotFileError, LlamaError) as exc:
-            entry["warm_error"] = str(exc)
-            log.warning("slots.warm_failed", slot=entry["slot"], error=str(exc))
+            found = store.get(str(row["entry"]))
+            if found is None:
+                raise slotfile.SlotFileError(f"its state {row['entry']} is gone")
+            tokens = found.tokens
+            answer = await rt.client.prefill(int(row["slot"]), tokens)
+        except (slotfile.SlotFileError, Unreadable, LlamaError) as exc:
+            row["warm_error"] = str(exc)
+            log.warning("slots.warm_failed", slot=row["slot"], error=str(exc))
             continue
-        entry.update(outcome="prefilled", tokens=len(tokens),
-                     prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
-        reuse.expect(entry, total_slots)
+        book_of(rt).served(int(row["slot"]), tokens)
+        row.update(outcome="prefilled", tokens=len(tokens),
+                   prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
+        reuse.expect(row, total_slots)
         METRICS.slot_ops.labels(operation="restore", outcome="prefilled").inc()
         warmed += 1
-        log.info("slots.prefilled", slot=entry["slot"], tokens=len(tokens), prefill_ms=entry["prefill_ms"],
-                 why=entry["reason"])
+        log.info("slots.prefilled", slot=row["slot"], tokens=len(tokens), prefill_ms=row["prefill_ms"],
+                 why=row["reason"])
     await reuse.snapshot()
     return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
-
-
-def _converted(rt: Generation, saved: slotdir.SavedSlot, sidecar: dict[str, Any], settings: dict[str, Any],
-               entry: dict[str, Any]) -> tuple[dict[str, Any], slotfile.SlotFile, Path] | None:
-    """Rewrite a slot's KV file into the server's cache types and make it the slot's current pair."""
-    directory = saved.kv_file.parent
-    disabled = bool(settings["attn_rot_disable"])
-    temporary = directory / f"slot{saved.slot}.bin.{os.getpid()}.tmp"
-    try:
-        done = convert_for(rt, saved.kv_file, temporary, settings)
-        header = slotfile.read(temporary)
-        record = {k: v for k, v in sidecar.items() if k not in ("format", "slot", "file", "bytes", "fingerprint")}
-        record.update(cache_type_k=settings["cache_type_k"], cache_type_v=settings["cache_type_v"],
-                      attn_rot_disable=disabled, converted_from=f"{sidecar.get('cache_type_k')}/"
-                      f"{sidecar.get('cache_type_v')}")
-        final = slotdir.commit(directory, saved.slot, temporary, record)
-    except (kvconvert.NotConvertible, slotfile.SlotFileError, OSError) as exc:
-        entry["conversion"] = f"not converted: {exc}"
-        log.info("slots.not_converted", slot=saved.slot, reason=str(exc))
-        return None
-    finally:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-    entry.update(file=str(final), bytes=header.bytes,
-                 conversion={"from": record["converted_from"], "to": f"{settings['cache_type_k']}/"
-                             f"{settings['cache_type_v']}", "ms": round(done.seconds * 1000, 1),
-                             "mb_per_s": round(done.mb_per_s, 1)})
-    log.info("slots.converted", slot=saved.slot, **entry["conversion"])
-    return slotdir.read_sidecar(saved.sidecar), header, final
-
-
-def convert_for(rt: Generation, source: Path, target: Path, settings: dict[str, Any]) -> kvconvert.Conversion:
-    """Rewrite a state file into the running server's cache types and rotation (NotConvertible if it cannot)."""
-    disabled = bool(settings["attn_rot_disable"])
-    rot_k = kvconvert.target_rotation(settings["cache_type_k"], rt.launch.facts.get("head_dim_k"), True, disabled)
-    rot_v = kvconvert.target_rotation(settings["cache_type_v"], rt.launch.facts.get("head_dim_v"), False, disabled)
-    return kvconvert.convert(source, target, settings["cache_type_k"], settings["cache_type_v"], rot_k, rot_v,
-                             lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"))
-
-
-async def server_settings_of(rt: Generation) -> dict[str, Any]:
-    """The running server's settings that decide a state file's layout (asked once per generation)."""
-    state = _state(rt)
-    if state.settings is None:
-        state.settings = await _settings(rt)
-    return state.settings
 
 
 async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:
@@ -419,36 +328,13 @@ def _count(operation: str, report: list[dict[str, Any]], done: str) -> None:
             METRICS.slot_seconds.labels(operation=operation).observe(float(entry.get("total_ms") or 0) / 1000)
 
 
-def _sweep(directory: Path) -> None:
-    removed = slotdir.sweep(directory)
+def _sweep(store: Store) -> None:
+    removed = store.sweep()
     if removed:
-        log.info("slots.swept", dir=str(directory), removed=removed)
+        log.info("slots.swept", removed=removed)
 
 
 def _skipped(entry: dict[str, Any], reason: str, failed: bool = False) -> dict[str, Any]:
     entry.update(outcome="failed" if failed else "skipped", reason=reason)
     log.warning("slots.restore_skipped", slot=entry["slot"], reason=reason, file=entry["file"])
     return entry
-
-
-async def _died(rt: Generation, within: float = 2.0) -> bool:
-    """Whether llama-server is gone (a failed request may come just before its exit is seen)."""
-    if rt.child is None:
-        return False
-    for _ in range(int(within / 0.05)):
-        if not rt.child.alive:
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
-async def _server_says(rt: Generation, mark: int) -> str:
-    """The real cause of a failed restore is only in the server's log: wait briefly for it and quote it."""
-    if rt.child is None:
-        return ""
-    for _ in range(20):
-        lines = [line for line in rt.child.lines_since(mark) if _LOG_HINT.search(line)]
-        if lines:
-            return " (server log: " + " | ".join(line.strip() for line in lines[-2:]) + ")"
-        await asyncio.sleep(0.01)
-    return ""

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from hooks import slotdir, slotfile
-from hooks.convstore import Store
+from hooks.convstore import DirectoryStore
 from hooks.slots import SLOTS
 from wrapper.commands import Commands
 from wrapper.config import ConfigError, parse_config
@@ -45,7 +45,7 @@ def slots() -> None:
 def _rows(root: Path) -> list[dict[str, Any]]:
     rows = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        for saved in slotdir.saved_slots(folder):
+        for saved in slotdir.legacy_slots(folder):
             row: dict[str, Any] = {"model_id": folder.name, "slot": saved.slot, "file": str(saved.kv_file),
                                    "bytes": saved.kv_file.stat().st_size if saved.kv_file.exists() else 0}
             try:
@@ -57,10 +57,12 @@ def _rows(root: Path) -> list[dict[str, Any]]:
             except (slotdir.SidecarError, KeyError, AttributeError) as exc:
                 row["problem"] = f"sidecar: {exc}"
             rows.append(row)
-        for entry in Store(folder).entries():
-            rows.append({"model_id": folder.name, "slot": "conv", "file": str(entry.kv_file), "bytes": entry.bytes,
-                         "tokens": entry.n_tokens, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S",
-                                                                             time.localtime(entry.last_used)),
+        store = DirectoryStore(folder)
+        held = {h.key: h.slot for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content}
+        for entry in sorted(store.entries(), key=lambda e: (held.get(e.key, 1 << 30), -e.last_used)):
+            rows.append({"model_id": folder.name, "slot": held.get(entry.key, "conv"), "entry": entry.key,
+                         "file": str(folder / entry.name), "bytes": entry.bytes, "tokens": entry.n_tokens,
+                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.last_used)),
                          "model": entry.record.get("model", {}).get("name"),
                          "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"})
     return rows
@@ -71,7 +73,8 @@ def _rows(root: Path) -> list[dict[str, Any]]:
 @_CONFIG
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per slot file.")
 def list_slots(directory: str | None, config_path: str | None, as_json: bool) -> None:
-    """List saved slots and cached conversations (`conv`, SAVED is their last use) per model: tokens, size, when."""
+    """List saved states per model: those this host's slots held at its last stop (SLOT), the other cached
+    conversations (`conv`); tokens, size, when (for entries, SAVED is their last use)."""
     root = _slots_dir(directory, config_path)
     rows = _rows(root)
     if as_json:
@@ -103,12 +106,15 @@ def inspect(path: str) -> None:
     except slotfile.SlotFileError as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_FAILED)
-    for saved in slotdir.saved_slots(Path(path).parent):
+    for saved in slotdir.legacy_slots(Path(path).parent):
         if saved.kv_file.name == Path(path).name:
             try:
                 summary["sidecar"] = slotdir.read_sidecar(saved.sidecar)
             except slotdir.SidecarError as exc:
                 summary["sidecar"] = f"unreadable: {exc}"
+    for entry in DirectoryStore(Path(path).parent).entries():
+        if entry.name == Path(path).name:
+            summary["sidecar"] = entry.record
     click.echo(json.dumps(summary, indent=2))
 
 
@@ -123,11 +129,19 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
     if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
         click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
         sys.exit(EXIT_FAILED)
-    chosen = [saved for saved in slotdir.saved_slots(folder) if slot is None or saved.slot == slot]
-    if not chosen:
+    legacy = [saved for saved in slotdir.legacy_slots(folder) if slot is None or saved.slot == slot]
+    store = DirectoryStore(folder)
+    noted = [h for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content
+             and (slot is None or h.slot == slot)]
+    if not legacy and not noted:
         click.echo(f"llama-wrapper: model {model_id} has no saved slot {slot}" if slot is not None
                    else f"llama-wrapper: model {model_id} has no saved slots", err=True)
         sys.exit(EXIT_FAILED)
-    for saved in chosen:
+    for saved in legacy:
         for file in slotdir.remove(saved):
             click.echo(f"removed {file}")
+    for held in noted:
+        assert held.entry is not None
+        store.remove(held.entry)
+        click.echo(f"removed {folder / held.entry.name} (slot {held.slot})")
+    slotdir.drop_from_notes(folder, {h.key for h in noted})

@@ -76,7 +76,7 @@ def one_policy(tmp: Path, argv: list[str], overlap: str, history: str) -> dict[s
 
 def conversion_speed(tmp: Path, facts: dict[str, Any]) -> dict[str, float]:
     folder = next((tmp / "slots").iterdir())
-    source = max(folder.glob("slot0-*.bin"), key=lambda p: p.stat().st_mtime)
+    source = max(folder.glob("conv-*-*.bin"), key=lambda p: p.stat().st_mtime)  # the saved states
     speeds = {}
     for kind in ("q8_0", "q4_0"):
         # the file may already be q8_0 after the reload: convert from a fresh f16 copy made by converting back

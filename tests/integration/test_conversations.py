@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from hooks.memory import MiB, Settings, plan, read_shape
 from tests.helpers import Wrapper, http, running
 
 TOKEN = "conversations-token"
@@ -133,3 +134,88 @@ def test_a_reload_while_other_clients_use_the_only_slot_keeps_the_conversation(
         assert answers == [200]
         assert chat.turn(wrapper.url) >= 0.95  # from the cache, converted to the new cache types on the way
         assert wrapper.events("conversations.converted") or wrapper.events("slots.converted")
+
+
+# -- the issue's three defects: two hosts on one store, a regenerate, a growth after a cache restore ----------
+
+
+def test_two_wrappers_stopped_at_the_same_moment_both_come_back_on_a_third(tmp_path: Path, server_bin: str,
+                                                                           demo_path: str) -> None:
+    """Two hosts on one slot folder: each stop's states are entries named by what they hold, so neither
+    overwrites the other's (each slot once wrote `slot0.json`, and the second stop won)."""
+    x, y = Chat("X"), Chat("Y")
+    shared = config(tmp_path)
+    with running(tmp_path, argv(server_bin, demo_path), shared) as a, \
+            running(tmp_path, argv(server_bin, demo_path), shared) as b:
+        x.turn(a.url)
+        y.turn(b.url)
+        a.signal_group()  # both stopped at the same moment, as two hosts' llama-swaps may
+        b.signal_group()
+        assert a.wait() == 0 and b.wait() == 0
+    with running(tmp_path, argv(server_bin, demo_path), shared) as c:
+        assert x.turn(c.url) >= 0.9
+        assert y.turn(c.url) >= 0.9
+
+
+def test_a_running_wrapper_continues_what_another_saved_at_its_stop(tmp_path: Path, server_bin: str,
+                                                                   demo_path: str) -> None:
+    """A lookup sees what other hosts committed since it last looked."""
+    w, z = Chat("W"), Chat("Z")
+    shared = config(tmp_path)
+    with running(tmp_path, argv(server_bin, demo_path), shared) as d:
+        w.turn(d.url)  # d has looked at the folder
+        with running(tmp_path, argv(server_bin, demo_path), shared) as e:
+            z.turn(e.url)
+            assert e.stop() == 0
+        assert z.turn(d.url) >= 0.9
+        assert conversations(d)["decisions"][-1]["choice"] == "restore"
+
+
+def test_a_regenerate_after_a_restart_goes_to_the_slot_that_holds_its_question(tmp_path: Path, server_bin: str,
+                                                                              demo_path: str) -> None:
+    """The same question again (a front-end's "regenerate": the history without the last answer) shares only
+    its ~300 tokens with the ~800 its slot holds: that slot still reuses the most."""
+    two = [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"]
+    question = {"messages": [{"role": "user", "content": "A question. " + FILLER * 16}], "max_tokens": 500,
+                "ignore_eos": True, "temperature": 0}
+    with running(tmp_path, two, config(tmp_path)) as wrapper:
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions", question, timeout=600)
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 500, raw[:300]
+        assert wrapper.stop() == 0
+    with running(tmp_path, two, config(tmp_path)) as wrapper:
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions", {**question, "max_tokens": 4},
+                              timeout=600)
+        assert status == 200, raw[:300]
+        again = json.loads(raw)
+        prompt = again["usage"]["prompt_tokens"]
+        assert prompt >= 280 and again["timings"]["cache_n"] >= 0.9 * prompt, again["timings"]
+
+
+def test_a_growth_after_a_cache_restore_brings_back_what_the_slot_held(tmp_path: Path, server_bin: str,
+                                                                       demo_path: str) -> None:
+    """A conversation back from the cache counted as unchanged since the last save, so the growth's save skipped
+    it and the new server got the slot's older saved state (as-given holds 2k tokens, the request needs more)."""
+    budget = plan(read_shape(demo_path), Settings(n_ctx=2048)).total() + MiB
+    grows = config(tmp_path) + f"degrade: {{budget: {budget}}}\n"
+    one = [server_bin, "-m", demo_path, "-np", "1"]
+    text = "Chapter one. " + FILLER * 30  # ~600 tokens
+    with running(tmp_path, one, grows) as wrapper:
+        text += complete(wrapper.url, text)["content"]
+        assert wrapper.stop() == 0  # the slot's state is kept: ~600 tokens
+    with running(tmp_path, one, grows) as wrapper:
+        text += " Chapter two. " + FILLER * 45  # ~1.5k tokens
+        longer = complete(wrapper.url, text)
+        held = longer["tokens_evaluated"] + longer["tokens_predicted"] - 1
+        text += longer["content"]
+        complete(wrapper.url, "Another conversation. " + FILLER * 20)  # the long one leaves: into the cache
+        grown = complete(wrapper.url, text + " Chapter three. " + FILLER * 45)  # back from the cache, overflows
+        assert wrapper.status()["degrade"]["rung"] != "as-given"
+        assert grown["timings"]["cache_n"] >= 0.95 * held, (grown["timings"], held)
+
+
+def complete(url: str, prompt: str) -> dict[str, Any]:
+    status, _, raw = http("POST", f"{url}/completion", {"prompt": prompt, "n_predict": 4, "temperature": 0},
+                          timeout=600)
+    assert status == 200, raw[:300]
+    answer: dict[str, Any] = json.loads(raw)
+    return answer

@@ -57,18 +57,25 @@ def model_dir(slots_dir: Path) -> Path:
     return folders[0]
 
 
+def sidecar_file(folder: Path, slot: int = 0) -> Path:
+    """The sidecar of the entry this host's note says slot `slot` held."""
+    (saved,) = [saved for saved in slotdir.saved_slots(folder) if saved.slot == slot]
+    assert saved.key is not None and saved.sidecar.exists(), saved
+    return saved.sidecar
+
+
 def kv_file(folder: Path, slot: int = 0) -> Path:
-    """The KV file slot `slot`'s sidecar names."""
-    return folder / str(json.loads((folder / f"slot{slot}.json").read_text())["file"])
+    """The KV file of the entry slot `slot` held."""
+    return folder / str(json.loads(sidecar_file(folder, slot).read_text())["file"])
 
 
 def reseal(folder: Path, slot: int = 0) -> None:
     """Make the sidecar describe the KV file as it is now: a file the server itself wrote that way."""
-    sidecar_file = folder / f"slot{slot}.json"
-    sidecar = json.loads(sidecar_file.read_text())
-    path = folder / sidecar["file"]
-    sidecar.update(bytes=path.stat().st_size, fingerprint=fingerprint(str(path)))
-    sidecar_file.write_text(json.dumps(sidecar))
+    path = sidecar_file(folder, slot)
+    sidecar = json.loads(path.read_text())
+    kv = folder / sidecar["file"]
+    sidecar.update(bytes=kv.stat().st_size, fingerprint=fingerprint(str(kv)))
+    path.write_text(json.dumps(sidecar))
 
 
 def restore_report(wrapper: Wrapper) -> list[dict[str, Any]]:
@@ -90,7 +97,7 @@ def test_next_turn_after_a_restart_comes_from_the_cache(
         history = turn["tokens_evaluated"] + turn["tokens_predicted"]
         assert wrapper.stop() == 0
     folder = model_dir(slots_dir)
-    sidecar = json.loads((folder / "slot0.json").read_text())
+    sidecar = json.loads(sidecar_file(folder).read_text())
     assert sidecar["tokens"] >= turn["tokens_evaluated"] and sidecar["bytes"] == kv_file(folder).stat().st_size
     assert sidecar["swa_full"] is (model == "gemma") and sidecar["kv_streams"] == 1
 
@@ -217,7 +224,7 @@ def test_file_of_another_model_is_skipped(
     other = save_one(tmp_path, [server_bin, "-m", other_tiny_path, "-c", "2048", "-np", "1"], tmp_path / "other")
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     ours = save_one(tmp_path, argv, slots_dir)
-    for path in (other / "slot0.json", kv_file(other)):
+    for path in (*other.glob("held-*.json"), sidecar_file(other), kv_file(other)):  # its note names its state
         shutil.copy(path, ours / path.name)
     assert skipped_reason(tmp_path, argv, slots_dir).startswith("other model: saved for tiny-llama-3")
 
@@ -252,7 +259,7 @@ def test_swa_model_without_swa_full_is_skipped(tmp_path: Path, slots_dir: Path, 
                                                gemma_path: str) -> None:
     argv = [server_bin, "-m", gemma_path, "-c", "2048", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir, words=100)
-    sidecar = json.loads((folder / "slot0.json").read_text())
+    sidecar = json.loads(sidecar_file(folder).read_text())
     assert sidecar["swa_full"] is True
     reason = skipped_reason(tmp_path, argv, slots_dir, swa_full="never")
     assert reason.startswith("sliding-window model without --swa-full")
@@ -262,7 +269,7 @@ def test_an_empty_slot_never_overwrites_a_good_file(tmp_path: Path, slots_dir: P
                                                     tiny_path: str) -> None:
     argv = [server_bin, "-m", tiny_path, "-c", "2048", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir)
-    names = ["slot0.json", kv_file(folder).name]
+    names = [*(p.name for p in folder.glob("held-*.json")), sidecar_file(folder).name, kv_file(folder).name]
     before = {name: (folder / name).read_bytes() for name in names}
     with running(tmp_path, argv, SAVE_ONLY.format(dir=slots_dir)) as wrapper:  # no restore: the slot stays empty
         assert wrapper.stop() == 0
@@ -294,4 +301,4 @@ def test_persistence_works_behind_an_api_key(tmp_path: Path, slots_dir: Path, se
         status, _, _ = http("POST", f"{wrapper.url}/completion", body, headers={"Authorization": "Bearer sesame"})
         assert status == 200
         assert wrapper.stop() == 0
-    assert json.loads((model_dir(slots_dir) / "slot0.json").read_text())["tokens"] > 0
+    assert json.loads(sidecar_file(model_dir(slots_dir)).read_text())["tokens"] > 0

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from hooks import slotdir
 from tests.helpers import Wrapper, http, pid_alive, running, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,
@@ -146,7 +147,8 @@ hooks:
         saves = json.loads(raw)["on_will_stop"]
         assert saves[0]["action"] == "slots.save" and saves[0]["detail"].startswith("saved 1 slot(s)")
         folder = next((tmp_path / "slots").iterdir())
-        assert json.loads((folder / "slot0.json").read_text())["tokens"] > 300
+        (saved,) = slotdir.saved_slots(folder)
+        assert json.loads(saved.sidecar.read_text())["tokens"] > 300
         began = time.monotonic()
         assert wrapper.stop() == 0
         assert time.monotonic() - began < 1.0

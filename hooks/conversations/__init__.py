@@ -1,0 +1,24 @@
+"""The conversation cache: every conversation comes back, not only the last one of each slot.
+
+Before each completion request (hooks/conversations/step.py) the wrapper learns the request's tokens, chooses
+its slot and pins it there; what leaves that slot is saved into the store first (hooks/store.py), and the
+cached conversation sharing the longest prefix with the request is restored there when that pays
+(hooks/conversations/policy.py: the rule, with the rates of hooks/conversations/rates.py). Each decision is
+logged with both predictions (`conversations.decision`); hooks/conversations/report.py says what it holds.
+"""
+
+from __future__ import annotations
+
+from hooks.conversations.report import metrics, observer, status
+from hooks.conversations.state import FAMILY
+from hooks.conversations.step import PATHS, before
+from hooks.slots import FAMILY as SLOTS_FAMILY
+from hooks.slots import SLOTS
+from wrapper.config import Config
+
+__all__ = ["FAMILY", "PATHS", "before", "in_use", "metrics", "observer", "status"]
+
+
+def in_use(config: Config) -> bool:
+    """With the slot built-ins (they make the slot folder), unless `slots.cache: false`."""
+    return config.uses(SLOTS_FAMILY) and SLOTS.of(config).cache

@@ -1,0 +1,82 @@
+"""The conversation cache's two choices, as pure functions: which slot a request goes to, and whether the
+cached conversation sharing the longest prefix with it is restored there or llama-server prefills."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hooks.conversations.rates import Rates
+from hooks.store import common_prefix
+
+ASSUMED_RESTORE_BPS = 1e9  # until a restore is measured
+ASSUMED_CONVERT_BPS = 2e8  # until a conversion is measured
+
+
+def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int],
+                last_used: Mapping[int, float], min_tokens: int) -> int:
+    """The slot sharing the longest prefix with the request, whatever share of what it holds that is
+    (llama-server reuses any common prefix: a regenerate shares its question, not the answer that followed),
+    as long as the prefix is more than a chat template's first tokens: at least `min_tokens`, or half of what
+    the slot holds. Else an empty slot, else the one whose conversation is cheapest to move out (the
+    shortest, then the least recently used)."""
+    shared = {s: common_prefix(held.get(s, []), tokens) for s in free}
+    continuing = [s for s in free if shared[s] and (shared[s] >= min_tokens or 2 * shared[s] >= len(held.get(s, [])))]
+    if continuing:
+        return max(continuing, key=lambda s: shared[s])
+    return min(free, key=lambda s: (len(held.get(s, [])), last_used.get(s, 0.0)))
+
+
+@dataclass(frozen=True)
+class Rule:
+    min_tokens: int  # slots.min_tokens: a restore must win this many tokens
+    margin: float  # slots.restore_margin
+    restore_bps: int | None = None  # slots.restore_rate, when given (a slow disk)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The cached entry sharing the longest prefix with a request, and what bringing it back costs."""
+
+    shared: int  # tokens it shares with the request
+    in_slot: int  # tokens the chosen slot shares with the request already
+    bytes: int
+    convert: bool = False  # made for other cache types: converted before it is restored
+    fetch_s: float = 0.0  # predicted time before it is on local disk (a remote tier)
+
+
+@dataclass(frozen=True)
+class Decision:
+    restore: bool
+    why: str
+    miss: str | None  # how a prefill is counted among the misses; None for a restore
+    gain: int = 0
+    restore_s: float | None = None  # predicted: the fetch, the conversion, reading its bytes
+    prefill_s: float | None = None  # predicted for the tokens it wins; None until a prefill rate is measured
+
+
+def decide(candidate: Candidate | None, rates: Rates, rule: Rule) -> Decision:
+    """Restore when the entry wins at least `rule.min_tokens` over what the slot holds and its predicted
+    restore time times `rule.margin` is below the predicted prefill of what it wins.
+
+    No rates yet: until a prefill has been measured on this machine for this model, a restore that wins at
+    least `min_tokens` is done. A restore's cost is bounded by its bytes, a prefill's is unknown, and the
+    first answer measures the prefill rate. Unmeasured restore and conversion rates are assumed
+    (ASSUMED_RESTORE_BPS, ASSUMED_CONVERT_BPS) and a given `slots.restore_rate` replaces the measured one."""
+    if candidate is None or candidate.shared == 0:
+        return Decision(False, "not cached", "not cached")
+    gain = candidate.shared - candidate.in_slot
+    if gain <= 0:
+        return Decision(False, "the slot holds as much", "the slot holds as much")
+    restore_bps = rule.restore_bps or rates.restore_bps or ASSUMED_RESTORE_BPS
+    convert_s = candidate.bytes / (rates.convert_bps or ASSUMED_CONVERT_BPS) if candidate.convert else 0.0
+    restore_s = candidate.fetch_s + convert_s + candidate.bytes / restore_bps
+    prefill_s = gain / rates.prefill_tps if rates.prefill_tps else None
+    if gain < rule.min_tokens:
+        return Decision(False, f"only {gain} tokens to win (slots.min_tokens {rule.min_tokens})", "too little to win",
+                        gain, restore_s, prefill_s)
+    if prefill_s is None:
+        return Decision(True, f"wins {gain} tokens (no prefill rate measured yet)", None, gain, restore_s, None)
+    if restore_s * rule.margin < prefill_s:
+        return Decision(True, f"wins {gain} tokens", None, gain, restore_s, prefill_s)
+    return Decision(False, "a prefill is quicker", "a prefill is quicker", gain, restore_s, prefill_s)

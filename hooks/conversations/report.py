@@ -1,0 +1,67 @@
+"""What the conversation cache reports (status, /metrics) and learns from proxied answers (the prefill rate,
+requests the server put in a slot of its own choosing)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hooks.conversations.state import enabled, state
+from hooks.slotbook import book_of
+from hooks.slotio import store_of
+from hooks.slots import SLOTS
+from wrapper.generation import Generation
+from wrapper.metrics import METRICS
+from wrapper.proxy import Observer
+
+OTHER_SLOT_USERS = ("/infill", "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
+                    "/v1/rerank", "/v1/reranking")
+_PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
+_PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
+
+
+def observer(generation: Generation) -> Observer | None:
+    if not enabled(generation):
+        return None
+    kept = state(generation).rates_of(generation)
+
+    def seen(path: str, status: int, tail: bytes) -> None:
+        if path in OTHER_SLOT_USERS:
+            book_of(generation).forgotten()  # it ran in some slot the wrapper did not choose
+        if status != 200:
+            return
+        tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)
+        if tokens and ms:
+            kept.rates.learn_prefill(int(tokens[-1]), float(ms[-1]) / 1000)
+            kept.save(soon=True)
+
+    return seen
+
+
+def metrics(generation: Generation) -> None:
+    store = store_of(generation)
+    if enabled(generation) and store is not None:
+        entries = store.entries()
+        METRICS.conv_entries.set(len(entries))
+        METRICS.conv_bytes.set(sum(e.bytes for e in entries))
+
+
+def status(generation: Generation) -> dict[str, Any]:
+    store = store_of(generation)
+    if not enabled(generation) or store is None:
+        return {"on": False}
+    conv = state(generation)
+    rates = conv.rates_of(generation).rates
+    entries = sorted(store.entries(), key=lambda e: e.last_used, reverse=True)
+    total = sum(e.bytes for e in entries)
+    METRICS.conv_entries.set(len(entries))
+    METRICS.conv_bytes.set(total)
+    return {
+        "on": True, "entries": [{**e.as_dict(), "hits": conv.hits_by_entry.get(e.key, 0)} for e in entries[:50]],
+        "count": len(entries), "bytes": total,
+        "budget": SLOTS.of(generation.config).cache_budget,
+        "rates": {"prefill_tokens_per_s": rates.prefill_tps, "restore_bytes_per_s": rates.restore_bps,
+                  "convert_bytes_per_s": rates.convert_bps},
+        "hits": conv.hits, "misses": dict(conv.misses), "decisions": list(conv.decisions),
+        "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
+    }

@@ -1,0 +1,58 @@
+"""The conversation cache's state for the wrapper's life (it outlives generations: a reload keeps it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from hooks.conversations.rates import KeptRates
+from hooks.slotio import store_of
+from hooks.slots import SLOTS
+from wrapper.generation import Generation
+from wrapper.metrics import METRICS
+
+FAMILY = "conversations"
+
+
+@dataclass
+class Conversations:
+    kept: KeptRates | None = None  # loaded at the first use (the model id is known then)
+    busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
+    last_used: dict[int, float] = field(default_factory=dict)
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
+    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
+    written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
+    hits: int = 0
+    hits_by_entry: dict[str, int] = field(default_factory=dict)
+    misses: dict[str, int] = field(default_factory=dict)
+
+    def rates_of(self, generation: Generation) -> KeptRates:
+        if self.kept is None:
+            self.kept = KeptRates(generation.launch.model.id)
+        return self.kept
+
+    def bytes_written(self, within: float | None = None) -> int:
+        since = time.time() - within if within is not None else 0.0
+        return sum(n for at, n in self.written if at >= since)
+
+    def miss(self, reason: str) -> None:
+        self.misses[reason] = self.misses.get(reason, 0) + 1
+        METRICS.conv_lookups.labels(result="miss", reason=reason).inc()
+
+    def hit(self, key: str) -> None:
+        self.hits += 1
+        self.hits_by_entry[key] = self.hits_by_entry.get(key, 0) + 1
+        METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
+
+
+def state(generation: Generation) -> Conversations:
+    found = generation.shared.setdefault(FAMILY, Conversations())
+    assert isinstance(found, Conversations)
+    return found
+
+
+def enabled(generation: Generation) -> bool:
+    return SLOTS.of(generation.config).cache and store_of(generation) is not None

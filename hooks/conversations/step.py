@@ -1,0 +1,214 @@
+"""The step before each completion request: learn its tokens, choose its slot and pin it there (`id_slot`),
+save what leaves that slot, and bring back the cached conversation it continues when that pays."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import structlog
+
+from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
+from hooks.conversations.state import Conversations, enabled, state
+from hooks.slotbook import book_of
+from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
+from hooks.slots import SLOTS
+from hooks.store import Entry, Store, common_prefix
+from wrapper.generation import Generation, Host, ServerLost
+from wrapper.llama import LlamaError
+from wrapper.metrics import METRICS
+from wrapper.steps import Outgoing
+
+log = structlog.get_logger()
+
+CHAT = ("/chat/completions", "/v1/chat/completions")
+PATHS = ("/completion", "/completions", "/v1/completions", *CHAT)
+WAIT_FOR_SLOT_S = 600.0
+
+
+async def before(host: Host, out: Outgoing) -> Outgoing:
+    generation = host.current
+    store = store_of(generation)
+    if not enabled(generation) or store is None or out.payload is None:
+        return out
+    book = book_of(generation)
+    try:
+        tokens = await _tokens(generation, out)
+    except (LlamaError, ValueError, TypeError) as exc:
+        log.debug("conversations.no_tokens", path=out.path, error=str(exc))
+        book.forgotten()
+        return out  # the server tokenizes it its own way; this request is not pinned
+    book.exact = True  # every completion is pinned (or makes the book forget): it says what the slots hold
+    conv = state(generation)
+    if not book.total:
+        with contextlib.suppress(LlamaError):
+            book.total = int((await generation.client.props()).get("total_slots") or 1)
+    asked = out.payload.get("id_slot")
+    if isinstance(asked, int) and asked >= max(1, book.total):
+        return out  # a slot the server does not have: it answers that itself
+    slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
+    if slot is None:
+        return out
+    out.after.append(lambda status: _release(host, generation, conv, slot, tokens, status))
+    try:
+        await _make_room(generation, conv, store, slot, tokens)
+        await _bring_back(generation, conv, store, slot, tokens)
+    except ServerLost as exc:  # the entry is set aside; the dead server is the supervisor's to notice
+        log.error("conversations.server_lost", slot=slot, error=str(exc))
+        book.forgotten()
+        return out
+    except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
+        log.exception("conversations.internal_error", slot=slot)
+    out.payload["id_slot"] = slot
+    out.body = json.dumps(out.payload).encode()
+    return out
+
+
+async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
+    payload = out.payload
+    assert payload is not None
+    client = generation.client
+    if out.path in CHAT:
+        template = await client.call("POST", "/apply-template", payload)
+        text = template["prompt"]
+    else:
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt that is not one string")
+        text = prompt
+    tokenized = await client.call("POST", "/tokenize", {"content": text, "add_special": True,
+                                                        "parse_special": True})
+    return [int(t) for t in tokenized["tokens"]]
+
+
+async def _reserve(generation: Generation, conv: Conversations, tokens: list[int], asked: int | None) -> int | None:
+    """The slot for this request, reserved until it is answered; waits while every slot serves one of ours (the
+    server would queue it the same way, and then put it in a slot whose conversation nobody saved)."""
+    book = book_of(generation)
+    deadline = time.monotonic() + WAIT_FOR_SLOT_S
+    while True:
+        free = [s for s in range(max(1, book.total)) if s not in conv.busy and (asked is None or s == asked)]
+        if free:
+            break
+        if time.monotonic() > deadline:
+            return None
+        conv.freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
+    slot = choose_slot(free, book.known(), tokens, conv.last_used, SLOTS.of(generation.config).min_tokens)
+    conv.busy.add(slot)
+    return slot
+
+
+def _release(host: Host, first: Generation, conv: Conversations, slot: int, tokens: list[int],
+             status: int | None) -> None:
+    """The request is answered (or cut). It ran on the generation it began on, and on the current one when a
+    growth's reload sent it again there: the slot of each holds something new."""
+    conv.busy.discard(slot)
+    conv.last_used[slot] = time.monotonic()
+    for generation in {id(g): g for g in (first, host.current)}.values():
+        book_of(generation).served(slot, tokens if status is not None and status < 400 else None)
+    conv.freed.set()
+
+
+# -- a conversation leaves its slot ---------------------------------------------------------------------------
+
+
+async def _make_room(generation: Generation, conv: Conversations, store: Store, slot: int,
+                     tokens: list[int]) -> None:
+    book = book_of(generation)
+    settings = SLOTS.of(generation.config)
+    held = book.holds(slot)
+    if len(held) < settings.min_tokens:
+        return  # too short to keep
+    if len(held) - common_prefix(held, tokens) < settings.min_tokens:
+        return  # this request goes on with it (what it drops is too little to keep): it does not leave
+    if (key := book.entry_of(slot)) is not None and store.get(key) is not None:
+        return  # unchanged since it was saved or restored: the store holds it
+    await save_slot(generation, conv, store, slot, "it leaves its slot")
+
+
+async def save_slot(generation: Generation, conv: Conversations, store: Store, slot: int, why: str) -> Entry | None:
+    """Save what a slot holds into the cache (unless it is there already); None when nothing was written."""
+    settings = SLOTS.of(generation.config)
+    store.sweep()
+    if store.free_bytes() < settings.cache_min_free:
+        _skip(slot, f"less than slots.cache_min_free ({settings.cache_min_free >> 20} MiB) is free on disk")
+        return None
+    try:
+        saved = await save_into(generation, store, slot, settings.min_tokens,
+                                min(settings.cache_entry_max, settings.cache_budget))
+    except NotSaved as exc:
+        if exc.failed:
+            log.warning("conversations.save_failed", slot=slot, error=exc.reason)
+        else:
+            _skip(slot, exc.reason)
+        return None
+    if saved is None or not saved.new:
+        return None
+    entry = saved.entry
+    conv.written.append((time.time(), entry.bytes))
+    METRICS.conv_bytes_written.inc(entry.bytes)
+    evicted = store.evict(settings.cache_budget, keep={entry.key})
+    log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
+             ms=saved.total_ms, evicted=[e.key for e in evicted])
+    return entry
+
+
+def _skip(slot: int, reason: str) -> None:
+    log.warning("conversations.save_skipped", slot=slot, reason=reason)
+
+
+# -- a conversation comes back --------------------------------------------------------------------------------
+
+
+async def _bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
+                      tokens: list[int]) -> None:
+    settings = SLOTS.of(generation.config)
+    entry, shared = store.best(tokens)
+    in_slot = common_prefix(book_of(generation).holds(slot), tokens)
+    candidate = None
+    if entry is not None:
+        server = await server_settings_of(generation)
+        convert = (entry.record.get("cache_type_k"), entry.record.get("cache_type_v")) != \
+            (server["cache_type_k"], server["cache_type_v"])
+        candidate = Candidate(shared, in_slot, entry.bytes, convert, store.fetch_seconds(entry))
+    kept = conv.rates_of(generation)
+    decision = decide(candidate, kept.rates, Rule(settings.min_tokens, settings.restore_margin, settings.restore_rate))
+    if entry is not None and decision.gain > 0:
+        record = {"slot": slot, "entry": entry.key, "entry_tokens": entry.n_tokens, "shared": shared,
+                  "in_slot": in_slot, "choice": "restore" if decision.restore else "prefill", "why": decision.why,
+                  "predicted_restore_s": _round(decision.restore_s), "predicted_prefill_s": _round(decision.prefill_s)}
+        conv.decisions.append({"at": time.time(), **record})
+        log.info("conversations.decision", **record)
+    if not decision.restore or entry is None:
+        conv.miss(decision.miss or "not cached")
+        return
+    try:
+        done = await restore_into(generation, store, entry, slot)
+    except NotRestored as exc:
+        conv.miss("the server refused it" if exc.failed else "not usable")
+        log.info("conversations.entry_skipped", entry=entry.key, reason=exc.reason, removed=exc.damaged)
+        if exc.damaged:
+            store.remove(entry)
+        return
+    except ServerLost:
+        conv.miss("the server died restoring it")
+        raise
+    if isinstance(done.conversion, dict):
+        kept.rates.learn_convert(entry.bytes, done.conversion["ms"] / 1000)
+        log.info("conversations.converted", entry=entry.key, ms=done.conversion["ms"], to=done.conversion["to"])
+    kept.rates.learn_restore(done.entry.bytes, done.total_ms / 1000)
+    kept.save()
+    store.touch(done.entry)
+    conv.hit(done.entry.key)
+    log.info("conversations.restored", slot=slot, entry=done.entry.key, tokens=done.n_restored,
+             bytes=done.entry.bytes, ms=done.total_ms)
+
+
+def _round(seconds: float | None) -> float | None:
+    return round(seconds, 3) if seconds is not None else None

@@ -1,0 +1,239 @@
+"""A slot saved into the store, an entry restored into a slot: one way each, used at a start, a stop, a reload
+and before a request, so that each fails the same way wherever it runs. A server that dies under a restore is
+noticed there: the entry is set aside (it would kill the next start too) and ServerLost is raised."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from hooks import kvconvert, slotfile
+from hooks.compat import WARMABLE, Mismatch, server_settings, skip_reason
+from hooks.convstore import DirectoryStore
+from hooks.slotbook import book_of
+from hooks.store import Entry, Store, Unreadable
+from wrapper.generation import Generation, ServerLost
+from wrapper.llama import LlamaError
+from wrapper.progress import PROGRESS
+
+log = structlog.get_logger()
+
+FOLDER = "slots"  # the slot built-ins' key in a launch's `fitted`: the model's slot folder (hooks/fitting.py)
+_LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
+_DERIVED = ("format", "slot", "key", "tokens", "file", "bytes", "fingerprint")  # a commit writes these anew
+_LAYOUT = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams", "total_slots",
+           "n_ctx", "attn_rot_disable", "build")
+
+
+def store_of(generation: Generation) -> Store | None:
+    """The store of the generation's slot folder (one per folder for the wrapper's life: listings are kept)."""
+    directory = generation.launch.fitted.get(FOLDER)
+    if not isinstance(directory, Path):
+        return None
+    stores = generation.shared.setdefault("slots.stores", {})
+    assert isinstance(stores, dict)
+    if directory not in stores:
+        stores[directory] = DirectoryStore(directory)
+    store = stores[directory]
+    assert isinstance(store, DirectoryStore)
+    return store
+
+
+async def server_settings_of(generation: Generation) -> dict[str, Any]:
+    """The running server's settings that decide a state file's layout (asked once per generation)."""
+    found = generation.state.get("slots.server")
+    if not isinstance(found, dict):
+        props = await generation.client.props()
+        found = server_settings(generation.launch.argv, generation.launch.env, props, generation.launch.facts)
+        generation.state["slots.server"] = found
+    return found
+
+
+def record_for(settings: dict[str, Any], header: slotfile.SlotFile, generation: Generation) -> dict[str, Any]:
+    """What an entry's sidecar says of the state beside its tokens: the model and the KV layout it needs."""
+    return {"model": generation.launch.model.as_dict(), "state_version": header.version,
+            **{k: settings[k] for k in _LAYOUT}, "saved_at": time.time()}
+
+
+# -- save ---------------------------------------------------------------------------------------------------
+
+
+class NotSaved(Exception):
+    """Why a slot's state was not kept; `failed`: an error, not a choice."""
+
+    def __init__(self, reason: str, failed: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.failed = reason, failed
+
+
+@dataclass(frozen=True)
+class Saved:
+    entry: Entry
+    new: bool  # False: the store held that state already, nothing was written
+    server_ms: float | None
+    total_ms: float
+
+
+async def save_into(generation: Generation, store: Store, slot: int, min_tokens: int = 1,
+                    max_bytes: int | None = None) -> Saved | None:
+    """What the slot holds, as an entry of the store; None when it holds fewer than `min_tokens`."""
+    book = book_of(generation)
+    began = time.monotonic()
+    with store.part(f"slot{slot}") as part:
+        try:
+            answer = await generation.client.slot_action(slot, "save", part.name)
+            if int(answer.get("n_saved", 0)) < max(1, min_tokens):
+                return None
+            header = slotfile.read(part)  # a file we cannot read back never becomes an entry
+            book.state_version = header.version
+            server_ms = (answer.get("timings") or {}).get("save_ms")
+            if (known := store.find(header.tokens)) is not None:
+                store.touch(known)
+                book.saved(slot, header.tokens, known.key)
+                return Saved(known, False, server_ms, _ms(began))
+            if max_bytes is not None and header.bytes > max_bytes:
+                raise NotSaved(f"{header.bytes >> 20} MiB is more than slots.cache_entry_max or slots.cache_budget")
+            record = {**record_for(await server_settings_of(generation), header, generation), "save_ms": server_ms}
+            entry = store.commit(part, header.tokens, record)
+        except (LlamaError, slotfile.SlotFileError, Unreadable, OSError) as exc:
+            raise NotSaved(f"save failed: {exc}", failed=True) from exc
+    book.saved(slot, header.tokens, entry.key)
+    return Saved(entry, True, server_ms, _ms(began))
+
+
+# -- restore ------------------------------------------------------------------------------------------------
+
+
+class NotRestored(Exception):
+    """Why an entry was not restored: `failed` when the server refused it, `warmable` when a prefill of its
+    tokens makes up for it (another layout of the same model and tokens)."""
+
+    def __init__(self, reason: str, failed: bool = False, kind: Mismatch | None = None,
+                 header: slotfile.SlotFile | None = None, conversion: Any = None, damaged: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.failed, self.kind, self.header, self.conversion = reason, failed, kind, header, conversion
+        self.damaged = damaged  # unreadable or not what its sidecar says: of no use to any server
+
+    @property
+    def warmable(self) -> bool:
+        return self.kind in WARMABLE
+
+
+@dataclass(frozen=True)
+class Restored:
+    entry: Entry  # what was restored (a converted entry when the cache types differed)
+    header: slotfile.SlotFile
+    n_restored: int
+    server_ms: float | None
+    total_ms: float
+    conversion: dict[str, Any] | None
+
+
+async def restore_into(generation: Generation, store: Store, entry: Entry, slot: int) -> Restored:
+    """Check the entry against the running server, convert it when only the cache types differ, restore it.
+    NotRestored with the reason otherwise; ServerLost (the entry set aside) when the server died under it."""
+    book = book_of(generation)
+    settings = await server_settings_of(generation)
+    try:
+        path = store.local(entry)
+        header = slotfile.read(path)
+    except Unreadable as exc:
+        raise NotRestored(str(exc), damaged=True) from exc
+    except slotfile.SlotFileError as exc:
+        raise NotRestored(f"unreadable file: {exc}", damaged=True) from exc
+    model = generation.launch.model.id
+    skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
+    conversion: Any = None
+    if skip is not None and skip.kind is Mismatch.CACHE_TYPES:  # the same tokens in other types: convert them
+        try:
+            entry, header, path, conversion = await _converted(generation, store, entry, path, settings)
+            skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
+        except (kvconvert.NotConvertible, slotfile.SlotFileError, Unreadable, OSError) as exc:
+            conversion = f"not converted: {exc}"
+            log.info("slots.not_converted", slot=slot, entry=entry.key, reason=str(exc))
+    if skip is not None:
+        raise NotRestored(skip.reason, kind=skip.kind, header=header, conversion=conversion)
+    mark = generation.child.lines_seen if generation.child else 0
+    began = time.monotonic()
+    try:
+        answer = await generation.client.slot_action(slot, "restore", path.name)
+    except LlamaError as exc:
+        said = await _server_says(generation, mark)
+        if exc.status is None and await _died(generation):  # no answer at all: did it die?
+            reason = f"llama-server died restoring it: {exc}{said}"
+            where = store.set_aside(entry, reason)
+            log.error("slots.set_aside", slot=slot, entry=entry.key, file=entry.name, to=where, reason=reason)
+            raise ServerLost(f"llama-server died restoring slot {slot} from {entry.name}; the file was set aside "
+                             f"in {where}") from exc
+        raise NotRestored(f"the server refused it: {exc}{said}", failed=True, header=header) from exc
+    book.restored(slot, header.tokens, entry.key if entry.by_content else None)
+    return Restored(entry, header, int(answer.get("n_restored", header.n_tokens)),
+                    (answer.get("timings") or {}).get("restore_ms"), _ms(began), conversion)
+
+
+async def _converted(generation: Generation, store: Store, entry: Entry, source: Path, settings: dict[str, Any]
+                     ) -> tuple[Entry, slotfile.SlotFile, Path, dict[str, Any]]:
+    """The entry rewritten into the server's cache types and rotation, committed in its place (the rewrite in a
+    thread: the wrapper goes on answering; the commit here: the store is the event loop's)."""
+    was = f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"
+    now = f"{settings['cache_type_k']}/{settings['cache_type_v']}"
+    with store.part("converted") as part:
+        done = await asyncio.to_thread(convert_for, generation, source, part, settings)
+        header = slotfile.read(part)
+        record = {**{k: v for k, v in entry.record.items() if k not in _DERIVED},
+                  "cache_type_k": settings["cache_type_k"], "cache_type_v": settings["cache_type_v"],
+                  "attn_rot_disable": bool(settings["attn_rot_disable"]), "converted_from": was}
+        fresh = store.commit(part, header.tokens, record)
+    if not entry.by_content:
+        store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens now
+    conversion = {"from": was, "to": now, "ms": round(done.seconds * 1000, 1), "mb_per_s": round(done.mb_per_s, 1)}
+    log.info("slots.converted", entry=fresh.key, **conversion)
+    return fresh, header, store.local(fresh), conversion
+
+
+def convert_for(generation: Generation, source: Path, target: Path, settings: dict[str, Any]
+                ) -> kvconvert.Conversion:
+    """Rewrite a state file into the running server's cache types and rotation (NotConvertible if it cannot)."""
+    disabled = bool(settings["attn_rot_disable"])
+    facts = generation.launch.facts
+    rot_k = kvconvert.target_rotation(settings["cache_type_k"], facts.get("head_dim_k"), True, disabled)
+    rot_v = kvconvert.target_rotation(settings["cache_type_v"], facts.get("head_dim_v"), False, disabled)
+    return kvconvert.convert(source, target, settings["cache_type_k"], settings["cache_type_v"], rot_k, rot_v,
+                             lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"))
+
+
+def _ms(began: float) -> float:
+    return round((time.monotonic() - began) * 1000, 1)
+
+
+async def _died(generation: Generation, within: float = 2.0) -> bool:
+    """Whether llama-server is gone (a failed request may come just before its exit is seen)."""
+    child = generation.child
+    if child is None:
+        return False
+    for _ in range(int(within / 0.05)):  # its exit is seen by polling: the child has no event for it here
+        if not child.alive:
+            return True
+        await asyncio.sleep(0.05)
+    return not child.alive
+
+
+async def _server_says(generation: Generation, mark: int) -> str:
+    """The real cause of a failed restore is only in the server's log: wait briefly for it and quote it."""
+    child = generation.child
+    if child is None:
+        return ""
+    deadline = time.monotonic() + 0.2
+    while True:
+        lines = [line for line in child.lines_since(mark) if _LOG_HINT.search(line)]
+        if lines:
+            return " (server log: " + " | ".join(line.strip() for line in lines[-2:]) + ")"
+        if time.monotonic() > deadline:
+            return ""
+        await asyncio.sleep(0.01)

@@ -1,0 +1,66 @@
+"""The conversation cache's rule, alone: which slot a request goes to, and restore or prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+from hooks.conversations.policy import ASSUMED_RESTORE_BPS, Candidate, Rule, choose_slot, decide
+from hooks.conversations.rates import Rates
+
+RULE = Rule(min_tokens=256, margin=1.2)
+MEASURED = Rates(prefill_tps=2000.0, restore_bps=2e9, convert_bps=2e8)
+MB = 1_000_000
+
+
+@pytest.mark.parametrize(("case", "candidate", "rates", "rule", "restore", "why"), [
+    ("no rates yet", Candidate(3000, 0, 300 * MB), Rates(), RULE, True,
+     "wins 3000 tokens (no prefill rate measured yet)"),
+    ("no rates yet, too little to win", Candidate(200, 0, 1 * MB), Rates(), RULE, False,
+     "only 200 tokens to win (slots.min_tokens 256)"),
+    ("a tiny gain over what the slot holds", Candidate(3000, 2900, 300 * MB), MEASURED, RULE, False,
+     "only 100 tokens to win (slots.min_tokens 256)"),
+    ("a quick restore", Candidate(3000, 0, 300 * MB), MEASURED, RULE, True, "wins 3000 tokens"),  # 0.15 s < 1.5 s
+    ("a slow restore", Candidate(3000, 0, 300 * MB), MEASURED, Rule(256, 1.2, restore_bps=100 * MB), False,
+     "a prefill is quicker"),  # 3 s against 1.5 s
+    ("a conversion to pay first", Candidate(3000, 0, 300 * MB, convert=True), MEASURED, RULE, False,
+     "a prefill is quicker"),  # 1.5 s + 0.15 s, times 1.2, against 1.5 s
+    ("a small conversion that still pays", Candidate(3000, 0, 100 * MB, convert=True), MEASURED, RULE, True,
+     "wins 3000 tokens"),
+    ("a slow remote fetch", Candidate(3000, 0, 300 * MB, fetch_s=4.0), MEASURED, RULE, False,
+     "a prefill is quicker"),
+    ("a quick remote fetch", Candidate(30000, 0, 300 * MB, fetch_s=1.0), MEASURED, RULE, True, "wins 30000 tokens"),
+    ("nothing cached", None, MEASURED, RULE, False, "not cached"),
+    ("the slot holds as much", Candidate(3000, 3000, 300 * MB), MEASURED, RULE, False, "the slot holds as much"),
+])
+def test_restore_or_prefill(case: str, candidate: Candidate | None, rates: Rates, rule: Rule, restore: bool,
+                            why: str) -> None:
+    decision = decide(candidate, rates, rule)
+    assert (decision.restore, decision.why) == (restore, why), case
+    assert (decision.miss is None) is restore  # a prefill is counted among the misses, with its reason
+
+
+def test_the_predictions_say_what_the_choice_weighed() -> None:
+    decision = decide(Candidate(3000, 1000, 300 * MB, convert=True, fetch_s=0.5), MEASURED, RULE)
+    assert decision.gain == 2000 and decision.prefill_s == pytest.approx(1.0)
+    assert decision.restore_s == pytest.approx(0.5 + 1.5 + 0.15)
+    unmeasured = decide(Candidate(3000, 0, 300 * MB), Rates(), RULE)
+    assert unmeasured.prefill_s is None and unmeasured.restore_s == pytest.approx(300 * MB / ASSUMED_RESTORE_BPS)
+
+
+Q, A = list(range(300)), list(range(1000, 1500))  # a question and the answer that followed it
+
+
+@pytest.mark.parametrize(("case", "held", "tokens", "chosen"), [
+    ("a regenerate: the question without its answer", {0: Q + A}, Q, 0),
+    ("the next turn of the conversation", {0: [9] * 40, 1: Q + A}, Q + A + [7], 1),
+    ("the longest prefix wins", {0: Q[:280], 1: Q + A}, [*Q, 5], 1),
+    ("a chat template's first tokens are not a conversation", {0: Q[:10] + A}, Q[:10] + [5] * 400, 1),
+    ("a short conversation shared by half", {0: Q[:100]}, Q[:60] + [5] * 100, 0),
+    ("else the cheapest to move out", {0: Q + A, 1: A}, [5] * 400, 1),
+])
+def test_the_slot_of_a_request(case: str, held: dict[int, list[int]], tokens: list[int], chosen: int) -> None:
+    assert choose_slot([0, 1], held, tokens, {}, 256) == chosen, case
+
+
+def test_among_empty_or_equal_slots_the_least_recently_used() -> None:
+    assert choose_slot([0, 1, 2], {0: A, 1: A, 2: A}, [5] * 400, {0: 30.0, 1: 10.0, 2: 20.0}, 256) == 1
