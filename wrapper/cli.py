@@ -27,7 +27,7 @@ EPILOG = RUN_EXAMPLES + """
 \b
 Saved slots:
   llama-wrapper slots ls
-  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/slot0-<fingerprint>.bin
+  llama-wrapper slots inspect ~/.cache/llama-wrapper/slots/<model-id>/conv-<key>-<fingerprint>.bin
 """
 
 

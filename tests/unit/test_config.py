@@ -287,7 +287,7 @@ def test_sizes(text: object, size: int) -> None:
 
 def test_help_names_the_slot_files_as_they_are() -> None:
     done = subprocess.run([sys.executable, "-m", "wrapper.cli", "--help"], capture_output=True, text=True, check=False)
-    assert done.returncode == 0 and "slot0-<fingerprint>.bin" in done.stdout and "slot0.bin" not in done.stdout
+    assert done.returncode == 0 and "conv-<key>-<fingerprint>.bin" in done.stdout and "slot0" not in done.stdout
 
 
 def test_check_reads_the_config_named_in_the_environment(tmp_path: Path) -> None:
