@@ -19,6 +19,7 @@ from hooks.degrade.settings import DEGRADE
 from hooks.fitting import fit_for_slots
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
+from wrapper.kept import Kept
 from wrapper.launch import Fitting, Launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
@@ -26,7 +27,7 @@ from wrapper.steps import Before, Growth
 
 Options = Mapping[str, Any]
 ActionFn = Callable[[Generation, Options], Awaitable[str | None]]
-Fit = Callable[[list[str], Launch, Config, dict[str, Any], Mapping[str, Any]], Fitting]
+Fit = Callable[[list[str], Launch, Config, Kept, Mapping[str, Any]], Fitting]
 
 
 def _no_options(options: Options) -> list[str]:
@@ -50,27 +51,61 @@ class Route:
     off: str = ""  # how to turn it on, for the 409 it answers while its built-in is not in use
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Builtin:
-    family: str  # actions are named `<family>.<verb>`; by default in use when a hook names one
+    """One built-in: its family and the hook points it fills, each by name (every one but `family` optional).
+
+    When each runs, written once (wrapper/extensions.py asks only the built-ins in use):
+      at load         `settings` read and checked; `actions` named by hooks checked with their `with:` options
+      in use          `in_use(config)`, else a hook names one of its actions; settled once per generation
+      before a start  `fit`: the child's argv, after the fits of the families named in `after`
+      a request       `before` steps (after those of `after`), then `observer` watches the response; `growth`
+                      when llama-server answers a context overflow
+      ready to stop   `background` runs from ready until the stop; `server_line` sees each output line
+      a reload        `hand_over` on the old generation before it stops, `take_over` on the new one before it
+                      serves, `reload_report` in the reload's answer
+      when asked      `status` in /wrapper/status, `metrics` before a scrape of /metrics, `routes` as endpoints
+    """
+
+    family: str  # actions are named `<family>.<verb>`
+    after: tuple[str, ...] = ()  # families whose fit and steps run before this one's (the only order there is)
     settings: Section[Any] | None = None  # its section of the config, declared in its own module
     actions: Mapping[str, BuiltinAction] = field(default_factory=dict)
-    in_use: Callable[[Config], bool] | None = None  # otherwise: a hook names one of its actions
-    fit: Fit | None = None  # argv changes; `asks`: what a move of a built-in asks the next fit for
-    before: tuple[Before, ...] = ()  # steps before a request is forwarded
-    growth: Growth | None = None  # when llama-server answers a context overflow
-    observer: Callable[[Generation], Observer | None] | None = None  # watches proxied responses
-    status: Callable[[Generation], dict[str, Any]] | None = None  # its part of /wrapper/status
-    metrics: Callable[[Generation], None] | None = None  # sets its gauges before a scrape of /metrics
-    hand_over: Callable[[Generation], Awaitable[str]] | None = None  # the old generation, before a reload
-    take_over: Callable[[Generation], Awaitable[str]] | None = None  # the new generation, before it serves
-    reload_report: Callable[[Generation], list[dict[str, Any]]] | None = None  # per slot, in a reload's answer
+    in_use: Callable[[Config], bool] | None = None
+    fit: Fit | None = None  # `asks`: what a move of a built-in asks the next fit for
+    before: tuple[Before, ...] = ()
+    growth: Growth | None = None
+    observer: Callable[[Generation], Observer | None] | None = None
+    status: Callable[[Generation], dict[str, Any]] | None = None
+    metrics: Callable[[Generation], None] | None = None
+    hand_over: Callable[[Generation], Awaitable[str]] | None = None
+    take_over: Callable[[Generation], Awaitable[str]] | None = None
+    reload_report: Callable[[Generation], list[dict[str, Any]]] | None = None  # per slot
     server_line: Callable[[Generation, str], bool] | None = None  # False: log the line at debug level only
-    background: Callable[[Host], Coroutine[Any, Any, None]] | None = None  # runs from ready until the stop
+    background: Callable[[Host], Coroutine[Any, Any, None]] | None = None
     routes: tuple[Route, ...] = ()
 
 
-BUILTINS: tuple[Builtin, ...] = (
+def ordered(builtins: tuple[Builtin, ...]) -> tuple[Builtin, ...]:
+    """The built-ins in the order their `after` declares; where it declares none, by family name (never by where
+    one is written). ValueError for an unknown family or a cycle."""
+    families = {b.family for b in builtins}
+    for builtin in builtins:
+        if unknown := set(builtin.after) - families:
+            raise ValueError(f"built-in {builtin.family!r} runs after unknown {', '.join(sorted(unknown))}")
+    placed: list[Builtin] = []
+    waiting = sorted(builtins, key=lambda b: b.family)
+    while waiting:
+        done = {b.family for b in placed}
+        ready = next((b for b in waiting if done.issuperset(b.after)), None)
+        if ready is None:
+            raise ValueError(f"built-ins run after each other in a cycle: {', '.join(b.family for b in waiting)}")
+        placed.append(ready)
+        waiting.remove(ready)
+    return tuple(placed)
+
+
+BUILTINS: tuple[Builtin, ...] = ordered((
     Builtin(
         family=slots.FAMILY, settings=slots.SLOTS,
         actions={"slots.save": BuiltinAction(lambda g, _: slots.save(g), doc="save every slot that holds tokens"),
@@ -82,8 +117,8 @@ BUILTINS: tuple[Builtin, ...] = (
         hand_over=slots.save_step, take_over=slots.take_over,
         reload_report=slots.restore_report,
     ),
-    Builtin(  # the conversation cache: on with the slot built-ins (its settings are `slots.cache*`)
-        family=conversations.FAMILY, in_use=conversations.in_use,
+    Builtin(  # the conversation cache: on with the slot built-ins; after them: it reads what they restored
+        family=conversations.FAMILY, after=(slots.FAMILY,), in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics,
     ),
@@ -92,8 +127,9 @@ BUILTINS: tuple[Builtin, ...] = (
         actions={"server.reload": BuiltinAction(server_reload.run, server_reload.check,
                                                 doc="reconfigure a wrapper's llama-server (POST /wrapper/reload)")},
     ),
-    Builtin(  # after slots: its fit starts from the argv the slot built-ins made fit for persistence
-        family=DEGRADE_FAMILY, settings=DEGRADE, in_use=lambda config: DEGRADE.on(config) is not None,
+    Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence
+        family=DEGRADE_FAMILY, after=(slots.FAMILY,), settings=DEGRADE,
+        in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,
         background=control.relax,
@@ -102,6 +138,6 @@ BUILTINS: tuple[Builtin, ...] = (
         routes=(Route("GET", "/wrapper/memory", report.memory_route, TURN_ON),
                 Route("POST", "/wrapper/budget", control.set_budget, TURN_ON)),
     ),
-)
+))
 ACTIONS: dict[str, BuiltinAction] = {name: action for b in BUILTINS for name, action in b.actions.items()}
 SECTIONS: tuple[Section[Any], ...] = tuple(b.settings for b in BUILTINS if b.settings is not None)

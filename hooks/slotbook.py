@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wrapper.generation import Generation
-
-_KEY = "slots.book"
+from wrapper.kept import Key
 
 
 @dataclass
@@ -62,7 +61,8 @@ class SlotBook:
         self._entry.clear()
 
 
+_KEY = Key("slots.book", SlotBook)
+
+
 def book_of(generation: Generation) -> SlotBook:
-    found = generation.state.setdefault(_KEY, SlotBook())
-    assert isinstance(found, SlotBook)
-    return found
+    return generation.state.get(_KEY)

@@ -19,6 +19,7 @@ from hooks.convstore import DirectoryStore
 from hooks.slotbook import book_of
 from hooks.store import Entry, Store, Unreadable
 from wrapper.generation import Generation, ServerLost
+from wrapper.kept import Key
 from wrapper.llama import LlamaError
 from wrapper.progress import PROGRESS
 
@@ -30,28 +31,27 @@ _DERIVED = ("format", "slot", "key", "tokens", "file", "bytes", "fingerprint")  
 _LAYOUT = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams", "total_slots",
            "n_ctx", "attn_rot_disable", "build")
 
+_STORES: Key[dict[Path, DirectoryStore]] = Key("slots.stores", dict)  # one per folder, for the wrapper's life
+_SERVER: Key[dict[str, Any]] = Key("slots.server", dict)  # the running server's layout settings
+
 
 def store_of(generation: Generation) -> Store | None:
     """The store of the generation's slot folder (one per folder for the wrapper's life: listings are kept)."""
     directory = generation.launch.fitted.get(FOLDER)
     if not isinstance(directory, Path):
         return None
-    stores = generation.shared.setdefault("slots.stores", {})
-    assert isinstance(stores, dict)
+    stores = generation.shared.get(_STORES)
     if directory not in stores:
         stores[directory] = DirectoryStore(directory)
-    store = stores[directory]
-    assert isinstance(store, DirectoryStore)
-    return store
+    return stores[directory]
 
 
 async def server_settings_of(generation: Generation) -> dict[str, Any]:
     """The running server's settings that decide a state file's layout (asked once per generation)."""
-    found = generation.state.get("slots.server")
-    if not isinstance(found, dict):
+    found = generation.state.get(_SERVER)
+    if not found:
         props = await generation.client.props()
-        found = server_settings(generation.launch.argv, generation.launch.env, props, generation.launch.facts)
-        generation.state["slots.server"] = found
+        found.update(server_settings(generation.launch.argv, generation.launch.env, props, generation.launch.facts))
     return found
 
 

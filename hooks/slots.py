@@ -22,6 +22,7 @@ from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_
 from hooks.store import Entry, Held, Store, Unreadable
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, ServerLost
+from wrapper.kept import Key
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
@@ -70,10 +71,11 @@ class SlotState:
         return self.reuse
 
 
+_STATE = Key("slots", SlotState)
+
+
 def _state(rt: Generation) -> SlotState:
-    state = rt.state.setdefault(FAMILY, SlotState())
-    assert isinstance(state, SlotState)
-    return state
+    return rt.state.get(_STATE)
 
 
 def _store(rt: Generation) -> Store:

@@ -14,6 +14,7 @@ from hooks.commands import BUILTIN_COMMANDS
 from wrapper import __version__
 from wrapper.commands import Commands
 from wrapper.config import Config
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.usage import RUN_EXAMPLES
 
@@ -56,7 +57,7 @@ def _load(path: str | None) -> Config:
     return config
 
 
-def _launch_for(config: Config, shared: dict[str, Any], asks: Mapping[str, Any]) -> Launch:
+def _launch_for(config: Config, shared: Kept, asks: Mapping[str, Any]) -> Launch:
     launch: Launch = _extensions().launch_for(config, shared, asks)
     return launch
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from wrapper.config import Config
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 
 
 @dataclass(frozen=True)
 class Commands:
     load: Callable[[str | None], Config]  # a config file (None: every default); ConfigError names each problem
-    launch_for: Callable[[Config, dict[str, Any], Mapping[str, Any]], Launch]  # config, shared state, asks
+    launch_for: Callable[[Config, Kept, Mapping[str, Any]], Launch]  # config, shared state, asks

@@ -16,6 +16,7 @@ from wrapper import logs
 from wrapper.actions import BuiltinFn
 from wrapper.config import Config, ConfigError, load_config, parse_config
 from wrapper.generation import Generation, Host
+from wrapper.kept import Kept, Key
 from wrapper.launch import Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
@@ -60,28 +61,27 @@ def problems(config: Config) -> list[str]:
     return found
 
 
-_IN_USE: dict[int, tuple[Config, list[Builtin]]] = {}  # by config: asked on every proxied request
+def uses(config: Config) -> list[Builtin]:
+    """The built-ins a config uses, in their declared order (hooks/registry.py's `after`)."""
+    return [b for b in BUILTINS if (b.in_use(config) if b.in_use is not None else config.uses(b.family))]
 
 
-def in_use(config: Config) -> list[Builtin]:
-    known = _IN_USE.get(id(config))
-    if known is not None and known[0] is config:
-        return known[1]
-    found = [b for b in BUILTINS if (b.in_use(config) if b.in_use is not None else config.uses(b.family))]
-    if len(_IN_USE) > 64:  # configs of generations long gone
-        _IN_USE.clear()
-    _IN_USE[id(config)] = (config, found)
-    return found
+_IN_USE: Key[list[Builtin]] = Key("builtins.in_use", list)
 
 
-def launch_for(config: Config, shared: dict[str, Any], asks: Mapping[str, Any] | None = None) -> Launch:
+def in_use(generation: Generation) -> list[Builtin]:
+    """The built-ins a generation uses: settled once, when it is first asked."""
+    return generation.state.settle(_IN_USE, lambda: uses(generation.config))
+
+
+def launch_for(config: Config, shared: Kept, asks: Mapping[str, Any] | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
     `shared`: the built-ins' lifelong state (what serves keeps it); `asks`: what a built-in's move asks the next
     fit for (by family)."""
     launch = prepare_launch(config)
     argv, notes, fitted = list(launch.argv), list(launch.notes), dict(launch.fitted)
     keep_saved = launch.keep_saved
-    for builtin in in_use(config):
+    for builtin in uses(config):
         if builtin.fit is not None:
             fit = builtin.fit(argv, replace(launch, argv=argv, fitted=dict(fitted)), config, shared, asks or {})
             argv, fitted[builtin.family] = fit.argv, fit.fitted
@@ -97,7 +97,7 @@ def bind(name: str, options: Mapping[str, Any], generation: Generation) -> Built
 
 def observer(generation: Generation) -> Observer | None:
     """What watches proxied responses now; None when no built-in has anything to learn from them."""
-    watching = [o for b in in_use(generation.config) if b.observer and (o := b.observer(generation)) is not None]
+    watching = [o for b in in_use(generation) if b.observer and (o := b.observer(generation)) is not None]
     if len(watching) <= 1:
         return watching[0] if watching else None
 
@@ -110,40 +110,40 @@ def observer(generation: Generation) -> Observer | None:
 
 def refresh_metrics(generation: Generation) -> None:
     """Each built-in sets its gauges before a scrape."""
-    for builtin in in_use(generation.config):
+    for builtin in in_use(generation):
         if builtin.metrics is not None:
             builtin.metrics(generation)
 
 
 def status(generation: Generation) -> dict[str, Any]:
-    return {b.family: b.status(generation) for b in in_use(generation.config) if b.status is not None}
+    return {b.family: b.status(generation) for b in in_use(generation) if b.status is not None}
 
 
 async def hand_over(generation: Generation) -> str | None:
     """Before a reload replaces the generation (slots: save); None when no built-in has anything to do."""
-    done = [await b.hand_over(generation) for b in in_use(generation.config) if b.hand_over is not None]
+    done = [await b.hand_over(generation) for b in in_use(generation) if b.hand_over is not None]
     return "; ".join(done) if done else None
 
 
 async def take_over(generation: Generation) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
-    done = [await b.take_over(generation) for b in in_use(generation.config) if b.take_over is not None]
+    done = [await b.take_over(generation) for b in in_use(generation) if b.take_over is not None]
     return "; ".join(done) if done else None
 
 
 def keeps_conversations(config: Config) -> bool:
     """Whether a built-in carries conversations across a reload."""
-    return any(b.take_over is not None for b in in_use(config))
+    return any(b.take_over is not None for b in uses(config))
 
 
 def restore_report(generation: Generation) -> list[dict[str, Any]]:
-    return [entry for b in in_use(generation.config) if b.reload_report is not None
+    return [entry for b in in_use(generation) if b.reload_report is not None
             for entry in b.reload_report(generation)]
 
 
 def server_line(generation: Generation, line: str) -> bool:
     """Show one line of llama-server's output to the built-ins; False when every one says it is only noise."""
-    shown = [b.server_line(generation, line) for b in in_use(generation.config) if b.server_line is not None]
+    shown = [b.server_line(generation, line) for b in in_use(generation) if b.server_line is not None]
     return all(shown)
 
 
@@ -154,21 +154,21 @@ def server_output(generation: Generation, line: str) -> None:
 
 def background(host: Host) -> list[Coroutine[Any, Any, None]]:
     """The built-ins' work from ready until the stop (degrade: relax when idle)."""
-    return [b.background(host) for b in in_use(host.current.config) if b.background is not None]
+    return [b.background(host) for b in in_use(host.current) if b.background is not None]
 
 
-def growth(config: Config) -> Growth | None:
+def growth(generation: Generation) -> Growth | None:
     """The built-in that grows the context for a request that overflows it, if one is in use."""
-    return next((b.growth for b in in_use(config) if b.growth is not None), None)
+    return next((b.growth for b in in_use(generation) if b.growth is not None), None)
 
 
-def before(config: Config) -> list[Before]:
+def before(generation: Generation) -> list[Before]:
     """The steps a request takes before it is forwarded."""
-    return [step for b in in_use(config) for step in b.before]
+    return [step for b in in_use(generation) for step in b.before]
 
 
-def routes(config: Config) -> list[Route]:
-    return [route for b in in_use(config) for route in b.routes]
+def routes(generation: Generation) -> list[Route]:
+    return [route for b in in_use(generation) for route in b.routes]
 
 
 def all_routes() -> list[Route]:

@@ -38,9 +38,9 @@ CONTINUABLE = ("/completion", *CHAT_PATHS)
 
 async def forward_request(request: web.Request, serving: Serving, path: str) -> web.StreamResponse:
     """Forward one request: as a stream, or read whole when a step or a growth may need it again."""
-    config = serving.current.config
-    growth = extensions.growth(config) if path in GROWABLE else None
-    steps = [step for step in extensions.before(config) if path in step.paths]
+    generation = serving.current
+    growth = extensions.growth(generation) if path in GROWABLE else None
+    steps = [step for step in extensions.before(generation) if path in step.paths]
     if request.method != "POST" or (growth is None and not steps) or (request.content_length or 0) > BODY_LIMIT:
         result = await _exchange(request, serving, path, None, None)
         assert isinstance(result, web.StreamResponse)  # nothing is caught or held without a body to send again

@@ -15,6 +15,7 @@ import structlog
 from wrapper import argv as args
 from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
@@ -63,8 +64,8 @@ class Generation:
     launch: Launch
     client: LlamaClient
     child: Child | None = None
-    state: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for this generation
-    shared: dict[str, Any] = field(default_factory=dict)  # each built-in's own, for the wrapper's whole life
+    state: Kept = field(default_factory=Kept)  # each built-in's own, for this generation (wrapper/kept.py)
+    shared: Kept = field(default_factory=Kept)  # each built-in's own, for the wrapper's whole life
     context: ServerContext | None = None  # what the server runs with, from its /props once it is ready
 
     async def start(self, on_line: Callable[[Generation, str], None]) -> Child:

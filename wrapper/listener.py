@@ -183,7 +183,7 @@ async def builtin_route(request: web.Request) -> web.Response:
     refusal = _not_admin(request) if request.method == "POST" else _unauthorized(request)
     if refusal is not None:
         return refusal
-    if declared not in extensions.routes(serving.current.config):
+    if declared not in extensions.routes(serving.current):
         return json_error(409, f"{declared.path} is off: {declared.off}", "conflict")
     body: Any = {}
     if request.method == "POST":

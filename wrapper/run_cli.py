@@ -14,6 +14,7 @@ import yaml
 from wrapper import extensions, logs
 from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
 from wrapper.exits import EXIT_CONFIG
+from wrapper.kept import Kept
 from wrapper.listener import serve
 from wrapper.supervisor import supervise
 from wrapper.units import parse_duration
@@ -72,7 +73,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
         config = replace(config, **changes)
         if slots_dir:
             config = config.with_settings({"slots": {"dir": Path(slots_dir).expanduser()}})
-        shared: dict[str, Any] = {}
+        shared = Kept()
         launch = extensions.launch_for(config, shared)
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
@@ -115,7 +116,7 @@ def _resolved(config: Config) -> dict[str, Any]:
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
         **{section.name: section.shown(config) for section in extensions.sections()},
-        "built-ins": [b.family for b in extensions.in_use(config)],
+        "built-ins": [b.family for b in extensions.uses(config)],
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},

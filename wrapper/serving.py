@@ -16,6 +16,7 @@ from wrapper.config import Config
 from wrapper.gate import Gate
 from wrapper.generation import Generation
 from wrapper.hooks_running import Hooks
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient
@@ -28,7 +29,7 @@ from wrapper.reloader import Reloader
 class Serving:
     """The generation that serves now, with the gate and the state in front of it; the reload entry."""
 
-    def __init__(self, config: Config, launch: Launch, session: aiohttp.ClientSession, shared: dict[str, Any],
+    def __init__(self, config: Config, launch: Launch, session: aiohttp.ClientSession, shared: Kept,
                  hooks: Hooks, notifier: Notifier) -> None:
         self.session = session
         self._shared = shared  # the built-ins' state for the wrapper's whole life

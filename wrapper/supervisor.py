@@ -29,6 +29,7 @@ from wrapper.exits import EXIT_OK, EXIT_START_FAILED
 from wrapper.gate import Gate
 from wrapper.generation import StartFailed, surviving
 from wrapper.hooks_running import Hooks
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
@@ -56,7 +57,7 @@ class Ended(Enum):
 Serve = Callable[["Supervisor"], AbstractAsyncContextManager[None]]
 
 
-async def supervise(config: Config, launch: Launch, shared: dict[str, Any], serve: Serve) -> int:
+async def supervise(config: Config, launch: Launch, shared: Kept, serve: Serve) -> int:
     """The wrapper's whole life, in one HTTP client session for all it asks of llama-server and hooks."""
     # Idle connections are dropped before llama-server's own 5 s keep-alive ends them under a new request.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
@@ -70,7 +71,7 @@ class Supervisor:
     """Runs the wrapper from its start to its exit status: signals, the start, watching what serves, the stop."""
 
     def __init__(self, config: Config, launch: Launch, session: aiohttp.ClientSession,
-                 shared: dict[str, Any]) -> None:
+                 shared: Kept) -> None:
         self.notifier = Notifier(os.environ)
         self.hooks = Hooks(session)
         self.serving = Serving(config, launch, session, shared, self.hooks, self.notifier)

@@ -12,6 +12,7 @@ from hooks.conversations.rates import KeptRates
 from hooks.slotio import store_of
 from hooks.slots import SLOTS
 from wrapper.generation import Generation
+from wrapper.kept import Key
 from wrapper.metrics import METRICS
 
 FAMILY = "conversations"
@@ -48,10 +49,11 @@ class Conversations:
         METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
 
 
+STATE = Key("conversations", Conversations)  # for the wrapper's life: the rates, the hits, the pins
+
+
 def state(generation: Generation) -> Conversations:
-    found = generation.shared.setdefault(FAMILY, Conversations())
-    assert isinstance(found, Conversations)
-    return found
+    return generation.shared.get(STATE)
 
 
 def enabled(generation: Generation) -> bool:

@@ -18,6 +18,7 @@ from hooks.memory import ModelShape, Plan, PlanError, Settings, plan, read_shape
 from hooks.slots import SLOTS
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
+from wrapper.kept import Kept
 from wrapper.launch import Fitting, Launch
 from wrapper.server_help import devices, flag_arity
 from wrapper.sysinfo import gpu_free, mem_available
@@ -104,7 +105,7 @@ def ladder_for(argv: Sequence[str], launch: Launch, config: Config, state: Degra
     return planner, rungs
 
 
-def fit(argv: list[str], launch: Launch, config: Config, shared: dict[str, Any],
+def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
         asks: Mapping[str, Any]) -> Fitting:
     """The child's argv for the chosen rung at its largest context under the budget."""
     settings = DEGRADE.of(config)

@@ -19,6 +19,7 @@ from wrapper import argv as args
 from wrapper.commands import Commands
 from wrapper.config import Config, ConfigError
 from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.server_help import devices, planning
 from wrapper.units import format_size, parse_size
@@ -79,7 +80,7 @@ def _plan(commands: Commands, budget: str | None, backend: str | None, config_pa
         if budget == "auto":
             given = auto_budget(DEGRADE.of(config).reserve, config.argv)
         asks = Ask(budget=given, backend=backend).as_mapping()
-        shared: dict[str, Any] = {}
+        shared = Kept()
         launch: Launch | None = None
         problem: NoRungFits | None = None
         try:

@@ -13,6 +13,7 @@ from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
 from hooks.memory import ModelShape, Settings
 from wrapper.generation import Generation
+from wrapper.kept import Kept, Key
 from wrapper.launch import Launch
 
 
@@ -58,10 +59,12 @@ class Measuring:
     remembered: bool = False
 
 
-def state_of(shared: dict[str, Any]) -> DegradeState:
-    state = shared.setdefault(FAMILY, DegradeState())
-    assert isinstance(state, DegradeState)
-    return state
+STATE = Key("degrade", DegradeState)  # for the wrapper's life: the budget, the rung, what was measured
+MEASURING = Key("degrade.measuring", Measuring)  # for one generation
+
+
+def state_of(shared: Kept) -> DegradeState:
+    return shared.get(STATE)
 
 
 def fitted(launch: Launch) -> Fitted | None:
@@ -70,9 +73,7 @@ def fitted(launch: Launch) -> Fitted | None:
 
 
 def measuring(generation: Generation) -> Measuring:
-    found = generation.state.setdefault(FAMILY, Measuring())
-    assert isinstance(found, Measuring)
-    return found
+    return generation.state.get(MEASURING)
 
 
 def conversation_tokens(tail: bytes) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ from wrapper import argv as args
 from wrapper import extensions
 from wrapper.config import Config, parse_config
 from wrapper.generation import Generation, StartFailed
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient
@@ -87,7 +88,7 @@ def serving(overlap: str = "never") -> Serving:
     config = parse_config(f"reload: {{overlap: {overlap}}}\n", "t.yaml", extensions.sections())
     config = replace(config, argv=("llama-server-not-installed", "-c", "2048"))
     with planning():  # a llama-server that is not installed is taken for one with every flag
-        return Serving(config, extensions.launch_for(config, {}))
+        return Serving(config, extensions.launch_for(config, Kept()))
 
 
 async def until(condition: Callable[[], bool], turns: int = 1000) -> None:

@@ -15,6 +15,7 @@ from wrapper.child import Child
 from wrapper.config import Listen, parse_config
 from wrapper.generation import Generation, StartFailed
 from wrapper.hooks_running import Hooks
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.lifecycle import State
 from wrapper.model import Model
@@ -66,7 +67,7 @@ async def serving(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Serving]:
                     env={})
     async with aiohttp.ClientSession() as session:
         hooks = Hooks(session)
-        made = Serving(config, launch, session, {}, hooks, Notifier({}))
+        made = Serving(config, launch, session, Kept(), hooks, Notifier({}))
         made.current.child = server()
         yield made
 

@@ -16,6 +16,7 @@ from hooks.slotio import NotRestored, restore_into, save_into
 from hooks.store import Entry
 from tests.slotfiles import slot_bytes
 from wrapper.generation import Generation, ServerLost
+from wrapper.kept import Kept
 from wrapper.llama import LlamaError
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "on",
@@ -59,7 +60,7 @@ def generation(folder: Path, restore: str = "ok", saves: list[int] | None = None
     launch = SimpleNamespace(argv=["llama-server"], env={}, facts={}, model=SimpleNamespace(
         id="m1", as_dict=lambda: {"id": "m1", "name": "m"}))
     return cast(Generation, SimpleNamespace(child=child, client=Client(child, folder, restore, saves), launch=launch,
-                                            state={}, shared={}))
+                                            state=Kept(), shared=Kept()))
 
 
 def entry_in(store: DirectoryStore, tokens: list[int], **record: Any) -> Entry:

@@ -14,6 +14,7 @@ from wrapper.actions import HookRun
 from wrapper.config import Listen, parse_config
 from wrapper.generation import Generation
 from wrapper.hooks_running import Hooks
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.lifecycle import State
 from wrapper.model import Model
@@ -29,7 +30,7 @@ async def parts() -> AsyncIterator[tuple[Serving, Hooks]]:
                     env={})
     async with aiohttp.ClientSession() as session:
         hooks = Hooks(session)
-        yield Serving(parse_config("", "t.yaml"), launch, session, {}, hooks, Notifier({})), hooks
+        yield Serving(parse_config("", "t.yaml"), launch, session, Kept(), hooks, Notifier({})), hooks
 
 
 async def test_a_drain_only_when_ready_once_however_often_asked_and_the_stop_then_saves_nothing(
