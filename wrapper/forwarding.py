@@ -23,7 +23,7 @@ from wrapper.generation import Generation
 from wrapper.proxy import STARTED, Caught, Held, broken_off, forward, json_error, json_object
 from wrapper.serving import Serving
 from wrapper.sse import Events, as_answer
-from wrapper.steps import CannotGrow, Grown, Growth, Outgoing
+from wrapper.steps import CannotGrow, Grown, Growth, Outgoing, Reply
 
 log = structlog.get_logger()
 
@@ -57,7 +57,11 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
             if admission is not Admission.ADMITTED:
                 return _refused(serving, admission)
             for step in steps:
-                outgoing = await step.run(serving, outgoing)
+                stepped = await step.run(serving, outgoing)
+                if isinstance(stepped, Reply):
+                    status = stepped.status
+                    return web.json_response(stepped.body, status=stepped.status, headers=dict(stepped.headers))
+                outgoing = stepped
         if growth is None:
             result = await _exchange(request, serving, path, outgoing.body, None)
             assert isinstance(result, web.StreamResponse)

@@ -54,7 +54,13 @@ class Host(Protocol):
                      asks: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A reload as POST /wrapper/reload asks for it; with `why` and an empty body, the built-ins' own argv
         changes (their fit for the new generation, given `asks` by family) are the whole change. Raises
-        ReloadRefused."""
+        ReloadRefused. Built-ins ask through wrapper/reload_ask.py, which waits for a reload that runs."""
+        ...
+
+    async def survive(self, step: Callable[[], Awaitable[T]]) -> T | None:
+        """Run a built-in's step on the request path that may kill llama-server (a restore). When the server dies
+        under it (ServerLost: the built-in set the culprit aside), the server is started again as at a start
+        (on_startup runs; requests wait as for a reload) and None is returned: the request goes on to it."""
         ...
 
 

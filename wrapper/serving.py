@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine, Mapping
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 import aiohttp
+import structlog
 
+from wrapper import extensions
 from wrapper.aio import first_of
 from wrapper.config import Config
 from wrapper.gate import Gate
-from wrapper.generation import Generation
+from wrapper.generation import Generation, ServerLost, StartFailed, surviving
 from wrapper.hooks_running import Hooks
 from wrapper.kept import Kept
 from wrapper.launch import Launch
@@ -24,6 +27,9 @@ from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
+
+log = structlog.get_logger()
+T = TypeVar("T")
 
 
 class Serving:
@@ -40,6 +46,8 @@ class Serving:
         self._hooks = hooks
         self._reloading: asyncio.Task[dict[str, Any]] | None = None
         self._reload_began = asyncio.Event()
+        self._risky = 0  # built-ins' steps that may kill the server, running now (Serving.survive)
+        self._risky_ended = asyncio.Event()
 
     @property
     def in_flight(self) -> int:
@@ -81,6 +89,47 @@ class Serving:
         if self._reloading is task:
             self._reloading = None
 
+    async def survive(self, step: Callable[[], Awaitable[T]]) -> T | None:
+        """A built-in's step that may kill llama-server, on the request path (see Host.survive)."""
+        self._risky += 1
+        try:
+            return await step()
+        except ServerLost as exc:
+            await self._restart(str(exc))
+            return None
+        finally:
+            self._risky -= 1
+            self._risky_ended.set()
+
+    async def _restart(self, why: str) -> None:
+        """Start the dead server again as at a start; a second step that lost it meanwhile waits for the same."""
+        if self._reloading is not None:
+            await asyncio.wait([self._reloading])
+            if self.current.alive:
+                return
+        if self.lifecycle.state is not State.READY:
+            return  # stopping or draining: the stop takes it from here
+        task = asyncio.ensure_future(self._started_again(why))
+        self._reloading = task
+        task.add_done_callback(self._reload_ended)
+        self._reload_began.set()
+        await asyncio.shield(task)
+
+    async def _started_again(self, why: str) -> dict[str, Any]:
+        generation, began = self.current, time.monotonic()
+        self.lifecycle.to(State.RELOADING)  # requests wait for it, as for a reload
+        log.warning("wrapper.restarting_server", reason=why, attempt=1, on="request")
+        METRICS.server_restarts.inc()
+        try:
+            await generation.stop()
+            await generation.start(extensions.server_output)
+            await surviving(generation, extensions.server_output, lambda: self._hooks.run("on_startup", generation))
+        except StartFailed as exc:
+            log.error("wrapper.restart_failed", error=str(exc))  # the server stays dead: the wrapper stops
+        finally:
+            self.lifecycle.to(State.READY)
+        return {"restarted": generation.alive, "s": round(time.monotonic() - began, 3)}
+
     async def lost(self) -> None:
         """Return when llama-server dies on its own: one that a reload replaces is not lost (a reload that can
         bring back no server at all leaves a dead one current)."""
@@ -88,6 +137,9 @@ class Serving:
             child = self.current.child
             assert child is not None
             await first_of(child.wait(), self._reload_began.wait())
+            while self._risky and not self._reload_began.is_set():  # died under a built-in's step: it may
+                self._risky_ended.clear()                          # start the server again (survive)
+                await first_of(self._risky_ended.wait(), self._reload_began.wait())
             if self._reload_began.is_set():  # wait for the reload, then watch the server it leaves
                 self._reload_began.clear()
                 if self._reloading is not None:

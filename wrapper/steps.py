@@ -4,7 +4,7 @@ observers of responses (wrapper/proxy.py's Observer)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +24,22 @@ class Outgoing:
 
 
 @dataclass(frozen=True)
+class Reply:
+    """A step's answer to the client instead of forwarding the request: this status and JSON body (an error
+    is llama-server's shape: wrapper/proxy.py's error_body). Later steps do not run; `after` callbacks do."""
+
+    status: int
+    body: dict[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Before:
-    """A step before forwarding: for POST requests to `paths`, given the request read whole."""
+    """A step before forwarding: for POST requests to `paths`, given the request read whole. It returns the
+    request to forward (changed or not), or a Reply for the client."""
 
     paths: tuple[str, ...]
-    run: Callable[[Host, Outgoing], Awaitable[Outgoing]]
+    run: Callable[[Host, Outgoing], Awaitable[Outgoing | Reply]]
 
 
 @dataclass(frozen=True)

@@ -53,17 +53,25 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         return out
     out.after.append(lambda status: _release(host, generation, conv, slot, tokens, status))
     try:
-        await _make_room(generation, conv, store, slot, tokens)
-        await _bring_back(generation, conv, store, slot, tokens)
-    except ServerLost as exc:  # the entry is set aside; the dead server is the supervisor's to notice
-        log.error("conversations.server_lost", slot=slot, error=str(exc))
-        book.forgotten()
-        return out
+        if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens)) is None:
+            log.error("conversations.server_lost", slot=slot)  # the entry set aside, the server started again
+            return out  # to the server started again, unpinned
     except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
         log.exception("conversations.internal_error", slot=slot)
     out.payload["id_slot"] = slot
     out.body = json.dumps(out.payload).encode()
     return out
+
+
+async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
+                                    tokens: list[int]) -> bool:
+    try:
+        await _make_room(generation, conv, store, slot, tokens)
+        await _bring_back(generation, conv, store, slot, tokens)
+    except ServerLost:
+        book_of(generation).forgotten()  # before the server is started again: its start restores what it can
+        raise
+    return True
 
 
 async def _tokens(generation: Generation, out: Outgoing) -> list[int]:

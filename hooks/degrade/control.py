@@ -23,14 +23,13 @@ from wrapper import argv as args
 from wrapper.config import ConfigError
 from wrapper.generation import Generation, Host
 from wrapper.proxy import error_body
-from wrapper.reload_plan import Refusal, ReloadRefused
+from wrapper.reload_ask import NotReloaded, Unchanged, ask_reload
 from wrapper.steps import CannotGrow, Grown, GrowResult, NotPlanned
 from wrapper.units import format_size, parse_size
 
 log = structlog.get_logger()
 
 RELAX_POLL_S = 5.0
-BUSY_RETRY_S = 0.2
 GATHER_S = 0.05  # a burst of overflows gathers this long, so that one reload serves them all
 BUDGET_FIELDS = ("budget",)
 
@@ -92,18 +91,13 @@ async def _move(host: Host, state: DegradeState, ask: Ask, why: str) -> str | No
     """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
     budget in force change only when the reload succeeds."""
     began = time.monotonic()
-    answer: dict[str, Any] | None = None
-    deadline = began + host.current.config.reload_hold_timeout
-    while answer is None:
-        try:
-            answer = await host.reload({}, f"degrade: {why}", ask.as_mapping())
-        except ReloadRefused as exc:
-            if exc.reason is Refusal.NOTHING_TO_CHANGE:
-                _commit(state, ask)
-                return None
-            if exc.reason is not Refusal.BUSY or time.monotonic() > deadline:
-                return str(exc)
-            await asyncio.sleep(BUSY_RETRY_S)  # another reload runs: wait for it, then ours
+    asked = await ask_reload(host, f"degrade: {why}", ask.as_mapping())
+    if isinstance(asked, Unchanged):
+        _commit(state, ask)
+        return None
+    if isinstance(asked, NotReloaded):
+        return asked.reason
+    answer = asked.answer
     fit = fitted(host.current.launch)
     step = {"at": time.time(), "why": why, "success": bool(answer.get("success")), "rung": fit.rung if fit else None,
             "n_ctx": answer.get("n_ctx"), "downtime_ms": answer.get("downtime_ms"),

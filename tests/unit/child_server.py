@@ -82,6 +82,8 @@ def main() -> None:
             elif url.path == "/props":
                 self._send(200, {"total_slots": 1, "default_generation_settings": {"n_ctx": 4096},
                                  "build_info": "b0-child"})
+            elif url.path == "/tokenize":  # one token per byte: enough for the conversation cache to choose
+                self._send(200, {"tokens": list(json.loads(body or b"{}").get("content", "").encode())})
             elif url.path == "/slots" and self.command == "GET":
                 self._send(200, [{"id": 0, "n_ctx": 4096, "is_processing": False}])
             elif url.path.startswith("/slots/") and "action=restore" in url.query and options.die_on_restore:

@@ -1,0 +1,59 @@
+"""The one way a built-in asks for a reload. Two kinds of change, both through `Host.reload`:
+
+- `asks` (by family): what the built-in's own fit should make of the next generation (a rung, a budget, a
+  projector); the config stays as it is and the built-ins' fits are the whole change (degrade's moves);
+- `body`: what POST /wrapper/reload takes (`n_ctx`, `cache_type_k`, `args`, ...): the config changes for good.
+
+A reload that runs already is waited for (up to `wait`, by default `reload.hold_timeout`), then this one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wrapper.generation import Host
+from wrapper.reload_plan import Refusal, ReloadRefused
+
+BUSY_RETRY_S = 0.2
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """The reload ran: its answer (`success` false when it had to go back to what ran before)."""
+
+    answer: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """Nothing had to change: what runs is what was asked for."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotReloaded:
+    """Refused (not ready, a wrong value) or another reload still ran at the deadline; nothing changed."""
+
+    reason: str
+
+
+Asked = Reloaded | Unchanged | NotReloaded
+
+
+async def ask_reload(host: Host, why: str, asks: Mapping[str, Any] | None = None,
+                     body: Mapping[str, Any] | None = None, wait: float | None = None) -> Asked:
+    deadline = time.monotonic() + (wait if wait is not None else host.current.config.reload_hold_timeout)
+    while True:
+        try:
+            return Reloaded(await host.reload(dict(body or {}), why, asks))
+        except ReloadRefused as exc:
+            if exc.reason is Refusal.NOTHING_TO_CHANGE:
+                return Unchanged(str(exc))
+            if exc.reason is not Refusal.BUSY or time.monotonic() > deadline:
+                return NotReloaded(str(exc))
+        await asyncio.sleep(BUSY_RETRY_S)  # another reload runs: wait for it, then ours
