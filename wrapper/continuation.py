@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
+from wrapper import paths
 
 
 def _limit(request: dict[str, Any]) -> int | None:
@@ -21,13 +21,13 @@ def _limit(request: dict[str, Any]) -> int | None:
 def cut_by_context(path: str, request: dict[str, Any], answer: dict[str, Any], n_ctx: int) -> tuple[int, int] | None:
     """(tokens used, tokens still wanted) when `answer` stopped at a full context with tokens left in the
     request's limit; None otherwise."""
-    if path in CHAT_PATHS:
+    if path in paths.CHAT:
         choices = answer.get("choices")
         usage = answer.get("usage") or {}
         if not isinstance(choices, list) or len(choices) != 1 or choices[0].get("finish_reason") != "length":
             return None
         used, generated = int(usage.get("total_tokens") or 0), int(usage.get("completion_tokens") or 0)
-    elif path == "/completion":
+    elif path == paths.NATIVE_COMPLETION:
         if not answer.get("truncated") and answer.get("stop_type") != "limit":
             return None
         generated = int(answer.get("tokens_predicted") or 0)
@@ -46,7 +46,7 @@ def cut_by_context(path: str, request: dict[str, Any], answer: dict[str, Any], n
 def continued(path: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     """The request that goes on where `answer` stopped."""
     body = copy.deepcopy(request)
-    if path in CHAT_PATHS:
+    if path in paths.CHAT:
         partial = answer["choices"][0]["message"].get("content") or ""
         body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": partial}]
         generated = int((answer.get("usage") or {}).get("completion_tokens") or 0)
@@ -63,7 +63,7 @@ def continued(path: str, request: dict[str, Any], answer: dict[str, Any]) -> dic
 def merged(path: str, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     """One answer from the cut one and its continuation: text joined, token counts summed."""
     out = copy.deepcopy(second)
-    if path in CHAT_PATHS:
+    if path in paths.CHAT:
         before = first["choices"][0]["message"].get("content") or ""
         after = second["choices"][0]["message"].get("content") or ""
         # llama-server answers an assistant prefix with the prefix included; other servers without it

@@ -16,8 +16,8 @@ import structlog
 from aiohttp import web
 
 from wrapper import argv as args
-from wrapper import extensions
-from wrapper.continuation import CHAT_PATHS, continued, cut_by_context, merged
+from wrapper import extensions, paths
+from wrapper.continuation import continued, cut_by_context, merged
 from wrapper.gate import Admission
 from wrapper.generation import Generation
 from wrapper.proxy import STARTED, Caught, Held, broken_off, forward, json_error, json_object
@@ -30,16 +30,14 @@ log = structlog.get_logger()
 RETRY_AFTER_S = "5"
 OVERFLOW = "exceed_context_size_error"
 POOL_FULL = "Context size has been exceeded."  # llama-server's 500 when the shared KV (-kvu) ran out
-GROWABLE = ("/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions", "/infill")
 BODY_LIMIT = 32 << 20  # a request read whole (for a step, or to be sent again after a growth)
 MAX_GROWTHS = 3
-CONTINUABLE = ("/completion", *CHAT_PATHS)
 
 
 async def forward_request(request: web.Request, serving: Serving, path: str) -> web.StreamResponse:
     """Forward one request: as a stream, or read whole when a step or a growth may need it again."""
     generation = serving.current
-    growth = extensions.growth(generation) if path in GROWABLE else None
+    growth = extensions.growth(generation) if path in paths.GENERATING else None
     steps = [step for step in extensions.before(generation) if path in step.paths]
     if request.method != "POST" or (growth is None and not steps) or (request.content_length or 0) > BODY_LIMIT:
         result = await _exchange(request, serving, path, None, None)
@@ -79,7 +77,7 @@ async def _growing(request: web.Request, serving: Serving, growth: Growth, path:
     """Send a completion request; on a context overflow grow the context and send it again. A non-streamed
     answer cut by a full context is continued after a growth (degrade.continue): the client gets one answer."""
     original = json_object(body)
-    can_continue = growth.continues(serving.current.config) and original is not None and path in CONTINUABLE
+    can_continue = growth.continues(serving.current.config) and original is not None and path in paths.CONTINUABLE
     if can_continue and original is not None and original.get("stream") is True:
         return await _growing_stream(request, serving, growth, path, body, original)
     continuing = can_continue and original is not None and original.get("stream") is not True
@@ -192,7 +190,7 @@ async def _growing_stream(request: web.Request, serving: Serving, growth: Growth
                           original: dict[str, Any]) -> web.StreamResponse:
     """A streamed completion request: grown and sent again on an overflow (before any event); an answer cut by
     a full context goes on in the same stream after a growth, its stop event held back until then."""
-    chat = path in CHAT_PATHS
+    chat = path in paths.CHAT
     request_now, sent, text, generated = original, body, "", 0
     response: web.StreamResponse | None = None
     held = b""  # the last events of the answer so far, sent when it cannot go on

@@ -10,12 +10,11 @@ from hooks.conversations.state import enabled, state
 from hooks.slotbook import book_of
 from hooks.slotio import store_of
 from hooks.slots import SLOTS
+from wrapper import paths
 from wrapper.generation import Generation
 from wrapper.metrics import METRICS
 from wrapper.proxy import Observer
 
-OTHER_SLOT_USERS = ("/infill", "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
-                    "/v1/rerank", "/v1/reranking")
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
 _PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
 
@@ -26,7 +25,7 @@ def observer(generation: Generation) -> Observer | None:
     kept = state(generation).rates_of(generation)
 
     def seen(path: str, status: int, tail: bytes) -> None:
-        if path in OTHER_SLOT_USERS:
+        if path in paths.SLOT_USERS_UNPINNED:
             book_of(generation).forgotten()  # it ran in some slot the wrapper did not choose
         if status != 200:
             return

@@ -16,6 +16,7 @@ from hooks.slotbook import book_of
 from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
 from hooks.slots import SLOTS
 from hooks.store import Entry, Store, common_prefix
+from wrapper import paths
 from wrapper.generation import Generation, Host, ServerLost
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
@@ -23,8 +24,7 @@ from wrapper.steps import Outgoing
 
 log = structlog.get_logger()
 
-CHAT = ("/chat/completions", "/v1/chat/completions")
-PATHS = ("/completion", "/completions", "/v1/completions", *CHAT)
+PATHS = paths.CONVERSING
 WAIT_FOR_SLOT_S = 600.0
 
 
@@ -78,7 +78,7 @@ async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
     payload = out.payload
     assert payload is not None
     client = generation.client
-    if out.path in CHAT:
+    if out.path in paths.CHAT:
         template = await client.call("POST", "/apply-template", payload)
         text = template["prompt"]
     else:

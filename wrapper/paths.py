@@ -1,0 +1,13 @@
+"""llama-server's request paths the wrapper treats apart, named once."""
+
+from __future__ import annotations
+
+NATIVE_COMPLETION = "/completion"  # llama-server's own: a prompt, `n_predict`, `truncated` in its answer
+COMPLETIONS = (NATIVE_COMPLETION, "/completions", "/v1/completions")  # a prompt, continued
+CHAT = ("/chat/completions", "/v1/chat/completions")  # messages, through the chat template
+INFILL = ("/infill",)
+GENERATING = (*COMPLETIONS, *CHAT, *INFILL)  # fill a slot's context: a request that overflows it can be grown for
+CONVERSING = (*COMPLETIONS, *CHAT)  # a conversation whose tokens can be told before it is sent (the cache pins it)
+CONTINUABLE = (NATIVE_COMPLETION, *CHAT)  # an answer cut by a full context can be continued after a growth
+SLOT_USERS_UNPINNED = (*INFILL, "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
+                       "/v1/rerank", "/v1/reranking")  # take a slot the cache does not choose
