@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hooks import conversations, server_reload, slots
+from hooks.cachesettings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
 from hooks.degrade.settings import DEGRADE
@@ -118,7 +119,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         reload_report=slots.restore_report,
     ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them: it reads what they restored
-        family=conversations.FAMILY, after=(slots.FAMILY,), in_use=conversations.in_use,
+        family=conversations.FAMILY, after=(slots.FAMILY,), settings=CACHE, in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics,
     ),

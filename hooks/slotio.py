@@ -98,7 +98,7 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
                 book.saved(slot, header.tokens, known.key)
                 return Saved(known, False, server_ms, _ms(began))
             if max_bytes is not None and header.bytes > max_bytes:
-                raise NotSaved(f"{header.bytes >> 20} MiB is more than slots.cache_entry_max or slots.cache_budget")
+                raise NotSaved(f"{header.bytes >> 20} MiB is more than cache.entry_max or cache.budget")
             record = {**record_for(await server_settings_of(generation), header, generation), "save_ms": server_ms}
             entry = store.commit(part, header.tokens, record)
         except (LlamaError, slotfile.SlotFileError, Unreadable, OSError) as exc:

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from hooks import slotdir, slotfile
+from hooks.cachesettings import CACHE, MOVED
 from hooks.reuse import ReuseTracker
 from hooks.slotbook import book_of
 from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
@@ -27,7 +28,7 @@ from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
 from wrapper.proxy import Observer
-from wrapper.settings import BOOL, COUNT, NUMBER, PATH, SIZE, SIZE_OR_AUTO, Section, choice, setting
+from wrapper.settings import PATH, Section, choice, setting
 
 log = structlog.get_logger()
 
@@ -40,21 +41,9 @@ class SlotSettings:
                         "where slot files are kept, one folder per model id (also `--slots-dir`)")
     swa_full: str = setting("auto", choice("auto", "always", "never"),
                             "add `--swa-full` so that restored slots of sliding-window models are reused")
-    cache: bool = setting(True, BOOL, "the conversation cache: pin requests to slots, keep every conversation "
-                          "that leaves a slot on disk and restore it when it comes back (with `slots.restore`)")
-    cache_budget: int = setting(20 << 30, SIZE, "the conversation cache's size on disk: the least recently used "
-                                "conversations go first")
-    cache_entry_max: int = setting(4 << 30, SIZE, "a conversation larger than this is not kept")
-    cache_min_free: int = setting(2 << 30, SIZE, "no conversation is written when less than this is free on disk")
-    min_tokens: int = setting(256, COUNT, "shorter conversations are not kept, and a restore must win this many "
-                              "tokens over what the slot holds")
-    restore_margin: float = setting(1.2, NUMBER, "restore when the predicted restore time times this is below "
-                                    "the predicted prefill time")
-    restore_rate: int | None = setting(None, SIZE_OR_AUTO, "bytes per second a restore reads (`auto`: measured; "
-                                       "give one for a slow disk)")
 
 
-SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)")
+SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)", moved=MOVED)
 
 
 @dataclass
@@ -160,7 +149,7 @@ async def save(rt: Generation) -> str:
             store.note(slotdir.host_id(), held)
         except OSError as exc:
             raise ActionError(f"the note of what each slot holds could not be written: {exc}") from exc
-        store.evict(SLOTS.of(rt.config).cache_budget, keep={e.key for e in held.values()})
+        store.evict(CACHE.of(rt.config).budget, keep={e.key for e in held.values()})
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     unchanged = [r for r in report if r["outcome"] == "unchanged"]
@@ -210,7 +199,7 @@ async def restore(rt: Generation) -> str:
     store = _store(rt)
     _sweep(store)
     book = book_of(rt)
-    book.exact = SLOTS.of(rt.config).cache  # every completion is pinned from now on: the book is exact
+    book.exact = CACHE.of(rt.config).enabled  # every completion is pinned from now on: the book is exact
     held = store.held(slotdir.host_id())
     if not held:
         _state(rt).restore = []

@@ -111,6 +111,7 @@ class Section(Generic[T]):
     kind: type[T]
     doc: str
     optional: bool = False
+    moved: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a key of old -> where it is now
 
     def fields(self) -> list[tuple[str, dataclasses.Field[Any]]]:
         return [(f.metadata.get("key") or f.name, f) for f in dataclasses.fields(self.kind)]  # type: ignore[arg-type]
@@ -128,7 +129,7 @@ class Section(Generic[T]):
     def read(self, r: Reader, node: yaml.Node) -> T:
         if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
             return self.kind()
-        keys = r.mapping(node, self.name, tuple(key for key, _ in self.fields()))
+        keys = r.mapping(node, self.name, tuple(key for key, _ in self.fields()), self.moved)
         values: dict[str, Any] = {}
         for key, field in self.fields():
             if key in keys:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
@@ -32,7 +32,10 @@ class Reader:
     def warn(self, node: yaml.Node, message: str) -> None:
         self.warnings.append(f"{self.where(node)}: {message}")
 
-    def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
+    def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...],
+                moved: Mapping[str, str] | None = None) -> dict[str, yaml.Node]:
+        """The keys of a mapping; an unknown key is an error (with the closest known one), a key in `moved`
+        one that names where it is now."""
         if not isinstance(node, yaml.MappingNode):
             self.error(node, f"{what} must be a mapping")
             return {}
@@ -41,6 +44,8 @@ class Reader:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if key is None:
                 self.error(key_node, f"{what}: keys must be plain names")
+            elif moved and key in moved:
+                self.error(key_node, f"{what}.{key} has moved: write it as {moved[key]}")
             elif key not in allowed:
                 self.error(key_node, f"unknown key {key!r} in {what}{suggest(key, allowed)}")
             elif key in out:

@@ -9,16 +9,16 @@ logged with both predictions (`conversations.decision`); hooks/conversations/rep
 
 from __future__ import annotations
 
+from hooks.cachesettings import CACHE
 from hooks.conversations.report import metrics, observer, status
 from hooks.conversations.state import FAMILY
 from hooks.conversations.step import PATHS, before
 from hooks.slots import FAMILY as SLOTS_FAMILY
-from hooks.slots import SLOTS
 from wrapper.config import Config
 
 __all__ = ["FAMILY", "PATHS", "before", "in_use", "metrics", "observer", "status"]
 
 
 def in_use(config: Config) -> bool:
-    """With the slot built-ins (they make the slot folder), unless `slots.cache: false`."""
-    return config.uses(SLOTS_FAMILY) and SLOTS.of(config).cache
+    """With the slot built-ins (they make the slot folder), unless `cache.enabled: false`."""
+    return config.uses(SLOTS_FAMILY) and CACHE.of(config).enabled

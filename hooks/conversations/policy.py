@@ -29,9 +29,9 @@ def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int
 
 @dataclass(frozen=True)
 class Rule:
-    min_tokens: int  # slots.min_tokens: a restore must win this many tokens
-    margin: float  # slots.restore_margin
-    restore_bps: int | None = None  # slots.restore_rate, when given (a slow disk)
+    min_tokens: int  # cache.min_tokens: a restore must win this many tokens
+    margin: float  # cache.restore_margin
+    restore_bps: int | None = None  # cache.restore_rate, when given (a slow disk)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def decide(candidate: Candidate | None, rates: Rates, rule: Rule) -> Decision:
     No rates yet: until a prefill has been measured on this machine for this model, a restore that wins at
     least `min_tokens` is done. A restore's cost is bounded by its bytes, a prefill's is unknown, and the
     first answer measures the prefill rate. Unmeasured restore and conversion rates are assumed
-    (ASSUMED_RESTORE_BPS, ASSUMED_CONVERT_BPS) and a given `slots.restore_rate` replaces the measured one."""
+    (ASSUMED_RESTORE_BPS, ASSUMED_CONVERT_BPS) and a given `cache.restore_rate` replaces the measured one."""
     if candidate is None or candidate.shared == 0:
         return Decision(False, "not cached", "not cached")
     gain = candidate.shared - candidate.in_slot
@@ -73,7 +73,7 @@ def decide(candidate: Candidate | None, rates: Rates, rule: Rule) -> Decision:
     restore_s = candidate.fetch_s + convert_s + candidate.bytes / restore_bps
     prefill_s = gain / rates.prefill_tps if rates.prefill_tps else None
     if gain < rule.min_tokens:
-        return Decision(False, f"only {gain} tokens to win (slots.min_tokens {rule.min_tokens})", "too little to win",
+        return Decision(False, f"only {gain} tokens to win (cache.min_tokens {rule.min_tokens})", "too little to win",
                         gain, restore_s, prefill_s)
     if prefill_s is None:
         return Decision(True, f"wins {gain} tokens (no prefill rate measured yet)", None, gain, restore_s, None)

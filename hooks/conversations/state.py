@@ -8,9 +8,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from hooks.cachesettings import CACHE
 from hooks.conversations.rates import KeptRates
 from hooks.slotio import store_of
-from hooks.slots import SLOTS
 from wrapper.generation import Generation
 from wrapper.kept import Key
 from wrapper.metrics import METRICS
@@ -57,4 +57,4 @@ def state(generation: Generation) -> Conversations:
 
 
 def enabled(generation: Generation) -> bool:
-    return SLOTS.of(generation.config).cache and store_of(generation) is not None
+    return CACHE.of(generation.config).enabled and store_of(generation) is not None

@@ -10,11 +10,11 @@ import time
 
 import structlog
 
+from hooks.cachesettings import CACHE
 from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.slotbook import book_of
 from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
-from hooks.slots import SLOTS
 from hooks.store import Entry, Store, common_prefix
 from wrapper import paths
 from wrapper.generation import Generation, Host, ServerLost
@@ -107,7 +107,7 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
         conv.freed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
-    slot = choose_slot(free, book.known(), tokens, conv.last_used, SLOTS.of(generation.config).min_tokens)
+    slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens)
     conv.busy.add(slot)
     return slot
 
@@ -129,7 +129,7 @@ def _release(host: Host, first: Generation, conv: Conversations, slot: int, toke
 async def _make_room(generation: Generation, conv: Conversations, store: Store, slot: int,
                      tokens: list[int]) -> None:
     book = book_of(generation)
-    settings = SLOTS.of(generation.config)
+    settings = CACHE.of(generation.config)
     held = book.holds(slot)
     if len(held) < settings.min_tokens:
         return  # too short to keep
@@ -142,14 +142,14 @@ async def _make_room(generation: Generation, conv: Conversations, store: Store, 
 
 async def save_slot(generation: Generation, conv: Conversations, store: Store, slot: int, why: str) -> Entry | None:
     """Save what a slot holds into the cache (unless it is there already); None when nothing was written."""
-    settings = SLOTS.of(generation.config)
+    settings = CACHE.of(generation.config)
     store.sweep()
-    if store.free_bytes() < settings.cache_min_free:
-        _skip(slot, f"less than slots.cache_min_free ({settings.cache_min_free >> 20} MiB) is free on disk")
+    if store.free_bytes() < settings.min_free:
+        _skip(slot, f"less than cache.min_free ({settings.min_free >> 20} MiB) is free on disk")
         return None
     try:
         saved = await save_into(generation, store, slot, settings.min_tokens,
-                                min(settings.cache_entry_max, settings.cache_budget))
+                                min(settings.entry_max, settings.budget))
     except NotSaved as exc:
         if exc.failed:
             log.warning("conversations.save_failed", slot=slot, error=exc.reason)
@@ -161,7 +161,7 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     entry = saved.entry
     conv.written.append((time.time(), entry.bytes))
     METRICS.conv_bytes_written.inc(entry.bytes)
-    evicted = store.evict(settings.cache_budget, keep={entry.key})
+    evicted = store.evict(settings.budget, keep={entry.key})
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
              ms=saved.total_ms, evicted=[e.key for e in evicted])
     return entry
@@ -176,7 +176,7 @@ def _skip(slot: int, reason: str) -> None:
 
 async def _bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
                       tokens: list[int]) -> None:
-    settings = SLOTS.of(generation.config)
+    settings = CACHE.of(generation.config)
     entry, shared = store.best(tokens)
     in_slot = common_prefix(book_of(generation).holds(slot), tokens)
     candidate = None

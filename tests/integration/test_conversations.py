@@ -13,7 +13,8 @@ from tests.helpers import Wrapper, http, running
 
 TOKEN = "conversations-token"
 CONFIG = """
-slots: {{dir: {dir}{extra}}}
+slots: {{dir: {dir}}}
+cache: {{{extra}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
@@ -21,8 +22,8 @@ hooks:
 FILLER = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
 
 
-def config(tmp_path: Path, **slots: Any) -> str:
-    extra = "".join(f", {key}: {value}" for key, value in slots.items())
+def config(tmp_path: Path, **cache: Any) -> str:
+    extra = ", ".join(f"{key}: {value}" for key, value in cache.items())
     return CONFIG.format(dir=tmp_path / "slots", extra=extra)
 
 
@@ -79,7 +80,7 @@ def test_the_disk_budget_holds_and_the_most_recent_come_back(tmp_path: Path, ser
         chats[1].turn(wrapper.url)
         entry = conversations(wrapper)["entries"][0]["bytes"]
     budget = int(2.5 * entry)  # room for two of them
-    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path, cache_budget=budget)) as wrapper:
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path, budget=budget)) as wrapper:
         for chat in chats[2:]:
             chat.turn(wrapper.url)
         cache = conversations(wrapper)

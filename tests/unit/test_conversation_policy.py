@@ -16,9 +16,9 @@ MB = 1_000_000
     ("no rates yet", Candidate(3000, 0, 300 * MB), Rates(), RULE, True,
      "wins 3000 tokens (no prefill rate measured yet)"),
     ("no rates yet, too little to win", Candidate(200, 0, 1 * MB), Rates(), RULE, False,
-     "only 200 tokens to win (slots.min_tokens 256)"),
+     "only 200 tokens to win (cache.min_tokens 256)"),
     ("a tiny gain over what the slot holds", Candidate(3000, 2900, 300 * MB), MEASURED, RULE, False,
-     "only 100 tokens to win (slots.min_tokens 256)"),
+     "only 100 tokens to win (cache.min_tokens 256)"),
     ("a quick restore", Candidate(3000, 0, 300 * MB), MEASURED, RULE, True, "wins 3000 tokens"),  # 0.15 s < 1.5 s
     ("a slow restore", Candidate(3000, 0, 300 * MB), MEASURED, Rule(256, 1.2, restore_bps=100 * MB), False,
      "a prefill is quicker"),  # 3 s against 1.5 s

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hooks.cachesettings import CACHE
 from tests.helpers import ROOT
 from wrapper import extensions
 from wrapper.config import ConfigError, parse_config
@@ -44,3 +45,14 @@ def test_the_readme_tables_are_the_declarations() -> None:
     for section in extensions.sections():
         assert section.table() in readme, f"README.md lacks the table of {section.name}:, which is now:\n" + \
             section.table()
+
+
+def test_a_key_that_moved_to_the_cache_section_names_its_new_place() -> None:
+    text = "slots:\n  dir: /tmp/s\n  cache_budget: 1GiB\n  restore_rate: 1MB\ncache:\n  entry_max: 2GiB\n"
+    with pytest.raises(ConfigError) as caught:
+        extensions.parse(text, "t.yaml")
+    message = str(caught.value)
+    assert "t.yaml:3: slots.cache_budget has moved: write it as cache.budget" in message
+    assert "t.yaml:4: slots.restore_rate has moved: write it as cache.restore_rate" in message
+    config = extensions.parse("cache:\n  enabled: false\n  budget: 1GiB\n", "t.yaml")
+    assert CACHE.of(config).enabled is False and CACHE.of(config).budget == 1 << 30
