@@ -12,19 +12,25 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks import conversations, server_reload, slots
+from hooks import conversations, media, server_reload, slots
 from hooks.cachesettings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
 from hooks.degrade.settings import DEGRADE
 from hooks.fitting import fit_for_slots
+from hooks.media import fit as media_fit
+from hooks.media import idle as media_idle
+from hooks.media import report as media_report
+from hooks.media import step as media_step
+from hooks.media.settings import MEDIA
+from wrapper import paths
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
 from wrapper.kept import Kept
 from wrapper.launch import Fitting, Launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
-from wrapper.steps import Before, Growth
+from wrapper.steps import Before, Growth, Shown
 
 Options = Mapping[str, Any]
 ActionFn = Callable[[Generation, Options], Awaitable[str | None]]
@@ -61,7 +67,8 @@ class Builtin:
       in use          `in_use(config)`, else a hook names one of its actions; settled once per generation
       before a start  `fit`: the child's argv, after the fits of the families named in `after`
       a request       `before` steps (after those of `after`), then `observer` watches the response; `growth`
-                      when llama-server answers a context overflow
+                      when llama-server answers a context overflow; `shown` rewrites what a GET of /props or
+                      /v1/models answers
       ready to stop   `background` runs from ready until the stop; `server_line` sees each output line
       a reload        `hand_over` on the old generation before it stops, `take_over` on the new one before it
                       serves, `reload_report` in the reload's answer
@@ -76,6 +83,7 @@ class Builtin:
     fit: Fit | None = None  # `asks`: what a move of a built-in asks the next fit for
     before: tuple[Before, ...] = ()
     growth: Growth | None = None
+    shown: Shown | None = None
     observer: Callable[[Generation], Observer | None] | None = None
     status: Callable[[Generation], dict[str, Any]] | None = None
     metrics: Callable[[Generation], None] | None = None
@@ -118,8 +126,15 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         hand_over=slots.save_step, take_over=slots.take_over,
         reload_report=slots.restore_report,
     ),
-    Builtin(  # the conversation cache: on with the slot built-ins; after them: it reads what they restored
-        family=conversations.FAMILY, after=(slots.FAMILY,), settings=CACHE, in_use=conversations.in_use,
+    Builtin(  # on always: without a projector a media request is its 400; the projector on demand
+        family=media.FAMILY, settings=MEDIA, in_use=lambda config: True, fit=media_fit.fit,
+        before=(Before(paths.CARRYING_MEDIA, media_step.before),),
+        shown=Shown(paths.DESCRIBING, media_report.applies, media_report.shown),
+        status=media_report.status, metrics=media_report.metrics, background=media_idle.drop_when_idle,
+    ),
+    Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and
+        # after media (a conversation with an image comes back into a server with the projector)
+        family=conversations.FAMILY, after=(slots.FAMILY, media.FAMILY), settings=CACHE, in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics,
     ),
@@ -128,8 +143,9 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         actions={"server.reload": BuiltinAction(server_reload.run, server_reload.check,
                                                 doc="reconfigure a wrapper's llama-server (POST /wrapper/reload)")},
     ),
-    Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence
-        family=DEGRADE_FAMILY, after=(slots.FAMILY,), settings=DEGRADE,
+    Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence, and counts the projector
+        # only while media's fit keeps it
+        family=DEGRADE_FAMILY, after=(slots.FAMILY, media.FAMILY), settings=DEGRADE,
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,

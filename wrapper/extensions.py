@@ -21,7 +21,7 @@ from wrapper.launch import Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
-from wrapper.steps import Before, Growth
+from wrapper.steps import Before, Growth, Shown
 
 log = structlog.get_logger()
 
@@ -160,6 +160,12 @@ def background(host: Host) -> list[Coroutine[Any, Any, None]]:
 def growth(generation: Generation) -> Growth | None:
     """The built-in that grows the context for a request that overflows it, if one is in use."""
     return next((b.growth for b in in_use(generation) if b.growth is not None), None)
+
+
+def shown(generation: Generation, path: str) -> list[Shown]:
+    """What rewrites llama-server's answer to a GET of `path` now (what clients are told of the server)."""
+    return [b.shown for b in in_use(generation) if b.shown is not None and path in b.shown.paths
+            and b.shown.applies(generation)]
 
 
 def before(generation: Generation) -> list[Before]:

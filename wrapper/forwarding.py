@@ -23,7 +23,7 @@ from wrapper.generation import Generation
 from wrapper.proxy import STARTED, Caught, Held, broken_off, forward, json_error, json_object
 from wrapper.serving import Serving
 from wrapper.sse import Events, as_answer
-from wrapper.steps import CannotGrow, Grown, Growth, Outgoing, Reply
+from wrapper.steps import CannotGrow, Grown, Growth, Outgoing, Reply, Shown
 
 log = structlog.get_logger()
 
@@ -37,6 +37,8 @@ MAX_GROWTHS = 3
 async def forward_request(request: web.Request, serving: Serving, path: str) -> web.StreamResponse:
     """Forward one request: as a stream, or read whole when a step or a growth may need it again."""
     generation = serving.current
+    if request.method == "GET" and (rewrites := extensions.shown(generation, path)):
+        return await _shown(request, serving, path, rewrites)
     growth = extensions.growth(generation) if path in paths.GENERATING else None
     steps = [step for step in extensions.before(generation) if path in step.paths]
     if request.method != "POST" or (growth is None and not steps) or (request.content_length or 0) > BODY_LIMIT:
@@ -118,6 +120,18 @@ async def _growing(request: web.Request, serving: Serving, growth: Growth, path:
         return web.json_response(earlier)
     assert isinstance(result, Caught)  # it overflowed after every growth: the client gets the last refusal
     return web.json_response(result.payload, status=result.status)
+
+
+async def _shown(request: web.Request, serving: Serving, path: str, rewrites: list[Shown]) -> web.StreamResponse:
+    """llama-server's answer to a GET, rewritten by the built-ins that say what clients are told of it."""
+    result = await _exchange(request, serving, path, None, lambda payload, status: status == 200)
+    if not isinstance(result, Caught):
+        assert isinstance(result, web.StreamResponse)
+        return result
+    answer = result.payload
+    for rewrite in rewrites:
+        answer = rewrite.rewrite(serving.current, path, answer)
+    return web.json_response(answer, status=result.status)
 
 
 async def _read_whole(request: web.Request, limit: int) -> bytes | None:

@@ -53,6 +53,10 @@ class Metrics:
         self.degrade_context = Gauge("llama_wrapper_degrade_context_tokens", "The context the rung runs with",
                                      registry=r)
         self.degrade_budget = Gauge("llama_wrapper_degrade_budget_bytes", "The memory budget", registry=r)
+        self.projector_loaded = Gauge("llama_wrapper_projector_loaded", "1 while llama-server runs with the "
+                                      "projector (--mmproj)", registry=r)
+        self.projector_changes = Counter("llama_wrapper_projector_changes", "Reloads that loaded or dropped the "
+                                         "projector, and media requests refused without one", ["change"], registry=r)
         for state in State:
             self.state.labels(state=str(state)).set(0)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wrapper.config import Config
-from wrapper.generation import Host
+from wrapper.generation import Generation, Host
 
 
 @dataclass
@@ -40,6 +40,16 @@ class Before:
 
     paths: tuple[str, ...]
     run: Callable[[Host, Outgoing], Awaitable[Outgoing | Reply]]
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What clients are told of the server: llama-server's JSON answer to a GET of one of `paths`, rewritten
+    while `applies` (the media built-in: the modalities a projector loaded on demand will give)."""
+
+    paths: tuple[str, ...]
+    applies: Callable[[Generation], bool]
+    rewrite: Callable[[Generation, str, dict[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)

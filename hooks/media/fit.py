@@ -1,0 +1,34 @@
+"""The media built-in's argv: with `media.projector: on_demand`, the user's `--mmproj` only while wanted.
+Runs before degrade's fit, so the memory planner counts the projector only while it is loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hooks.media import FAMILY
+from hooks.media.settings import on_demand
+from hooks.media.state import STATE
+from wrapper import argv as args
+from wrapper.config import Config
+from wrapper.kept import Kept
+from wrapper.launch import Fitting, Launch
+
+ASK = "projector"  # asks: {"media": {"projector": True | False}}
+
+
+def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
+    if not on_demand(config) or not args.has(argv, args.MMPROJ):
+        return Fitting(list(argv))
+    kept = shared.get(STATE)
+    asked = (asks.get(FAMILY) or {}).get(ASK)
+    if isinstance(asked, bool):
+        kept.wanted = asked
+    if kept.wanted:
+        return Fitting(list(argv), fitted=True)
+    projector = args.get(argv, args.MMPROJ)
+    done = Fitting(args.remove(argv, args.MMPROJ), fitted=False)
+    done.note(f"--mmproj {projector} left out",
+              "media.projector: on_demand: it is loaded (a reload) when the first request with an image or "
+              "audio arrives, and dropped after media.idle without one")
+    return done

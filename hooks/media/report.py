@@ -1,0 +1,95 @@
+"""What the media built-in tells: its part of /wrapper/status and /metrics, and what clients are told of the
+model while the projector is not loaded (/props `modalities`, /v1/models `input_modalities` and
+`capabilities`, as llama-server shows them with it), so that a front-end offers its image button."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hooks.media.settings import MEDIA, on_demand
+from hooks.media.state import configured, loaded, state
+from wrapper import argv as args
+from wrapper.generation import Generation
+from wrapper.gguf_meta import GGUFError, read_metadata
+from wrapper.metrics import METRICS
+
+
+def status(generation: Generation) -> dict[str, Any]:
+    kept, settings = state(generation), MEDIA.of(generation.config)
+    idle = None if kept.last_media_at is None else round(time.monotonic() - kept.last_media_at, 1)
+    return {"projector": settings.projector, "configured": configured(generation.config),
+            "loaded": loaded(generation), "idle_s": idle, "drop_after_s": settings.idle, "in_flight": kept.in_flight,
+            "loads": kept.loads, "drops": kept.drops, "refused": kept.refused, "decisions": list(kept.decisions)}
+
+
+def metrics(generation: Generation) -> None:
+    METRICS.projector_loaded.set(1 if loaded(generation) else 0)
+
+
+def promised(generation: Generation) -> dict[str, bool] | None:
+    """The modalities clients are told while the projector waits to be loaded; None when nothing is promised
+    (it is loaded, or not on demand)."""
+    config = generation.config
+    if not on_demand(config) or not configured(config) or loaded(generation):
+        return None
+    kept = state(generation)
+    if kept.modalities:
+        return dict(kept.modalities)  # as the server said when it had the projector
+    return _from_file(args.get(config.argv, args.MMPROJ))
+
+
+def applies(generation: Generation) -> bool:
+    """With a projector in the argv every /props is looked at (its modalities learnt, its media marker kept:
+    a reload draws another), and with it on demand /props and /v1/models say what it will give."""
+    return configured(generation.config)
+
+
+def _from_file(path: str | None) -> dict[str, bool]:
+    """From the projector's own header (clip.has_vision_encoder / clip.has_audio_encoder); vision when it
+    cannot be read (a URL, an unreadable file)."""
+    vision, audio = True, False
+    if path is not None:
+        try:
+            meta = read_metadata(path)
+            vision = bool(meta.get("clip.has_vision_encoder", True))
+            audio = bool(meta.get("clip.has_audio_encoder", False))
+        except (OSError, GGUFError):
+            pass
+    return {"vision": vision, "video": vision, "audio": audio}
+
+
+def learn(generation: Generation, props: dict[str, Any]) -> None:
+    """Keep what a server with the projector says it sees, for when it is not loaded."""
+    seen = props.get("modalities")
+    if loaded(generation) and isinstance(seen, dict):
+        state(generation).modalities = {str(k): bool(v) for k, v in seen.items()}
+
+
+def shown(generation: Generation, path: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """/props and /v1/models as they would be with the projector loaded."""
+    if path == "/props":
+        learn(generation, answer)
+        if isinstance(marker := answer.get("media_marker"), str) and marker:
+            state(generation).markers.add(marker)
+    sees = promised(generation)
+    if sees is None:
+        return answer
+    if path == "/props":
+        return {**answer, "modalities": {**(answer.get("modalities") or {}), **sees}}
+    models = answer.get("data")
+    if isinstance(models, list):
+        inputs = ["text", *(name for name, on in (("image", sees.get("vision")), ("audio", sees.get("audio")),
+                                                  ("video", sees.get("video"))) if on)]
+        answer = {**answer, "data": [_model_with(model, inputs) for model in models]}
+    return answer
+
+
+def _model_with(model: Any, inputs: list[str]) -> Any:
+    if not isinstance(model, dict):
+        return model
+    capabilities = list(model.get("capabilities") or [])
+    if "multimodal" not in capabilities:
+        capabilities.append("multimodal")
+    known = list(model.get("input_modalities") or ["text"])
+    return {**model, "input_modalities": known + [i for i in inputs if i not in known], "capabilities": capabilities}
