@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks import conversations, media, server_reload, slots
+from hooks import conversations, media, server_reload, slots, spec
 from hooks.cachesettings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
@@ -23,6 +23,12 @@ from hooks.media import idle as media_idle
 from hooks.media import report as media_report
 from hooks.media import step as media_step
 from hooks.media.settings import MEDIA
+from hooks.spec import control as spec_control
+from hooks.spec import fit as spec_fit
+from hooks.spec import report as spec_report
+from hooks.spec import settings as spec_settings
+from hooks.spec import track as spec_track
+from hooks.spec.settings import SPEC
 from wrapper import paths
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
@@ -132,6 +138,11 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         shown=Shown(paths.DESCRIBING, media_report.applies, media_report.shown),
         status=media_report.status, metrics=media_report.metrics, background=media_idle.drop_when_idle,
     ),
+    Builtin(  # with spec.when: alone
+        family=spec.FAMILY, settings=SPEC, in_use=spec_settings.switching, fit=spec_fit.fit,
+        before=(Before(paths.GENERATING, spec_track.before),), observer=spec_track.observer,
+        status=spec_report.status, metrics=spec_report.metrics, background=spec_control.switch_when_calm,
+    ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and
         # after media (a conversation with an image comes back into a server with the projector)
         family=conversations.FAMILY, after=(slots.FAMILY, media.FAMILY), settings=CACHE, in_use=conversations.in_use,
@@ -145,7 +156,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
     Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence, and counts the projector
         # only while media's fit keeps it
-        family=DEGRADE_FAMILY, after=(slots.FAMILY, media.FAMILY), settings=DEGRADE,
+        family=DEGRADE_FAMILY, after=(slots.FAMILY, media.FAMILY, spec.FAMILY), settings=DEGRADE,
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,

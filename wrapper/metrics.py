@@ -55,6 +55,10 @@ class Metrics:
         self.degrade_budget = Gauge("llama_wrapper_degrade_budget_bytes", "The memory budget", registry=r)
         self.projector_loaded = Gauge("llama_wrapper_projector_loaded", "1 while llama-server runs with the "
                                       "projector (--mmproj)", registry=r)
+        self.spec_running = Gauge("llama_wrapper_spec_running", "1 while llama-server runs with its speculative "
+                                  "decoding (spec.when: alone drops it for a crowd)", registry=r)
+        self.spec_switches = Counter("llama_wrapper_spec_switches", "Reloads that switched the draft on or off",
+                                     ["draft"], registry=r)
         self.projector_changes = Counter("llama_wrapper_projector_changes", "Reloads that loaded or dropped the "
                                          "projector, and media requests refused without one", ["change"], registry=r)
         for state in State:

@@ -143,6 +143,7 @@ class Reloader:
             host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
             PROGRESS.begin("reloading: draining")
             await host.drain(old.config.reload_drain_timeout)
+            drain_ms = round((time.monotonic() - began) * 1000, 1)
             PROGRESS.begin("reloading: saving slots")
             saved = await extensions.hand_over(old)
             if not nxt.overlap:
@@ -163,7 +164,7 @@ class Reloader:
             PROGRESS.end()
             if new is not host.current and new.alive:
                 await new.stop()
-        return await self._answer(nxt, True, "reloaded", downtime_ms, saved, restored, new)
+        return await self._answer(nxt, True, "reloaded", downtime_ms, saved, restored, new, drain_ms)
 
     async def _take_over(self, generation: Generation) -> str | None:
         """The built-ins' restore into the new generation, surviving a server that dies under it."""
@@ -189,7 +190,8 @@ class Reloader:
 
     @staticmethod
     async def _answer(nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
-                      saved: str | None, restored: str | None, generation: Generation) -> dict[str, Any]:
+                      saved: str | None, restored: str | None, generation: Generation,
+                      drain_ms: float = 0.0) -> dict[str, Any]:
         context = generation.context
         if context is not None:
             n_ctx = context.slot
@@ -208,7 +210,7 @@ class Reloader:
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
-            "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": changes,
+            "drain_ms": drain_ms, "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": changes,
             "context": ({**context.as_dict(), "asked": nxt.asked_ctx, "why": story.why if story else None}
                         if success and context is not None else None),
             "save": saved, "restore": restored, "slots": extensions.restore_report(generation) if success else [],

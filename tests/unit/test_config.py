@@ -148,7 +148,8 @@ def test_check_prints_the_resolved_hooks(tmp_path: Path) -> None:
     path.write_text(FULL)
     done = _check(path)
     assert done.returncode == 0, done.stderr
-    assert "warm-up" in done.stdout and f"where: {path}:17" in done.stdout and "built-ins:\n- media\n- slots\n- conversations\n" in done.stdout
+    assert "warm-up" in done.stdout and f"where: {path}:17" in done.stdout
+    assert "built-ins:\n- media\n- slots\n- conversations\n" in done.stdout
 
 
 def test_check_a_misspelt_key_exits_2_with_file_and_line(tmp_path: Path) -> None:

@@ -1,0 +1,45 @@
+"""The spec built-in's argv: with `spec.when: alone`, the argv's speculative decoding left out while the
+built-in has dropped it (the same change as the degradation ladder's `disable-spec`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hooks.spec import FAMILY
+from hooks.spec.settings import switching
+from hooks.spec.state import STATE
+from wrapper import argv as args
+from wrapper.config import Config
+from wrapper.kept import Kept
+from wrapper.launch import Fitting, Launch
+from wrapper.reload_plan import plan
+from wrapper.server_help import flag_arity
+
+ASK = "draft"  # asks: {"spec": {"draft": True | False}}
+SPEC_FLAGS = ("-md", "--model-draft", "--spec-draft-model", "-hfd", "--hf-repo-draft", "--spec-type",
+              "--spec-default")
+
+
+def speculates(argv: Sequence[str]) -> bool:
+    """Speculative decoding in the argv: a draft model or a `--spec-type` other than `none`."""
+    kind = args.get(argv, ("--spec-type",))
+    if kind is not None:
+        return kind != "none"
+    return any(args.has(argv, (flag,)) for flag in SPEC_FLAGS)
+
+
+def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
+    if not switching(config) or not speculates(argv):
+        return Fitting(list(argv))
+    kept = shared.get(STATE)
+    asked = (asks.get(FAMILY) or {}).get(ASK)
+    if isinstance(asked, bool):
+        kept.off = not asked
+    if not kept.off:
+        return Fitting(list(argv), fitted=True)
+    without = plan(argv, {"spec": {"types": ["none"]}}, flag_arity(argv[0]))
+    done = Fitting(without.argv, fitted=False)
+    done.note("speculative decoding left out (" + "; ".join(without.changes) + ")",
+              "spec.when: alone: several requests decode at once, or the draft does not pay alone")
+    return done

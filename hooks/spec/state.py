@@ -1,0 +1,75 @@
+"""What the spec built-in keeps for the wrapper's life: how many requests decode now and since when, the
+tokens/s measured (alone and in a crowd, with and without the draft), the last reload's cost, its decisions."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from hooks.spec.rule import Rates
+from wrapper.kept import Key
+
+DECISIONS_KEPT = 20
+WEIGHT = 0.3  # of a new measurement in the running average
+
+
+@dataclass
+class Track:
+    """One request that decodes: the most requests that decoded beside it (itself included), whether the draft
+    ran, and what its answer's timings said."""
+
+    draft: bool
+    most: int = 1
+    per_second: float | None = None
+    predicted: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class SpecState:
+    off: bool = False  # the built-in dropped the draft (its fit leaves the spec flags out)
+    tracks: dict[int, Track] = field(default_factory=dict)
+    crowd_since: float | None = None
+    alone_since: float = field(default_factory=time.monotonic)
+    rates: dict[str, float] = field(default_factory=dict)  # alone_with, alone_without, crowd_with, crowd_without
+    drafted: int = 0
+    accepted: int = 0
+    reload_s: float = 0.0  # the last switch's measured downtime
+    switches: int = 0
+    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
+
+    def began(self, track: Track) -> None:
+        self.tracks[id(track)] = track
+        now = len(self.tracks)
+        for each in self.tracks.values():
+            each.most = max(each.most, now)
+        if now > 1 and self.crowd_since is None:
+            self.crowd_since = time.monotonic()
+
+    def ended(self, track: Track) -> None:
+        self.tracks.pop(id(track), None)
+        if len(self.tracks) <= 1 and self.crowd_since is not None:
+            self.crowd_since = None
+            self.alone_since = time.monotonic()
+        if track.per_second is None or track.predicted < 2:
+            return
+        self.drafted += track.drafted
+        self.accepted += track.accepted
+        bucket = f"{'crowd' if track.most > 1 else 'alone'}_{'with' if track.draft else 'without'}"
+        rate = track.per_second * track.most  # the aggregate of the requests decoding at once
+        old = self.rates.get(bucket)
+        self.rates[bucket] = rate if old is None else (1 - WEIGHT) * old + WEIGHT * rate
+
+    def measured(self) -> Rates:
+        return Rates(**{k: round(v, 2) for k, v in self.rates.items()})
+
+    def decided(self, **decision: Any) -> dict[str, Any]:
+        entry = {"at": round(time.time(), 3), **decision}
+        self.decisions.append(entry)
+        return entry
+
+
+STATE = Key("spec", SpecState)

@@ -1,0 +1,58 @@
+"""The draft rule as a table: alone or in a crowd, with what was measured or given, and the reload's cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from hooks.spec.rule import Rates, decide
+from hooks.spec.state import SpecState, Track
+
+TABLE = [
+    # case, crowd, running, rates, given, reload_s, (draft, switch), reason starts with
+    ("alone, nothing measured without it: as configured", False, True, Rates(alone_with=46), None, 0.1,
+     (True, False), "alone, nothing measured"),
+    ("a crowd, nothing measured there: assumed not to pay", True, True, Rates(alone_with=46), None, 0.1,
+     (False, True), "in a crowd the draft does not pay: 0.75x (assumed"),
+    ("a crowd measured to pay keeps it", True, True, Rates(crowd_with=90, crowd_without=60), None, 0.1,
+     (True, False), "in a crowd the draft pays: 1.50x (measured"),
+    ("alone again after a crowd, nothing measured without: back on", False, False, Rates(alone_with=46), None, 0.1,
+     (True, True), "alone, nothing measured"),
+    ("alone, measured not to pay alone either: stays off", False, False, Rates(alone_with=46, alone_without=122),
+     None, 0.1, (False, False), "alone the draft does not pay: 0.38x (measured alone)"),
+    ("alone, measured not to pay: turned off", False, True, Rates(alone_with=46, alone_without=122), None, 0.1,
+     (False, True), "alone the draft does not pay"),
+    ("alone, given a speedup that pays: back on", False, False, Rates(alone_with=46, alone_without=122), 2.0, 0.1,
+     (True, True), "alone the draft pays: 2.00x (spec.alone_speedup)"),
+    ("a switch that wins less than its reload costs is not made", True, True, Rates(), None, 30.0,
+     (True, False), "in a crowd the draft does not pay: 0.75x (assumed in a crowd until measured (llama.cpp "
+                    "#27342)), but a switch wins"),
+]
+
+
+@pytest.mark.parametrize(("case", "crowd", "running", "rates", "given", "reload_s", "expected", "reason"), TABLE,
+                         ids=[row[0] for row in TABLE])
+def test_the_rule(case: str, crowd: bool, running: bool, rates: Rates, given: float | None, reload_s: float,
+                  expected: tuple[bool, bool], reason: str) -> None:
+    decision = decide(crowd, running, rates, 30.0, reload_s, given)
+    assert (decision.draft, decision.switch) == expected, decision
+    assert decision.reason.startswith(reason), decision.reason
+    assert decision.figures["crowd"] is crowd and decision.figures["reload_s"] == reload_s
+
+
+def test_rates_are_aggregates_of_the_requests_decoding_at_once() -> None:
+    kept = SpecState()
+    one, two = Track(draft=True), Track(draft=True)
+    kept.began(one)
+    assert kept.crowd_since is None
+    kept.began(two)
+    assert kept.crowd_since is not None and one.most == two.most == 2
+    one.per_second, one.predicted = 30.0, 50
+    kept.ended(one)
+    assert kept.crowd_since is None and kept.rates == {"crowd_with": 60.0}
+    kept.ended(two)  # no timings: not measured
+    alone = Track(draft=False)
+    kept.began(alone)
+    alone.per_second, alone.predicted = 120.0, 50
+    kept.ended(alone)
+    assert kept.rates == {"crowd_with": 60.0, "alone_without": 120.0}
+    assert kept.measured() == Rates(crowd_with=60.0, alone_without=120.0)
