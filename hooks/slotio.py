@@ -58,7 +58,7 @@ async def server_settings_of(generation: Generation) -> dict[str, Any]:
 def record_for(settings: dict[str, Any], header: slotfile.SlotFile, generation: Generation) -> dict[str, Any]:
     """What an entry's sidecar says of the state beside its tokens: the model and the KV layout it needs."""
     return {"model": generation.launch.model.as_dict(), "state_version": header.version,
-            **{k: settings[k] for k in _LAYOUT}, "saved_at": time.time()}
+            **{k: settings[k] for k in _LAYOUT}, "media": header.n_media, "saved_at": time.time()}
 
 
 # -- save ---------------------------------------------------------------------------------------------------

@@ -18,8 +18,13 @@ ASK = "projector"  # asks: {"media": {"projector": True | False}}
 
 
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
-    if not on_demand(config) or not args.has(argv, args.MMPROJ):
+    if not on_demand(config):
         return Fitting(list(argv))
+    if not args.has(argv, args.MMPROJ):
+        idle = Fitting(list(argv))
+        idle.note("nothing (media.projector: on_demand)", "the argv names no --mmproj: there is no projector to "
+                  "load, and a request with media gets the wrapper's 400")
+        return idle
     kept = shared.get(STATE)
     asked = (asks.get(FAMILY) or {}).get(ASK)
     if isinstance(asked, bool):

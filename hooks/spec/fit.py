@@ -30,8 +30,13 @@ def speculates(argv: Sequence[str]) -> bool:
 
 
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
-    if not switching(config) or not speculates(argv):
+    if not switching(config):
         return Fitting(list(argv))
+    if not speculates(argv):
+        idle = Fitting(list(argv))
+        idle.note("nothing (spec.when: alone)", "the argv has no speculative decoding to switch (a draft model "
+                  "with --spec-type, or an n-gram --spec-type)")
+        return idle
     kept = shared.get(STATE)
     asked = (asks.get(FAMILY) or {}).get(ASK)
     if isinstance(asked, bool):
