@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hooks.degrade import FAMILY as DEGRADE
 from hooks.media import FAMILY
 from hooks.media.settings import on_demand
 from hooks.media.state import STATE
@@ -29,11 +30,15 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
     asked = (asks.get(FAMILY) or {}).get(ASK)
     if isinstance(asked, bool):
         kept.wanted = asked
+    elif kept.wanted and DEGRADE in asks and kept.in_flight == 0:
+        kept.wanted = False  # a move for memory: an unused projector is the first thing to give up
+        kept.decided(change="given up", why="a memory move (degrade) and no request with media in flight")
     if kept.wanted:
         return Fitting(list(argv), fitted=True)
     projector = args.get(argv, args.MMPROJ)
     done = Fitting(args.remove(argv, args.MMPROJ), fitted=False)
     done.note(f"--mmproj {projector} left out",
               "media.projector: on_demand: it is loaded (a reload) when the first request with an image or "
-              "audio arrives, and dropped after media.idle without one")
+              "audio arrives, and dropped after media.idle without one, or at a memory move (degrade) while "
+              "no request with media is in flight")
     return done

@@ -74,6 +74,12 @@ def test_on_demand_the_projector_is_in_the_argv_only_while_wanted() -> None:
     assert loaded.argv == ARGV and shared.get(STATE).wanted
     assert fit(ARGV, _launch(ARGV), config, shared, {}).argv == ARGV  # another reload keeps it while wanted
     assert fit(ARGV, _launch(ARGV), config, shared, {"media": {"projector": False}}).argv == left_out.argv
+    fit(ARGV, _launch(ARGV), config, shared, {"media": {"projector": True}})
+    shared.get(STATE).in_flight = 1  # a request with media in flight keeps it through a memory move
+    assert fit(ARGV, _launch(ARGV), config, shared, {"degrade": {"rung": 2}}).argv == ARGV
+    shared.get(STATE).in_flight = 0  # unused: the first thing a memory move gives up
+    assert fit(ARGV, _launch(ARGV), config, shared, {"degrade": {"rung": 2}}).argv == left_out.argv
+    assert shared.get(STATE).decisions[-1]["change"] == "given up"
     always = extensions.parse("")
     assert fit(ARGV, _launch(ARGV), always, Kept(), {}).argv == ARGV
 
