@@ -70,7 +70,8 @@ class Builtin:
 
     When each runs, written once (wrapper/extensions.py asks only the built-ins in use):
       at load         `settings` read and checked; `actions` named by hooks checked with their `with:` options
-      in use          `in_use(config)`, else a hook names one of its actions; settled once per generation
+      in use          `in_use(config)`, else a hook names one of its actions; settled once per generation;
+                      `warnings(config)` printed by `check` and logged at a start (`config.warning`)
       before a start  `fit`: the child's argv, after the fits of the families named in `after`
       a request       `before` steps (after those of `after`), then `observer` watches the response; `growth`
                       when llama-server answers a context overflow; `shown` rewrites what a GET of /props or
@@ -86,6 +87,7 @@ class Builtin:
     settings: Section[Any] | None = None  # its section of the config, declared in its own module
     actions: Mapping[str, BuiltinAction] = field(default_factory=dict)
     in_use: Callable[[Config], bool] | None = None
+    warnings: Callable[[Config], list[str]] | None = None  # what works but is probably not meant
     fit: Fit | None = None  # `asks`: what a move of a built-in asks the next fit for
     before: tuple[Before, ...] = ()
     growth: Growth | None = None
@@ -133,13 +135,13 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         reload_report=slots.restore_report,
     ),
     Builtin(  # on always: without a projector a media request is its 400; the projector on demand
-        family=media.FAMILY, settings=MEDIA, in_use=lambda config: True, fit=media_fit.fit,
+        family=media.FAMILY, settings=MEDIA, in_use=lambda config: True, warnings=media_fit.warnings, fit=media_fit.fit,
         before=(Before(paths.CARRYING_MEDIA, media_step.before),),
         shown=Shown(paths.DESCRIBING, media_report.applies, media_report.shown),
         status=media_report.status, metrics=media_report.metrics, background=media_idle.drop_when_idle,
     ),
     Builtin(  # with spec.when: alone
-        family=spec.FAMILY, settings=SPEC, in_use=spec_settings.switching, fit=spec_fit.fit,
+        family=spec.FAMILY, settings=SPEC, in_use=spec_settings.switching, warnings=spec_fit.warnings, fit=spec_fit.fit,
         before=(Before(paths.GENERATING, spec_track.before),), observer=spec_track.observer,
         status=spec_report.status, metrics=spec_report.metrics, background=spec_control.switch_when_calm,
     ),

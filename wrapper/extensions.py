@@ -74,6 +74,11 @@ def in_use(generation: Generation) -> list[Builtin]:
     return generation.state.settle(_IN_USE, lambda: uses(generation.config))
 
 
+def warnings(config: Config) -> list[str]:
+    """What the built-ins a config uses say works but is probably not meant (`check`, and the start's log)."""
+    return [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
+
+
 def launch_for(config: Config, shared: Kept, asks: Mapping[str, Any] | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
     `shared`: the built-ins' lifelong state (what serves keeps it); `asks`: what a built-in's move asks the next

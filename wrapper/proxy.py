@@ -70,7 +70,7 @@ def json_object(raw: bytes) -> dict[str, Any] | None:
     """`raw` as a JSON object, or None when it is not one."""
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than Python's parser goes: passed on as it is
         return None
     return value if isinstance(value, dict) else None
 

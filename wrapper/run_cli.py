@@ -95,7 +95,7 @@ def check(config_path: str | None) -> None:
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
-    for warning in config.warnings:
+    for warning in [*config.warnings, *extensions.warnings(config)]:
         click.echo(f"warning: {warning}", err=True)
     click.echo(yaml.safe_dump(_resolved(config), sort_keys=False, width=110), nl=False)
 

@@ -92,7 +92,7 @@ class Supervisor:
         config, launch = self.serving.current.config, self.serving.current.launch
         for note in launch.notes:
             log.info("argv.rewritten", **note)
-        for warning in config.warnings:
+        for warning in [*config.warnings, *extensions.warnings(config)]:
             log.warning("config.warning", note=warning)
         if launch.admin.token_file is not None and (off := launch.admin.read()[1]) is not None:
             log.warning("admin.off", why=off)

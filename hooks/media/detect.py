@@ -34,8 +34,7 @@ def media_in(payload: Any, depth: int = 0) -> str | None:
 
 
 def _has_content(part: dict[str, Any], kind: str) -> bool:
-    """A part of that type with something in it (Anthropic's `image` needs a `source`; a bare `{"type":
-    "image"}` in some other field is not an image)."""
-    if kind == "image":
-        return "source" in part
-    return any(key != "type" for key in part)
+    """Whether a part of that type is media: Anthropic's `image` only with its `source` (a bare `{"type":
+    "image"}` in some other field is not an image); the others whatever they hold (an empty one still needs
+    the projector to be answered at all)."""
+    return "source" in part if kind == "image" else True

@@ -42,3 +42,10 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
               "audio arrives, and dropped after media.idle without one, or at a memory move (degrade) while "
               "no request with media is in flight")
     return done
+
+
+def warnings(config: Config) -> list[str]:
+    if on_demand(config) and config.argv and not args.has(config.argv, args.MMPROJ):
+        return ["media.projector: on_demand, but the server's argv names no --mmproj: there is nothing to load "
+                "(a request with media gets the wrapper's 400); add --mmproj FILE"]
+    return []

@@ -77,19 +77,28 @@ def shown(generation: Generation, path: str, answer: dict[str, Any]) -> dict[str
         return answer
     if path == "/props":
         return {**answer, "modalities": {**(answer.get("modalities") or {}), **sees}}
-    models = answer.get("data")
-    if isinstance(models, list):
-        inputs = ["text", *(name for name, on in (("image", sees.get("vision")), ("audio", sees.get("audio")),
-                                                  ("video", sees.get("video"))) if on)]
-        answer = {**answer, "data": [_model_with(model, inputs) for model in models]}
+    inputs = ["text", *(name for name, on in (("image", sees.get("vision")), ("audio", sees.get("audio")),
+                                              ("video", sees.get("video"))) if on)]
+    data, models = answer.get("data"), answer.get("models")
+    if isinstance(data, list):  # OpenAI's list: `architecture.input_modalities`
+        answer = {**answer, "data": [_with_inputs(entry, inputs) for entry in data]}
+    if isinstance(models, list):  # llama-server's own list: `capabilities`
+        answer = {**answer, "models": [_with_capability(entry) for entry in models]}
     return answer
 
 
-def _model_with(model: Any, inputs: list[str]) -> Any:
-    if not isinstance(model, dict):
-        return model
-    capabilities = list(model.get("capabilities") or [])
-    if "multimodal" not in capabilities:
-        capabilities.append("multimodal")
-    known = list(model.get("input_modalities") or ["text"])
-    return {**model, "input_modalities": known + [i for i in inputs if i not in known], "capabilities": capabilities}
+def _with_inputs(entry: Any, inputs: list[str]) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    found = entry.get("architecture")
+    architecture: dict[str, Any] = found if isinstance(found, dict) else {}
+    known = list(architecture.get("input_modalities") or ["text"])
+    return {**entry, "architecture": {**architecture,
+                                      "input_modalities": known + [i for i in inputs if i not in known]}}
+
+
+def _with_capability(entry: Any) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    capabilities = list(entry.get("capabilities") or [])
+    return {**entry, "capabilities": capabilities + ([] if "multimodal" in capabilities else ["multimodal"])}

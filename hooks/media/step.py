@@ -27,6 +27,7 @@ from wrapper.steps import Outgoing, Reply
 log = structlog.get_logger()
 
 RETRY_AFTER_S = "5"
+DEFAULT_MARKER = "<__media__>"  # mtmd's documented default, which the pinned server no longer takes
 _SEES = {"image": "vision", "video": "vision", "audio": "audio"}  # the /props modality each kind needs
 
 
@@ -106,7 +107,7 @@ async def _current_marker(host: Host, out: Outgoing) -> None:
     prompts = prompt if isinstance(prompt, list) else [prompt]
     kept = state(host.current)
     marker = (await _server(host.current)).get("marker")
-    old = [m for m in kept.markers if m != marker]
+    old = [m for m in {*kept.markers, DEFAULT_MARKER} if m != marker]
     if not marker or not old:
         return
     changed = False

@@ -22,11 +22,17 @@ SPEC_FLAGS = ("-md", "--model-draft", "--spec-draft-model", "-hfd", "--hf-repo-d
 
 
 def speculates(argv: Sequence[str]) -> bool:
-    """Speculative decoding in the argv: a draft model or a `--spec-type` other than `none`."""
+    """Speculative decoding in the argv: a `--spec-type` other than `none` (with its draft model, or an n-gram
+    type), or `--spec-default`. A draft model alone (`-md`) drafts nothing: `--spec-type` defaults to none."""
     kind = args.get(argv, ("--spec-type",))
     if kind is not None:
         return kind != "none"
-    return any(args.has(argv, (flag,)) for flag in SPEC_FLAGS)
+    return args.has(argv, ("--spec-default",))
+
+
+def drafts_nothing(argv: Sequence[str]) -> bool:
+    """A draft model is loaded but `--spec-type` is not given: it costs its memory and drafts nothing."""
+    return not speculates(argv) and any(args.has(argv, (flag,)) for flag in SPEC_FLAGS if flag != "--spec-type")
 
 
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
@@ -48,3 +54,14 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
     done.note("speculative decoding left out (" + "; ".join(without.changes) + ")",
               "spec.when: alone: several requests decode at once, or the draft does not pay alone")
     return done
+
+
+def warnings(config: Config) -> list[str]:
+    argv = config.argv
+    if not switching(config) or not argv or speculates(argv):
+        return []
+    if drafts_nothing(argv):
+        return ["spec.when: alone, but the draft model is given without --spec-type, which defaults to none: it "
+                "drafts nothing; add --spec-type draft-simple (or another type)"]
+    return ["spec.when: alone, but the server's argv has no speculative decoding to switch (a draft model with "
+            "--spec-type, or an n-gram --spec-type)"]

@@ -52,7 +52,8 @@ def test_the_first_image_loads_the_projector_every_conversation_is_kept_and_idle
         props = json.loads(http("GET", f"{wrapper.url}/props")[2])
         assert props["modalities"]["vision"] is True  # a front-end offers its image button
         models = json.loads(http("GET", f"{wrapper.url}/v1/models")[2])
-        assert "image" in models["data"][0]["input_modalities"] and "multimodal" in models["data"][0]["capabilities"]
+        assert models["data"][0]["architecture"]["input_modalities"] == ["text", "image", "video"]
+        assert "multimodal" in models["models"][0]["capabilities"]  # as llama-server says them with it
         marker_before = props["media_marker"]
 
         text = [{"role": "user", "content": "Remember this story. " + STORY}]

@@ -18,6 +18,7 @@ from wrapper.generation import Generation
 from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.model import Model
+from wrapper.proxy import json_object
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 TABLE: list[tuple[str, Any, str | None]] = [
@@ -38,6 +39,8 @@ TABLE: list[tuple[str, Any, str | None]] = [
     ("Anthropic image block", {"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]}, "image"),
     ("a bare type image elsewhere", {"response_format": {"type": "image"}}, None),
+    ("an empty image_url part still needs the projector", {"messages": [{"role": "user", "content": [
+        {"type": "image_url"}]}]}, "image"),
     ("/completion multimodal_data", {"prompt": {"prompt_string": "<__media__> what?", "multimodal_data": ["AA"]}},
      "image"),
     ("empty multimodal_data", {"prompt": {"prompt_string": "hi", "multimodal_data": []}}, None),
@@ -96,9 +99,11 @@ def test_while_it_waits_clients_are_told_the_model_sees_images() -> None:
     waiting.launch = _launch(["llama-server", "-m", "m.gguf"])  # started without it
     props = shown(waiting, "/props", {"modalities": {"vision": False, "audio": False}, "total_slots": 1})
     assert props == {"modalities": {"vision": True, "video": True, "audio": False}, "total_slots": 1}
-    models = shown(waiting, "/v1/models", {"data": [{"id": "m", "capabilities": ["completion"]}]})
-    assert models["data"][0]["input_modalities"] == ["text", "image", "video"]
-    assert models["data"][0]["capabilities"] == ["completion", "multimodal"]
+    models = shown(waiting, "/v1/models", {  # llama-server's answer without the projector
+        "models": [{"name": "m", "capabilities": ["completion"]}],
+        "data": [{"id": "m", "architecture": {"input_modalities": ["text"], "tokenizer": "x"}}]})
+    assert models["data"][0]["architecture"] == {"input_modalities": ["text", "image", "video"], "tokenizer": "x"}
+    assert models["models"][0]["capabilities"] == ["completion", "multimodal"]
     always = _generation("", ["llama-server", "-m", "m.gguf"])
     assert shown(always, "/props", {"modalities": {"vision": False}}) == {"modalities": {"vision": False}}
 
@@ -109,3 +114,15 @@ def test_what_a_server_with_the_projector_said_is_what_is_promised_later() -> No
     without = cast(Generation, type("G", (), {"config": with_it.config, "shared": with_it.shared,
                                               "launch": _launch(["llama-server", "-m", "m.gguf"])})())
     assert shown(without, "/props", {"modalities": {}})["modalities"] == {"vision": True, "audio": True}
+
+
+def test_check_warns_of_a_projector_on_demand_with_nothing_to_load() -> None:
+    config = replace(extensions.parse("media: {projector: on_demand}\n"), argv=("llama-server", "-m", "m.gguf"))
+    (warning,) = extensions.warnings(config)
+    assert "names no --mmproj" in warning and "add --mmproj FILE" in warning
+    assert extensions.warnings(replace(config, argv=tuple(ARGV))) == []
+    assert extensions.warnings(extensions.parse("media: {projector: on_demand}\n")) == []  # argv after --
+
+
+def test_a_body_nested_deeper_than_the_parser_goes_is_passed_on() -> None:
+    assert json_object(b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}") is None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from hooks.spec.fit import speculates
 from hooks.spec.rule import Rates, decide
 from hooks.spec.state import SpecState, Track
+from wrapper import extensions
 
 TABLE = [
     # case, crowd, running, rates, given, reload_s, (draft, switch), reason starts with
@@ -15,7 +19,9 @@ TABLE = [
      (False, True), "in a crowd the draft does not pay: 0.75x (assumed"),
     ("a crowd measured to pay keeps it", True, True, Rates(crowd_with=90, crowd_without=60), None, 0.1,
      (True, False), "in a crowd the draft pays: 1.50x (measured"),
-    ("alone again after a crowd, nothing measured without: back on", False, False, Rates(alone_with=46), None, 0.1,
+    ("alone again after a crowd, nothing measured without: off until measured", False, False, Rates(alone_with=46),
+     None, 0.1, (False, False), "alone, the draft off: kept off until"),
+    ("off, and nothing measured with it either: as configured", False, False, Rates(), None, 0.1,
      (True, True), "alone, nothing measured"),
     ("alone, measured not to pay alone either: stays off", False, False, Rates(alone_with=46, alone_without=122),
      None, 0.1, (False, False), "alone the draft does not pay: 0.38x (measured alone)"),
@@ -56,3 +62,23 @@ def test_rates_are_aggregates_of_the_requests_decoding_at_once() -> None:
     kept.ended(alone)
     assert kept.rates == {"crowd_with": 60.0, "alone_without": 120.0}
     assert kept.measured() == Rates(crowd_with=60.0, alone_without=120.0)
+
+
+@pytest.mark.parametrize(("argv", "drafting"), [
+    (["-m", "m", "-md", "d", "--spec-type", "draft-simple"], True),
+    (["-m", "m", "--spec-type", "ngram-mod"], True),
+    (["-m", "m", "--spec-default"], True),
+    (["-m", "m", "-md", "d"], False),  # --spec-type defaults to none: the draft model drafts nothing
+    (["-m", "m", "-md", "d", "--spec-type", "none"], False),
+    (["-m", "m"], False),
+])
+def test_what_counts_as_speculative_decoding(argv: list[str], drafting: bool) -> None:
+    assert speculates(argv) is drafting
+
+
+def test_check_warns_of_a_draft_that_drafts_nothing() -> None:
+    config = extensions.parse("spec: {when: alone}\n")
+    (warning,) = extensions.warnings(replace(config, argv=("llama-server", "-m", "m", "-md", "d")))
+    assert "drafts nothing" in warning and "--spec-type draft-simple" in warning
+    (nothing,) = extensions.warnings(replace(config, argv=("llama-server", "-m", "m")))
+    assert "no speculative decoding to switch" in nothing
