@@ -16,7 +16,8 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,7 +31,16 @@ from hooks import slotfile
 TYPES = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
 _BY_ID = {int(qtype): name for name, qtype in TYPES.items()}
 _ELEMENTS = {"f32": (1, 4), "f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}  # values, bytes per block
-ROWS_PER_PIECE = 4096  # rows converted at a time: bounded memory whatever the file size
+PIECE_BYTES = 1 << 20  # input converted at a time: cache-sized, and bounded memory whatever the file size
+WORKERS = max(1, min(8, os.cpu_count() or 1))  # pieces converted at once (numpy leaves the GIL to them)
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvconvert")
+    return _POOL
 
 
 class NotConvertible(Exception):
@@ -58,7 +68,8 @@ def hadamard(n: int) -> np.ndarray[Any, np.dtype[np.float32]]:
 
 
 def rotate(values: np.ndarray[Any, np.dtype[np.float32]], n: int) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """Each chunk of n values times `hadamard(n)` (one matrix product: faster here than a butterfly)."""
+    """Each chunk of n values times `hadamard(n)` (one matrix product, which the BLAS runs on every core:
+    faster here than a butterfly or two Kronecker factors)."""
     return np.asarray(values.reshape(-1, n) @ hadamard(n), dtype=np.float32).reshape(values.shape)
 
 
@@ -143,17 +154,37 @@ def _layer(data: slotfile.Buffer, layer: slotfile.Layer, out: BinaryIO, cells: i
         raise NotConvertible(f"rows of {n_embd} values do not split into {target} blocks or rotation chunks")
     out.write(struct.pack("<iQ", int(TYPES[target]), n_embd // out_per_block * out_block_bytes))
     rows = np.frombuffer(data, dtype=np.uint8, count=cells * row_size, offset=layer.start).reshape(cells, row_size)
-    for first in range(0, cells, ROWS_PER_PIECE):
-        piece = np.ascontiguousarray(rows[first:first + ROWS_PER_PIECE])
-        if source == target and src_rot == dst_rot:
-            out.write(piece.tobytes())
-            continue
-        values = _decode(piece, source)
-        if src_rot:
-            values = rotate(values, src_rot)  # H·H = I: the same product undoes the source's rotation
-        if dst_rot:
-            values = rotate(values, dst_rot)
-        out.write(_encode(values, target).tobytes())
+    if source == target and src_rot == dst_rot:
+        out.write(rows.tobytes())
+        return
+    per_piece = max(1, PIECE_BYTES // row_size)
+    pieces = (rows[first:first + per_piece] for first in range(0, cells, per_piece))
+    convert_one: Callable[[Any], bytes] = lambda piece: _piece(piece, source, target, src_rot, dst_rot)  # noqa: E731
+    # a rotation's product runs on every core already: pieces on threads beside it only fight over them
+    converted = map(convert_one, pieces) if src_rot or dst_rot else _in_order(convert_one, pieces)
+    for done in converted:
+        out.write(done)
+
+
+def _piece(piece: np.ndarray[Any, np.dtype[np.uint8]], source: str, target: str, src_rot: int,
+           dst_rot: int) -> bytes:
+    values = _decode(np.ascontiguousarray(piece), source)
+    if src_rot:
+        values = rotate(values, src_rot)  # H·H = I: the same product undoes the source's rotation
+    if dst_rot:
+        values = rotate(values, dst_rot)
+    return _encode(values, target).tobytes()
+
+
+def _in_order(work: Callable[[Any], bytes], items: Iterator[Any]) -> Iterator[bytes]:
+    """`work` over `items` on WORKERS threads, results in order, at most 2 x WORKERS pieces in memory."""
+    pool, pending = _pool(), []
+    for item in items:
+        pending.append(pool.submit(work, item))
+        if len(pending) >= 2 * WORKERS:
+            yield pending.pop(0).result()
+    for future in pending:
+        yield future.result()
 
 
 def _decode(piece: np.ndarray[Any, np.dtype[np.uint8]], source: str) -> np.ndarray[Any, np.dtype[np.float32]]:
