@@ -44,6 +44,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
                   "with --spec-type, or an n-gram --spec-type)")
         return idle
     kept = shared.get(STATE)
+    kept.keep(launch.model.id, config.argv)  # this machine's rates for this setup, from an earlier run
     asked = (asks.get(FAMILY) or {}).get(ASK)
     if isinstance(asked, bool):
         kept.off = not asked

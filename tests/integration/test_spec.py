@@ -62,7 +62,8 @@ def switched(wrapper: Wrapper, draft: bool) -> list[dict[str, Any]]:
 
 def test_a_crowd_turns_the_draft_off_and_alone_it_comes_back_when_it_pays(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
-    with running(tmp_path, argv(server_bin, demo_path), CONFIG.format(extra=", alone_speedup: 2")) as wrapper:
+    with running(tmp_path, argv(server_bin, demo_path), CONFIG.format(extra=", alone_speedup: 2"),
+                 env={"XDG_CACHE_HOME": str(tmp_path / "cache")}) as wrapper:
         assert one(wrapper.url)["timings"]["draft_n"] > 0
         bodies = crowd(wrapper.url)
         assert all(answered_whole(body) for body in bodies), [b[-300:] for b in bodies]
@@ -81,7 +82,8 @@ def test_a_crowd_turns_the_draft_off_and_alone_it_comes_back_when_it_pays(
 
 def test_measured_not_to_pay_alone_the_draft_stays_off_and_the_log_says_why(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
-    with running(tmp_path, argv(server_bin, demo_path), CONFIG.format(extra="")) as wrapper:
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # this machine's rates: none yet, kept for the next
+    with running(tmp_path, argv(server_bin, demo_path), CONFIG.format(extra=""), env=cache) as wrapper:
         assert one(wrapper.url)["timings"]["draft_n"] > 0  # alone with the draft: measured
         assert all(answered_whole(body) for body in crowd(wrapper.url))
         wait_for(lambda: switched(wrapper, False) and wrapper.status()["state"] == "ready", 60, "the draft off")
@@ -96,3 +98,7 @@ def test_measured_not_to_pay_alone_the_draft_stays_off_and_the_log_says_why(
         assert rates["alone_with"] and rates["alone_without"]
         assert not switched(wrapper, True) and not running_draft(wrapper)
         assert wrapper.stop() == 0
+    with running(tmp_path, argv(server_bin, demo_path), CONFIG.format(extra=""), env=cache) as again:
+        kept = again.status()["spec"]["rates"]  # a wrapper started again (llama-swap) knows them already
+        assert kept["alone_with"] and kept["alone_without"]
+        assert again.stop() == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,21 @@ def test_check_warns_of_a_draft_that_drafts_nothing() -> None:
     assert "drafts nothing" in warning and "--spec-type draft-simple" in warning
     (nothing,) = extensions.warnings(replace(config, argv=("llama-server", "-m", "m")))
     assert "no speculative decoding to switch" in nothing
+
+
+def test_the_rates_are_kept_per_model_and_setup_across_a_restart(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ("llama-server", "-m", "m", "-md", "d", "--spec-type", "draft-simple", "-np", "3")
+    first = SpecState()
+    first.keep("m1", argv)
+    alone = Track(draft=True)
+    first.began(alone)
+    alone.per_second, alone.predicted = 80.0, 32
+    first.ended(alone)
+    again = SpecState()
+    again.keep("m1", argv)
+    assert again.rates == {"alone_with": 80.0}
+    other = SpecState()
+    other.keep("m1", (*argv[:-1], "1"))  # another -np: another setup, its own rates
+    assert other.rates == {}
