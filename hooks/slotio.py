@@ -50,7 +50,7 @@ async def server_settings_of(generation: Generation) -> dict[str, Any]:
     """The running server's settings that decide a state file's layout (asked once per generation)."""
     found = generation.state.get(_SERVER)
     if not found:
-        props = await generation.client.props()
+        props = await generation.props()
         found.update(server_settings(generation.launch.argv, generation.launch.env, props, generation.launch.facts))
     return found
 

@@ -273,7 +273,7 @@ async def warm(rt: Generation) -> str:
         return ""
     reuse = _state(rt).tracker(rt)
     started = time.monotonic()
-    total_slots = int((await rt.client.props()).get("total_slots") or 1)
+    total_slots = int((await rt.props()).get("total_slots") or 1)
     warmed = 0
     for row in rows:
         try:

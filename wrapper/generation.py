@@ -73,6 +73,18 @@ class Generation:
     state: Kept = field(default_factory=Kept)  # each built-in's own, for this generation (wrapper/kept.py)
     shared: Kept = field(default_factory=Kept)  # each built-in's own, for the wrapper's whole life
     context: ServerContext | None = None  # what the server runs with, from its /props once it is ready
+    _props: tuple[Child, dict[str, Any]] | None = None  # the running server's GET /props, asked once per process
+
+    async def props(self) -> dict[str, Any]:
+        """llama-server's GET /props, asked once per process (what it says is fixed at its start); LlamaError
+        when it cannot be asked."""
+        child = self.child
+        if self._props is not None and self._props[0] is child:
+            return self._props[1]
+        found = await self.client.props()
+        if child is not None:
+            self._props = (child, found)
+        return found
 
     async def start(self, on_line: Callable[[Generation, str], None]) -> Child:
         """Spawn llama-server and wait until it answers /health 200; StartFailed otherwise (stopped then)."""
@@ -104,7 +116,7 @@ class Generation:
         rounds to 256 cells, ...): when that is not the -c it was given, the argv and the config the wrapper
         keeps say what runs, so that status, a reload's answer and the next reload see that."""
         try:
-            props = await self.client.props()
+            props = await self.props()
             settings = props.get("default_generation_settings") or {}
             slot, slots = int(settings.get("n_ctx") or 0), int(props.get("total_slots") or 1)
         except (LlamaError, AttributeError, TypeError, ValueError):

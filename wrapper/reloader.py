@@ -197,7 +197,7 @@ class Reloader:
             n_ctx = context.slot
         else:
             try:
-                props = await generation.client.props()
+                props = await generation.props()
                 n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
             except LlamaError:
                 n_ctx = 0

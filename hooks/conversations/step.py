@@ -44,7 +44,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     conv = state(generation)
     if not book.total:
         with contextlib.suppress(LlamaError):
-            book.total = int((await generation.client.props()).get("total_slots") or 1)
+            book.total = int((await generation.props()).get("total_slots") or 1)
     asked = out.payload.get("id_slot")
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself

@@ -66,7 +66,7 @@ async def _load(host: Host, kind: str, out: Outgoing) -> Outgoing | Reply:
     if isinstance(asked, Reloaded | Unchanged) and loaded(host.current):
         if isinstance(asked, Reloaded):
             with contextlib.suppress(LlamaError):
-                learn(host.current, await host.current.client.props())
+                learn(host.current, await host.current.props())
             kept.loads += 1
             METRICS.projector_changes.labels(change="loaded").inc()
             log.info("media.projector_loaded", **kept.decided(change="loaded", kind=kind, wait_s=seconds,
@@ -86,7 +86,7 @@ async def _server(generation: Generation) -> dict[str, Any]:
     known = generation.state.get(SERVER)
     if not known:
         with contextlib.suppress(LlamaError):
-            props = await generation.client.props()
+            props = await generation.props()
             modalities = props.get("modalities")
             known["modalities"] = ({str(k): bool(v) for k, v in modalities.items()}
                                    if isinstance(modalities, dict) else {})

@@ -59,8 +59,9 @@ def generation(folder: Path, restore: str = "ok", saves: list[int] | None = None
     child = Child()
     launch = SimpleNamespace(argv=["llama-server"], env={}, facts={}, model=SimpleNamespace(
         id="m1", as_dict=lambda: {"id": "m1", "name": "m"}))
-    return cast(Generation, SimpleNamespace(child=child, client=Client(child, folder, restore, saves), launch=launch,
-                                            state=Kept(), shared=Kept()))
+    client = Client(child, folder, restore, saves)
+    return cast(Generation, SimpleNamespace(child=child, client=client, launch=launch, state=Kept(), shared=Kept(),
+                                            props=client.props))
 
 
 def entry_in(store: DirectoryStore, tokens: list[int], **record: Any) -> Entry:
