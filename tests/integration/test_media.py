@@ -5,6 +5,7 @@ wrapper's 400 for media when there is no projector at all."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,23 @@ def test_without_any_projector_a_media_request_is_the_wrappers_400(
             "messages": [{"role": "user", "content": "Just text."}], "max_tokens": 4, "stream": stream})
         assert status == 200 and (b"data: " in raw) == stream
         assert len(wrapper.events("media.refused")) == 2
+
+
+def test_images_arriving_together_load_the_projector_once_and_all_are_answered(
+        tmp_path: Path, server_bin: str, demo_path: str, projector: Path) -> None:
+    argv = [server_bin, "-m", demo_path, "--mmproj", str(projector), "-c", "4096", "-np", "2"]
+    with running(tmp_path, argv, CONFIG.format(dir=tmp_path / "slots", idle="15m")) as wrapper:
+        answers: list[int] = []
+
+        def ask(seed: int, stream: bool) -> None:
+            body = media.chat_body(f"Picture {seed}?", media.png(seed=seed), stream=stream)
+            answers.append(http("POST", f"{wrapper.url}/v1/chat/completions", body, timeout=300)[0])
+
+        clients = [threading.Thread(target=ask, args=(seed, seed % 2 == 0)) for seed in range(4)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(300)
+        assert answers == [200] * 4
+        assert wrapper.status()["media"]["loads"] == 1 and len(wrapper.events("media.projector_loaded")) == 1
+        assert wrapper.stop() == 0
