@@ -1,5 +1,6 @@
 """What built-ins may add to the path of a proxied request (wrapper/forwarding.py runs them), with typed
-results: steps before a request is forwarded, growth when llama-server answers a context overflow, and the
+results: steps before a request is forwarded (the request to send, or a Reply for the client), growth when
+llama-server answers a context overflow, what a GET of the server's description answers (Shown), and the
 observers of responses (wrapper/proxy.py's Observer)."""
 
 from __future__ import annotations
