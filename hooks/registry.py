@@ -142,7 +142,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
     Builtin(  # with spec.when: alone
         family=spec.FAMILY, settings=SPEC, in_use=spec_settings.switching, warnings=spec_fit.warnings, fit=spec_fit.fit,
-        before=(Before(paths.GENERATING, spec_track.before),), observer=spec_track.observer,
+        before=(Before(paths.DECODING, spec_track.before),), observer=spec_track.observer,
         status=spec_report.status, metrics=spec_report.metrics, background=spec_control.switch_when_calm,
     ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and

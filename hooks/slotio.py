@@ -159,13 +159,16 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
             log.info("slots.not_converted", slot=slot, entry=entry.key, reason=str(exc))
     if skip is not None:
         raise NotRestored(skip.reason, kind=skip.kind, header=header, conversion=conversion)
-    mark = generation.child.lines_seen if generation.child else 0
+    child = generation.child
+    if child is not None and not child.alive:  # dead before this restore: not this file's doing
+        raise ServerLost(f"llama-server was not running when slot {slot} was to be restored from {entry.name}")
+    mark = child.lines_seen if child else 0
     began = time.monotonic()
     try:
         answer = await generation.client.slot_action(slot, "restore", path.name)
     except LlamaError as exc:
         said = await _server_says(generation, mark)
-        if exc.status is None and await _died(generation):  # no answer at all: did it die?
+        if exc.status is None and generation.child is child and await _died(generation):  # it died under it?
             reason = f"llama-server died restoring it: {exc}{said}"
             where = store.set_aside(entry, reason)
             log.error("slots.set_aside", slot=slot, entry=entry.key, file=entry.name, to=where, reason=reason)

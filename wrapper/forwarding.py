@@ -131,7 +131,8 @@ async def _shown(request: web.Request, serving: Serving, path: str, rewrites: li
     answer = result.payload
     for rewrite in rewrites:
         answer = rewrite.rewrite(serving.current, path, answer)
-    return web.json_response(answer, status=result.status)
+    headers = {k: v for k, v in result.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return web.json_response(answer, status=result.status, headers=headers)  # CORS and the rest as they were
 
 
 async def _read_whole(request: web.Request, limit: int) -> bytes | None:

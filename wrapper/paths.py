@@ -15,3 +15,4 @@ RESPONSES = ("/v1/responses", "/responses")  # OpenAI Responses: `input` items
 MESSAGES = ("/v1/messages",)  # Anthropic Messages
 CARRYING_MEDIA = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a request here may carry an image or audio
 DESCRIBING = ("/props", "/models", "/v1/models")  # what the server says it can do (modalities, capabilities)
+DECODING = (*GENERATING, *RESPONSES, *MESSAGES)  # a request that decodes tokens in a slot

@@ -6,7 +6,7 @@ import json
 import posixpath
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -107,6 +107,7 @@ class Caught:
 
     status: int
     payload: dict[str, Any]
+    headers: CIMultiDict[str] = field(default_factory=CIMultiDict)  # llama-server's, hop-by-hop ones dropped
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ async def forward(
                 read = await reply.read()
                 payload = json_object(read)
                 if payload is not None and catch(payload, reply.status):
-                    return Caught(reply.status, payload)
+                    return Caught(reply.status, payload, _forwardable(reply.headers))
             upstream_connection = reply.connection.protocol if reply.connection is not None else None
             if reply.content_length is None and upstream_connection is not None:
                 # llama-server closes the connection after a streamed (chunked) answer although it announced

@@ -15,6 +15,7 @@ import structlog
 
 from wrapper import extensions
 from wrapper.aio import first_of
+from wrapper.child import Child
 from wrapper.config import Config
 from wrapper.gate import Gate
 from wrapper.generation import Generation, ServerLost, StartFailed, surviving
@@ -48,6 +49,7 @@ class Serving:
         self._reload_began = asyncio.Event()
         self._risky = 0  # built-ins' steps that may kill the server, running now (Serving.survive)
         self._risky_ended = asyncio.Event()
+        self._restart_failed = False
 
     @property
     def in_flight(self) -> int:
@@ -91,24 +93,26 @@ class Serving:
 
     async def survive(self, step: Callable[[], Awaitable[T]]) -> T | None:
         """A built-in's step that may kill llama-server, on the request path (see Host.survive)."""
+        generation = self.current
+        child = generation.child
         self._risky += 1
         try:
             return await step()
         except ServerLost as exc:
-            await self._restart(str(exc))
+            await self._restart(generation, child, str(exc))
             return None
         finally:
             self._risky -= 1
             self._risky_ended.set()
 
-    async def _restart(self, why: str) -> None:
-        """Start the dead server again as at a start; a second step that lost it meanwhile waits for the same."""
+    async def _restart(self, generation: Generation, child: Child | None, why: str) -> None:
+        """Start again the server that died under a step — only that one, once: not one a reload replaced, one
+        another step started again meanwhile, or after a start that failed (then the wrapper stops)."""
         if self._reloading is not None:
             await asyncio.wait([self._reloading])
-            if self.current.alive:
-                return
-        if self.lifecycle.state is not State.READY:
-            return  # stopping or draining: the stop takes it from here
+        if (self.current is not generation or generation.child is not child or generation.alive
+                or self._restart_failed or self.lifecycle.state is not State.READY):
+            return
         task = asyncio.ensure_future(self._started_again(why))
         self._reloading = task
         task.add_done_callback(self._reload_ended)
@@ -125,9 +129,10 @@ class Serving:
             await generation.start(extensions.server_output)
             await surviving(generation, extensions.server_output, lambda: self._hooks.run("on_startup", generation))
         except StartFailed as exc:
+            self._restart_failed = True
             log.error("wrapper.restart_failed", error=str(exc))  # the server stays dead: the wrapper stops
-        finally:
-            self.lifecycle.to(State.READY)
+        # cancelled (a stop): the state stays `reloading` and the stop takes it from there, nothing released
+        self.lifecycle.to(State.READY)
         return {"restarted": generation.alive, "s": round(time.monotonic() - began, 3)}
 
     async def lost(self) -> None:

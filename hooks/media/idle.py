@@ -36,8 +36,11 @@ async def drop_when_idle(host: Host) -> None:
             continue
         asked = await ask_reload(host, f"media: no request with media for {quiet:.0f}s (media.idle {idle:g}s)",
                                  {FAMILY: {ASK: False}})
-        if isinstance(asked, Reloaded) and asked.answer.get("success") and not loaded(host.current):
+        if not loaded(host.current) and isinstance(asked, Reloaded) and asked.answer.get("success"):
             kept.drops += 1
             METRICS.projector_changes.labels(change="dropped").inc()
             log.info("media.projector_dropped", **kept.decided(change="dropped", idle_s=round(quiet, 1),
                                                                downtime_ms=asked.answer.get("downtime_ms")))
+        else:  # refused or rolled back: it still runs with the projector, and is asked again after media.idle
+            kept.wanted = loaded(host.current)
+            kept.last_media_at = time.monotonic()

@@ -44,7 +44,6 @@ class MediaState:
 
 
 STATE = Key("media", MediaState)
-SERVER: Key[dict[str, Any]] = Key("media.server", dict)  # per generation: its /props modalities and media_marker
 
 
 def state(generation: Generation) -> MediaState:

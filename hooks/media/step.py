@@ -16,7 +16,7 @@ from hooks.media.detect import media_in
 from hooks.media.fit import ASK
 from hooks.media.report import learn
 from hooks.media.settings import on_demand
-from hooks.media.state import SERVER, configured, loaded, state
+from hooks.media.state import configured, loaded, state
 from wrapper.generation import Generation, Host
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
@@ -81,17 +81,16 @@ async def _load(host: Host, kind: str, out: Outgoing) -> Outgoing | Reply:
 
 
 async def _server(generation: Generation) -> dict[str, Any]:
-    """What the running server says of media (/props, asked once per generation): `modalities` and its
-    `media_marker`; empty when it cannot be asked (then the server answers for itself)."""
-    known = generation.state.get(SERVER)
-    if not known:
-        with contextlib.suppress(LlamaError):
-            props = await generation.props()
-            modalities = props.get("modalities")
-            known["modalities"] = ({str(k): bool(v) for k, v in modalities.items()}
-                                   if isinstance(modalities, dict) else {})
-            known["marker"] = props.get("media_marker") if isinstance(props.get("media_marker"), str) else None
-    return known
+    """What the running server process says of media (its /props, asked once per process: each start draws
+    another marker): `modalities` and its `media_marker`; empty when it cannot be asked (then the server
+    answers for itself)."""
+    try:
+        props = await generation.props()
+    except LlamaError:
+        return {}
+    modalities = props.get("modalities")
+    return {"modalities": {str(k): bool(v) for k, v in modalities.items()} if isinstance(modalities, dict) else {},
+            "marker": props.get("media_marker") if isinstance(props.get("media_marker"), str) else None}
 
 
 async def _sees(generation: Generation, kind: str) -> bool:

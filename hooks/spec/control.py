@@ -45,13 +45,19 @@ async def switch_when_calm(host: Host) -> None:
         if not decision.switch:
             continue
         asked = await ask_reload(host, f"spec: {decision.reason}", {FAMILY: {ASK: decision.draft}})
-        if isinstance(asked, Reloaded) and asked.answer.get("success"):
-            kept.switches += 1
-            now = time.monotonic()  # the new configuration is given a calm period of its own to be measured
-            kept.alone_since = now
-            kept.crowd_since = now if kept.crowd_since is not None else None
-            held_ms = float(asked.answer.get("downtime_ms") or 0) - float(asked.answer.get("drain_ms") or 0)
-            kept.reload_s = max(0.0, held_ms) / 1000  # its own cost: not the wait for answers in flight
-            METRICS.spec_switches.labels(draft="on" if decision.draft else "off").inc()
-            log.info("spec.switched", draft=decision.draft, downtime_ms=asked.answer.get("downtime_ms"))
-            last = None
+        if not (isinstance(asked, Reloaded) and asked.answer.get("success")):
+            kept.off = not speculates(host.current.launch.argv)  # what runs, not what the failed switch asked
+            kept.alone_since = time.monotonic()  # tried again after a calm period, not at the next look
+            kept.crowd_since = kept.alone_since if kept.crowd_since is not None else None
+            log.warning("spec.switch_failed", draft=decision.draft,
+                        reason=asked.answer.get("message") if isinstance(asked, Reloaded) else asked.reason)
+            continue
+        kept.switches += 1
+        now = time.monotonic()  # the new configuration is given a calm period of its own to be measured
+        kept.alone_since = now
+        kept.crowd_since = now if kept.crowd_since is not None else None
+        held_ms = float(asked.answer.get("downtime_ms") or 0) - float(asked.answer.get("drain_ms") or 0)
+        kept.reload_s = max(0.0, held_ms) / 1000  # its own cost: not the wait for answers in flight
+        METRICS.spec_switches.labels(draft="on" if decision.draft else "off").inc()
+        log.info("spec.switched", draft=decision.draft, downtime_ms=asked.answer.get("downtime_ms"))
+        last = None

@@ -57,11 +57,14 @@ class SpecState:
     _saved: float = 0.0
 
     def keep(self, model_id: str, argv: Sequence[str]) -> None:
-        """Where this model's rates for this speculative setup are kept; read them (once)."""
-        if self.file is not None:
-            return
+        """Where this model's rates for this speculative setup are kept; read them when the setup is new (a
+        reload that changed -np, -t, the draft... measures another setup)."""
         setup = json.dumps([[flag, args.get(argv, (flag,))] for flag in SETUP_FLAGS])
-        self.file = rates_dir() / f"{model_id}-spec-{hashlib.sha256(setup.encode()).hexdigest()[:12]}.json"
+        file = rates_dir() / f"{model_id}-spec-{hashlib.sha256(setup.encode()).hexdigest()[:12]}.json"
+        if file == self.file:
+            return
+        self.save(now=True)  # the previous setup's, before its rates are left
+        self.file, self.rates = file, {}
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
             found = json.loads(self.file.read_text())
             self.rates.update({k: float(v) for k, v in found.items() if k in Rates.__dataclass_fields__})

@@ -13,7 +13,7 @@ import pytest
 from wrapper import serving as serving_module
 from wrapper.child import Child
 from wrapper.config import Listen, parse_config
-from wrapper.generation import Generation, StartFailed
+from wrapper.generation import Generation, ServerLost, StartFailed
 from wrapper.hooks_running import Hooks
 from wrapper.kept import Kept
 from wrapper.launch import Launch
@@ -169,3 +169,39 @@ async def test_a_stop_abandons_the_reload_that_runs(serving: Serving) -> None:
     with pytest.raises(asyncio.CancelledError):
         await asked  # the listener answers 503 "the reload was abandoned"
     assert serving.last_reload is None
+
+
+class Alive:
+    """Stands for a llama-server process that is running or not."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+
+async def test_a_step_that_lost_the_server_starts_only_that_one_again_and_only_once(
+        serving: Serving, monkeypatch: pytest.MonkeyPatch) -> None:
+    ready(serving)
+    started: list[str] = []
+
+    async def started_again(why: str) -> dict[str, Any]:
+        started.append(why)
+        if why == "fails":
+            serving._restart_failed = True
+        return {}
+
+    monkeypatch.setattr(serving, "_started_again", started_again)
+
+    async def lost() -> bool:
+        raise ServerLost("it died restoring")
+
+    serving.current.child = cast(Child, Alive(True))  # a healthy server (another step started it again, or a
+    assert await serving.survive(lost) is None and started == []  # reload replaced the one that died)
+    serving.current.child = cast(Child, Alive(False))
+    assert await serving.survive(lost) is None and started == ["it died restoring"]
+
+    async def fails() -> bool:
+        raise ServerLost("fails")
+
+    started.clear()
+    assert await serving.survive(fails) is None and started == ["fails"]
+    assert await serving.survive(lost) is None and started == ["fails"]  # after a failed start: the wrapper stops
