@@ -22,6 +22,8 @@ CACHE_IDLE_SLOTS = ("--cache-idle-slots",)
 NO_CACHE_IDLE_SLOTS = ("--no-cache-idle-slots",)
 CACHE_RAM = ("-cram", "--cache-ram")
 MMPROJ = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
+SPEC = ("-md", "--model-draft", "--spec-draft-model", "-hfd", "--hf-repo-draft", "--spec-type",
+        "--spec-draft-n-max", "--spec-default")  # speculative decoding (a draft model, or a --spec-type)
 GPU_LAYERS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
 METRICS = ("--metrics",)
 

@@ -6,10 +6,10 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from hooks.cachesettings import CACHE
 from hooks.conversations.rates import KeptRates
+from hooks.decisions import Decisions
 from hooks.slotio import store_of
 from wrapper.generation import Generation
 from wrapper.kept import Key
@@ -24,7 +24,7 @@ class Conversations:
     busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
     last_used: dict[int, float] = field(default_factory=dict)
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
-    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=20))
+    decisions: Decisions = field(default_factory=Decisions)
     written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
     hits: int = 0
     hits_by_entry: dict[str, int] = field(default_factory=dict)

@@ -191,7 +191,7 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
         record = {"slot": slot, "entry": entry.key, "entry_tokens": entry.n_tokens, "shared": shared,
                   "in_slot": in_slot, "choice": "restore" if decision.restore else "prefill", "why": decision.why,
                   "predicted_restore_s": _round(decision.restore_s), "predicted_prefill_s": _round(decision.prefill_s)}
-        conv.decisions.append({"at": time.time(), **record})
+        conv.decisions.made(**record)
         log.info("conversations.decision", **record)
     if not decision.restore or entry is None:
         conv.miss(decision.miss or "not cached")

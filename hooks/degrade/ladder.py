@@ -20,7 +20,6 @@ from wrapper.reload_plan import ReloadRefused
 from wrapper.reload_plan import plan as edit_argv
 
 _PRECISION = {"f32": 4, "f16": 3, "bf16": 3, "q8_0": 2, "q5_1": 2, "q5_0": 2, "q4_1": 1, "q4_0": 1, "iq4_nl": 1}
-_SPEC_FLAGS = ("-md", "--model-draft", "-hfd", "--hf-repo-draft", "--spec-type", "--spec-draft-n-max")
 
 
 @dataclass
@@ -98,7 +97,7 @@ def build(argv: Sequence[str], ladder: Sequence[Rung], planner: Planner, arity: 
 def _body(rung: Rung, argv: Sequence[str], user_argv: Sequence[str], gpu: bool,
           is_swa: bool) -> tuple[dict[str, Any] | None, str]:
     if rung.name == "disable-spec":
-        if not any(args.has(argv, (flag,)) for flag in _SPEC_FLAGS):
+        if not any(args.has(argv, (flag,)) for flag in args.SPEC):
             return None, "no draft model or speculative decoding to turn off"
         return {"spec": {"types": ["none"]}}, ""
     if rung.name == "mmproj-to-cpu":

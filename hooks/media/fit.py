@@ -32,7 +32,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
         kept.wanted = asked
     elif kept.wanted and DEGRADE in asks and kept.in_flight == 0:
         kept.wanted = False  # a move for memory: an unused projector is the first thing to give up
-        kept.decided(change="given up", why="a memory move (degrade) and no request with media in flight")
+        kept.decisions.made(change="given up", why="a memory move (degrade) and no request with media in flight")
     if kept.wanted:
         return Fitting(list(argv), fitted=True)
     projector = args.get(argv, args.MMPROJ)

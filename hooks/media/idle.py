@@ -39,7 +39,7 @@ async def drop_when_idle(host: Host) -> None:
         if not loaded(host.current) and isinstance(asked, Reloaded) and asked.answer.get("success"):
             kept.drops += 1
             METRICS.projector_changes.labels(change="dropped").inc()
-            log.info("media.projector_dropped", **kept.decided(change="dropped", idle_s=round(quiet, 1),
+            log.info("media.projector_dropped", **kept.decisions.made(change="dropped", idle_s=round(quiet, 1),
                                                                downtime_ms=asked.answer.get("downtime_ms")))
         else:  # refused or rolled back: it still runs with the projector, and is asked again after media.idle
             kept.wanted = loaded(host.current)

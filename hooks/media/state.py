@@ -4,16 +4,13 @@ seen, the requests with media in flight, and its decisions; what the running ser
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
+from hooks.decisions import Decisions
 from wrapper import argv as args
 from wrapper.config import Config
 from wrapper.generation import Generation
 from wrapper.kept import Key
-
-DECISIONS_KEPT = 20
 
 
 @dataclass
@@ -27,7 +24,7 @@ class MediaState:
     modalities: dict[str, bool] = field(default_factory=dict)  # what the server said with the projector loaded
     markers: set[str] = field(default_factory=set)  # /props media_marker as clients were told it (each start
     # draws another: a /completion prompt written with an earlier one is given the current one)
-    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
+    decisions: Decisions = field(default_factory=Decisions)
 
     def seen(self) -> None:
         self.last_media_at = time.monotonic()
@@ -37,10 +34,6 @@ class MediaState:
         self.in_flight = max(0, self.in_flight - 1)
         self.last_media_at = time.monotonic()  # the idle time counts from the end of the last one
 
-    def decided(self, **decision: Any) -> dict[str, Any]:
-        entry = {"at": round(time.time(), 3), **decision}
-        self.decisions.append(entry)
-        return entry
 
 
 STATE = Key("media", MediaState)

@@ -69,12 +69,12 @@ async def _load(host: Host, kind: str, out: Outgoing) -> Outgoing | Reply:
                 learn(host.current, await host.current.props())
             kept.loads += 1
             METRICS.projector_changes.labels(change="loaded").inc()
-            log.info("media.projector_loaded", **kept.decided(change="loaded", kind=kind, wait_s=seconds,
+            log.info("media.projector_loaded", **kept.decisions.made(change="loaded", kind=kind, wait_s=seconds,
                                                               downtime_ms=asked.answer.get("downtime_ms")))
         return out
     reason = asked.answer.get("message") if isinstance(asked, Reloaded) else getattr(asked, "reason", "")
     kept.wanted = False
-    log.warning("media.projector_failed", **kept.decided(change="failed", kind=kind, wait_s=seconds,
+    log.warning("media.projector_failed", **kept.decisions.made(change="failed", kind=kind, wait_s=seconds,
                                                          reason=str(reason)))
     return Reply(503, error_body(503, f"the projector could not be loaded for this request's {kind}: {reason}",
                                  "unavailable_error"), {"Retry-After": RETRY_AFTER_S})

@@ -39,7 +39,7 @@ async def switch_when_calm(host: Host) -> None:
         running = speculates(generation.launch.argv)
         decision = decide(crowd, running, kept.measured(), settings.calm, kept.reload_s, settings.alone_speedup)
         if (crowd, running, decision.reason) != last:  # each new decision once, not every look
-            log.info("spec.decision", **kept.decided(draft=decision.draft, switch=decision.switch,
+            log.info("spec.decision", **kept.decisions.made(draft=decision.draft, switch=decision.switch,
                                                      reason=decision.reason, **decision.figures))
             last = (crowd, running, decision.reason)
         if not decision.switch:

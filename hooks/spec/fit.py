@@ -17,8 +17,6 @@ from wrapper.reload_plan import plan
 from wrapper.server_help import flag_arity
 
 ASK = "draft"  # asks: {"spec": {"draft": True | False}}
-SPEC_FLAGS = ("-md", "--model-draft", "--spec-draft-model", "-hfd", "--hf-repo-draft", "--spec-type",
-              "--spec-default")
 
 
 def speculates(argv: Sequence[str]) -> bool:
@@ -32,7 +30,7 @@ def speculates(argv: Sequence[str]) -> bool:
 
 def drafts_nothing(argv: Sequence[str]) -> bool:
     """A draft model is loaded but `--spec-type` is not given: it costs its memory and drafts nothing."""
-    return not speculates(argv) and any(args.has(argv, (flag,)) for flag in SPEC_FLAGS if flag != "--spec-type")
+    return not speculates(argv) and any(args.has(argv, (flag,)) for flag in args.SPEC if flag != "--spec-type")
 
 
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:

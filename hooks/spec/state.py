@@ -10,18 +10,16 @@ import hashlib
 import json
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hooks.conversations.rates import rates_dir
+from hooks.decisions import Decisions
 from hooks.spec.rule import Rates
 from wrapper import argv as args
 from wrapper.kept import Key
 
-DECISIONS_KEPT = 20
 WEIGHT = 0.3  # of a new measurement in the running average
 SAVE_EVERY_S = 10.0
 SETUP_FLAGS = ("-md", "--model-draft", "--spec-draft-model", "--spec-type", "--spec-draft-n-max", "-np",
@@ -52,7 +50,7 @@ class SpecState:
     accepted: int = 0
     reload_s: float = 0.0  # the last switch's measured downtime
     switches: int = 0
-    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
+    decisions: Decisions = field(default_factory=Decisions)
     file: Path | None = None  # where the rates are kept (set by `keep`)
     _saved: float = 0.0
 
@@ -106,10 +104,6 @@ class SpecState:
     def measured(self) -> Rates:
         return Rates(**{k: round(v, 2) for k, v in self.rates.items()})
 
-    def decided(self, **decision: Any) -> dict[str, Any]:
-        entry = {"at": round(time.time(), 3), **decision}
-        self.decisions.append(entry)
-        return entry
 
 
 STATE = Key("spec", SpecState)

@@ -26,7 +26,6 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if not switching(generation.config):
         return out
     kept = generation.shared.get(STATE)
-    kept.keep(generation.launch.model.id, generation.config.argv)
     track = Track(draft=speculates(generation.launch.argv))
     kept.began(track)
     _TRACK.set(track)
