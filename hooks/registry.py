@@ -162,7 +162,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,
-        background=control.relax,
+        background=control.background,
         growth=Growth(control.grow, lambda config: DEGRADE.of(config).continue_truncated,
                       lambda config: DEGRADE.of(config).headroom),
         routes=(Route("GET", "/wrapper/memory", report.memory_route, TURN_ON),

@@ -61,6 +61,14 @@ class Metrics:
                                      ["draft"], registry=r)
         self.projector_changes = Counter("llama_wrapper_projector_changes", "Reloads that loaded or dropped the "
                                          "projector, and media requests refused without one", ["change"], registry=r)
+        self.pool_total = Gauge("llama_wrapper_pool_total_bytes", "The memory the pool's members share (degrade.pool)",
+                                registry=r)
+        self.pool_used = Gauge("llama_wrapper_pool_used_bytes", "What the pool's members' shares add up to",
+                               registry=r)
+        self.pool_share = Gauge("llama_wrapper_pool_share_bytes", "This member's share of the pool", registry=r)
+        self.pool_members = Gauge("llama_wrapper_pool_members", "The pool's living members", registry=r)
+        self.pool_moves = Counter("llama_wrapper_pool_moves", "Memory moves between pool members this member took "
+                                  "part in: as the asker (asked) or as a giver (gave)", ["role"], registry=r)
         for state in State:
             self.state.labels(state=str(state)).set(0)
 

@@ -100,6 +100,25 @@ _SAME_BUILD = ("type_k", "type_v", "gpu_layers", "kv_offload", "n_ubatch", "swa_
 
 
 def calibrated(predicted: Plan, settings: Settings, runs: list[Measured], predict: Any) -> Plan:
+    """`predicted` corrected by what was measured. llama-server prints a draft model's buffers after the main
+    model's, and what is measured is the main model's alone: with a draft, the main model is calibrated and the
+    draft's predicted bytes are added to it."""
+    if not settings.draft:
+        return _calibrated(predicted, settings, runs, predict)
+
+    def main_only(s: Settings) -> Plan:
+        found: Plan = predict(replace(s, draft=None))
+        return found
+
+    alone = main_only(settings)
+    out = _calibrated(alone, settings, runs, main_only)
+    for device, parts in predicted.devices.items():
+        for component, nbytes in parts.items():
+            out.add(device, component, nbytes - alone.devices.get(device, {}).get(component, 0))
+    return out
+
+
+def _calibrated(predicted: Plan, settings: Settings, runs: list[Measured], predict: Any) -> Plan:
     """`predicted` with measured weights (any start with the same offload) and a measured compute buffer (the
     closest start with the same cache types and offload, moved by the predicted change of context)."""
     wanted = asdict(settings)

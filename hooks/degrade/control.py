@@ -12,9 +12,10 @@ from typing import Any
 
 import structlog
 
-from hooks.degrade import FAMILY, TURN_ON
+from hooks.degrade import FAMILY, TURN_ON, poolmoves, share
 from hooks.degrade.fit import MIN_START_CTX, Ask, auto_budget, ladder_for
 from hooks.degrade.ladder import RungPlan, choose
+from hooks.degrade.move import move
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, Fitted, fitted, state_of
 from hooks.memory import PlanError
@@ -23,13 +24,13 @@ from wrapper import argv as args
 from wrapper.config import ConfigError
 from wrapper.generation import Generation, Host
 from wrapper.proxy import error_body
-from wrapper.reload_ask import NotReloaded, Unchanged, ask_reload
 from wrapper.steps import CannotGrow, Grown, GrowResult, NotPlanned
 from wrapper.units import format_size, parse_size
 
 log = structlog.get_logger()
 
 RELAX_POLL_S = 5.0
+POOL_POLL_S = 1.0  # a pool member below its best looks this often for memory the others freed
 GATHER_S = 0.05  # a burst of overflows gathers this long, so that one reload serves them all
 BUDGET_FIELDS = ("budget",)
 
@@ -55,6 +56,10 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
                 wanted = max(wanted, fit.n_ctx + 1)
             if fit.n_ctx >= wanted:
                 return Grown()  # another request's growth got there first
+            if fit.pool is not None:
+                problem = await poolmoves.grow(host, state, fit, wanted, f"this request needs {needed} tokens of "
+                                               f"context ({wanted} for every slot's conversation)")
+                return Grown() if problem is None else CannotGrow(problem)
             target = choose(fit.rungs, wanted)
             if target is None:
                 best = max(fit.rungs, key=lambda r: r.max_ctx, default=None)
@@ -65,7 +70,7 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
                     "degrade.budget or shorten the conversation")
             why = (f"grow to {target.name}, n_ctx {target.max_ctx}, for {len(state.waiting)} request(s) of up to "
                    f"{max(state.waiting)} tokens ({wanted} in all)")
-            problem = await _move(host, state, Ask(rung=target.name), why)
+            problem = await move(host, state, Ask(rung=target.name), why)
             return Grown() if problem is None else CannotGrow(problem)
     finally:
         state.waiting.remove(needed)
@@ -87,47 +92,40 @@ def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]
     return running[0] * parallel
 
 
-async def _move(host: Host, state: DegradeState, ask: Ask, why: str) -> str | None:
-    """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
-    budget in force change only when the reload succeeds."""
-    began = time.monotonic()
-    asked = await ask_reload(host, f"degrade: {why}", ask.as_mapping())
-    if isinstance(asked, Unchanged):
-        _commit(state, ask)
-        return None
-    if isinstance(asked, NotReloaded):
-        return asked.reason
-    answer = asked.answer
-    fit = fitted(host.current.launch)
-    step = {"at": time.time(), "why": why, "success": bool(answer.get("success")), "rung": fit.rung if fit else None,
-            "n_ctx": answer.get("n_ctx"), "downtime_ms": answer.get("downtime_ms"),
-            "wait_s": round(time.monotonic() - began, 3), "restore": answer.get("restore")}
-    state.steps.append(step)
-    log.info("degrade.step", **step)
-    if not answer.get("success"):
-        return f"the reload to grow the context failed: {answer.get('message')}"
-    _commit(state, ask)
-    return None
-
-
-def _commit(state: DegradeState, ask: Ask) -> None:
-    if ask.rung is not None:
-        state.held_rung = ask.rung
-    if ask.budget is not None:
-        state.budget, state.budget_source = ask.budget
+async def background(host: Host) -> None:
+    """From ready to the stop: the relax, and with a pool the answers to the others' asks."""
+    state = state_of(host.current.shared)
+    if share.pool_of_generation(host.current) is None:
+        await relax(host)
+        return
+    async with asyncio.TaskGroup() as group:
+        group.create_task(relax(host))
+        group.create_task(share.serve_asks(host, poolmoves.give, lambda: bool(state.lock and state.lock.locked())))
 
 
 async def relax(host: Host) -> None:
     """In the background: after `relax_after` with nothing in flight, move up to the best rung that holds every
-    conversation seen (and whatever was restored)."""
+    conversation seen (and whatever was restored). In a pool, a member below its best climbs back as soon as
+    memory is free, and one idle for `relax_after` gives back the context only idle conversations hold."""
     state = state_of(host.current.shared)
     settings = DEGRADE.of(host.current.config)
+    pooled = share.pool_of(settings) is not None
+    poll = POOL_POLL_S if pooled else min(RELAX_POLL_S, settings.relax_after / 2 or RELAX_POLL_S)
     while True:
-        await asyncio.sleep(min(RELAX_POLL_S, settings.relax_after / 2 or RELAX_POLL_S))
-        if host.in_flight or time.monotonic() - state.last_activity < settings.relax_after:
+        await asyncio.sleep(poll)
+        idle = time.monotonic() - state.last_activity >= settings.relax_after
+        fit = fitted(host.current.launch)
+        below = pooled and fit is not None and (state.gave or fit.index > 0)
+        if host.in_flight or not (idle or below) or (state.lock is not None and state.lock.locked()):
             continue
         try:
-            await relax_now(host, state, settings, "idle for degrade.relax_after")
+            if pooled:
+                held = [] if idle else [t + settings.headroom for t in _held(state, host.current)]
+                await poolmoves.relax(host, state, held, "idle for degrade.relax_after" if idle else "memory is free")
+                if idle:
+                    state.last_activity = time.monotonic()
+            else:
+                await relax_now(host, state, settings, "idle for degrade.relax_after")
         except Exception:  # a bug here must not end the relaxing for the wrapper's whole life
             log.exception("degrade.relax_failed")
             state.last_activity = time.monotonic()
@@ -142,7 +140,7 @@ async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, 
     if target is None or (fit.rungs.index(target) >= fit.index and target.max_ctx <= fit.n_ctx):
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
         return None
-    return await _move(host, state, Ask(rung=target.name), f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
+    return await move(host, state, Ask(rung=target.name), f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
 
 
 async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -180,7 +178,7 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
         return 400, error_body(400, f"no rung fits {format_size(budget[0])} with the conversations held now "
                                     f"({needed} tokens): the budget is unchanged", "invalid_request_error")
     ask = Ask(rung=target.name, budget=budget)
-    problem = await _move(host, state, ask, f"budget {format_size(budget[0])}: {target.name}, n_ctx {target.max_ctx}")
+    problem = await move(host, state, ask, f"budget {format_size(budget[0])}: {target.name}, n_ctx {target.max_ctx}")
     now = fitted(host.current.launch)
     reloaded = now is not fit
     if problem is None and not reloaded:  # the same rung and context: the plan of the running one is renewed

@@ -4,6 +4,7 @@ a budget; without one the rung and budget in force are kept."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +13,12 @@ from typing import Any
 from hooks import slotdir
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import Planner, RungPlan, build, choose
+from hooks.degrade.pool import Member, Pool
 from hooks.degrade.settings import DEGRADE, DegradeSettings
+from hooks.degrade.share import ask_now, pool_of
 from hooks.degrade.state import DegradeState, Fitted, state_of
-from hooks.memory import ModelShape, Plan, PlanError, Settings, plan, read_shape
+from hooks.media.settings import on_demand
+from hooks.memory import CELL_PAD, ModelShape, Plan, PlanError, Settings, plan, read_shape
 from hooks.slots import SLOTS
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
@@ -37,6 +41,9 @@ class Ask:
     rung: str | None = None
     budget: tuple[int, str] | None = None  # bytes and where they come from
     backend: str | None = None  # plan for this backend (BACKENDS), not for this build's devices: `plan --backend`
+    ctx: int | None = None  # with a pool: the context to take (a member takes what it needs, not all it could)
+    limit: int | None = None  # with a pool: take at most these bytes (a member giving some back)
+    up: bool = False  # a move up (a relax): what was given up for memory may come back
 
     def as_mapping(self) -> dict[str, Any]:
         return {FAMILY: self}
@@ -116,27 +123,32 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
     if launch.model.path is None:
         out.note("degrade: off", "no -m model file to plan with (-hf and URLs are not planned)")
         return out
-    if ask.budget is not None:
-        budget, source = ask.budget
-    elif state.budget is not None:
-        budget, source = state.budget, state.budget_source
+    pool = pool_of(settings)
+    if pool is not None:
+        try:
+            pooled = _fit_in_pool(pool, argv, launch, config, state, ask, settings)
+        except PlanError as exc:
+            out.note("degrade: off", f"cannot plan this model: {exc}")
+            return out
+        chosen, n_ctx, planner, rungs, budget, source = pooled[:6]
     else:
-        budget, source = resolve_budget(settings, argv)
-        state.budget, state.budget_source = budget, source  # the budget a start resolves stays in force
-    try:
-        planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
-    except PlanError as exc:
-        out.note("degrade: off", f"cannot plan this model: {exc}")
-        return out
-    wanted = max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, config, settings))
-    chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
-    if chosen is None:
-        smallest = min((r.plan.total(r.plan.budget_device) for r in rungs if r.plan), default=0)
-        raise NoRungFits(f"degrade.budget {format_size(budget)} ({source}) holds no rung of the ladder: the smallest "
-                         f"needs {format_size(smallest)} at 256 tokens of context; raise the budget or use a smaller "
-                         "model", rungs, budget, source)
+        if ask.budget is not None:
+            budget, source = ask.budget
+        elif state.budget is not None:
+            budget, source = state.budget, state.budget_source
+        else:
+            budget, source = resolve_budget(settings, argv)
+            state.budget, state.budget_source = budget, source  # the budget a start resolves stays in force
+        try:
+            planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
+        except PlanError as exc:
+            out.note("degrade: off", f"cannot plan this model: {exc}")
+            return out
+        wanted = max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, config, settings))
+        chosen = _fitting(_chosen(rungs, ask.rung or state.held_rung, wanted), rungs, budget, source)
+        n_ctx = chosen.max_ctx
     before = args.get(argv, args.CTX_SIZE)
-    out.argv = args.replace(chosen.argv, args.CTX_SIZE, str(chosen.max_ctx))
+    out.argv = args.replace(chosen.argv, args.CTX_SIZE, str(n_ctx))
     flags = flag_arity(argv[0])
     verbosity_added = False
     if not args.has(out.argv, VERBOSITY) and (flags is None or "-lv" in flags):
@@ -144,11 +156,13 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
         verbosity_added = True
         out.note("-lv 4", "llama-server prints its buffer sizes only at verbosity 4: the planner learns from them "
                  "(the wrapper logs the extra lines at debug level)")
-    planned = chosen.plan
+    planned = chosen.plan if n_ctx == chosen.max_ctx else planner.plan(chosen.argv, n_ctx)
     assert planned is not None
-    context = f"-c {before} -> {chosen.max_ctx}" if before and before != str(chosen.max_ctx) else f"-c {chosen.max_ctx}"
+    context = f"-c {before} -> {n_ctx}" if before and before != str(n_ctx) else f"-c {n_ctx}"
     limit = f"the largest context under the budget {format_size(budget)} ({source})"
-    if planner.ceiling - chosen.max_ctx < 256:  # the ceiling held it, not the budget
+    if pool is not None:
+        limit = f"what this member needs now, of {format_size(budget)} free in the pool {pool.dir}"
+    elif planner.ceiling - chosen.max_ctx < 256:  # the ceiling held it, not the budget
         bound = "the model's training context" if planner.ceiling == planner.shape.n_ctx_train else "the -c given"
         limit = f"{bound} ({planner.ceiling}), within the budget {format_size(budget)} ({source})"
     out.note(f"degrade: rung {chosen.name}, {context}",
@@ -157,9 +171,76 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
     if swa_dropped:
         out.keep_saved = (f"rung {chosen.name} drops --swa-full: a slot saved now could not be reused, so the slots "
                           "saved with a full sliding-window cache are kept")
-    out.fitted = Fitted(chosen.name, rungs.index(chosen), chosen.max_ctx, planner.settings(out.argv), rungs,
-                        budget, source, swa_dropped, verbosity_added)
+    share, floor = (pooled[6], pooled[7]) if pool is not None else (planned.total(planned.budget_device), 0)
+    out.fitted = Fitted(chosen.name, rungs.index(chosen), n_ctx, planner.settings(out.argv), rungs,
+                        budget, source, swa_dropped, verbosity_added, share, floor,
+                        str(pool.dir) if pool is not None else None)
     return out
+
+
+Pooled = tuple[RungPlan, int, Planner, list[RungPlan], int, str, int, int]
+
+
+def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, state: DegradeState, ask: Ask,
+                 settings: DegradeSettings) -> Pooled:
+    """The rung and context this member needs now (not all it could take), planned with what the pool has free
+    and taken from it under its lock: two members fitting at once never both count the same bytes. A start
+    that does not fit asks the others first (and waits for them here: nothing is served yet)."""
+    device = "GPU" if offloads(argv[0], ask.backend) and args.offloaded(argv) else "CPU"
+    for last in (False, True):
+        with pool.locked() as held:
+            made = held.made()
+            total, source = ((settings.budget, "degrade.budget") if settings.budget is not None
+                             else (int(made["total"]), str(made["source"])) if made else resolve_budget(settings, argv))
+            held.join(total, source, device, settings.budget is not None)
+            free = held.free(os.getpid())
+            budget = max(0, min(free, ask.limit) if ask.limit is not None else free)
+            planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
+            rest = min(planner.ceiling, settings.context or MIN_START_CTX)
+            wanted = min(planner.ceiling, cells(max(ask.ctx or 0, rest, _saved_tokens(launch, config, settings))))
+            chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
+            short = 0
+            if not state.started and not last and choose(rungs, wanted) is None:
+                best = rungs[0].plan if rungs[0].skipped is None else None
+                short = planner.plan(rungs[0].argv, wanted).total(device) - budget if best is not None else 0
+            if short <= 0:
+                chosen = _fitting(chosen, rungs, budget, f"free in the pool {pool.dir}, of {format_size(total)}")
+                n_ctx = min(chosen.max_ctx, wanted)
+                share = planner.plan(chosen.argv, n_ctx).total(device)
+                floor = _floor(planner, rungs, config, settings)
+                held.put(Member(os.getpid(), launch.model.id, share, floor, rung=chosen.name, n_ctx=n_ctx))
+                state.started = True
+                return chosen, n_ctx, planner, rungs, budget, f"pool {pool.dir} ({source})", share, floor
+        ask_now(pool, Member(os.getpid(), launch.model.id, 0), short, settings.pool_wait)
+    raise AssertionError("the second pass always returns")
+
+
+def _floor(planner: Planner, rungs: list[RungPlan], config: Config, settings: DegradeSettings) -> int:
+    """The least this member could run with: its cheapest rung at its smallest context, without a projector
+    that media would give up."""
+    smallest = min(planner.ceiling, settings.context or MIN_START_CTX, MIN_START_CTX)
+    usable = [r for r in rungs if r.skipped is None]
+    if not usable:
+        return 0
+    argv = usable[-1].argv
+    if on_demand(config):
+        argv = args.remove(argv, args.MMPROJ)
+    found = planner.plan(argv, smallest)
+    return found.total(found.budget_device)
+
+
+def cells(tokens: int) -> int:
+    return -(-tokens // CELL_PAD) * CELL_PAD
+
+
+def _fitting(chosen: RungPlan | None, rungs: list[RungPlan], budget: int, source: str) -> RungPlan:
+    """The rung chosen; NoRungFits when none was."""
+    if chosen is None:
+        smallest = min((r.plan.total(r.plan.budget_device) for r in rungs if r.plan), default=0)
+        raise NoRungFits(f"degrade.budget {format_size(budget)} ({source}) holds no rung of the ladder: the smallest "
+                         f"needs {format_size(smallest)} at 256 tokens of context; raise the budget or use a smaller "
+                         "model", rungs, budget, source)
+    return chosen
 
 
 def _chosen(rungs: list[RungPlan], named: str | None, wanted: int) -> RungPlan | None:

@@ -6,12 +6,14 @@ import json
 import shutil
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import click
 
-from hooks.degrade.fit import BACKENDS, GPU_BACKENDS, Ask, NoRungFits, auto_budget, planner_for
+from hooks.degrade.fit import BACKENDS, GPU_BACKENDS, MIN_START_CTX, Ask, NoRungFits, auto_budget, planner_for
 from hooks.degrade.ladder import Planner, RungPlan
+from hooks.degrade.pool import Pool
 from hooks.degrade.settings import DEGRADE
 from hooks.degrade.state import DegradeState, fitted, state_of
 from hooks.memory import DEVICE, GPU_CONTEXT
@@ -53,25 +55,32 @@ Examples:
               "degrade.budget): the GPU's memory; measured figures are not used.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
               show_envvar=True, help="Take the ladder, the budget and the hooks (slots add flags) from this config.")
+@click.option("--pool", "pool_dir", type=click.Path(file_okay=False), metavar="DIR", help="Plan a new member of "
+              "this pool (degrade.pool): under what the pool has free now, and what the member would take at a start "
+              "(its rung at degrade.context); prints the pool's members and its last moves.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.argument("server_argv", nargs=-1, type=click.UNPROCESSED, metavar="-- LLAMA-SERVER [ARGS]...")
 @click.pass_obj
-def plan(commands: Commands, budget: str | None, backend: str | None, config_path: str | None, as_json: bool,
-         server_argv: tuple[str, ...]) -> None:
+def plan(commands: Commands, budget: str | None, backend: str | None, config_path: str | None,
+         pool_dir: str | None, as_json: bool, server_argv: tuple[str, ...]) -> None:
     """Plan the memory of a llama-server command line and print the degradation ladder: each rung, the largest
     context it fits under the budget, and the bytes it needs. Nothing is started or written, and LLAMA-SERVER
     need not exist (it is then planned as if it had every flag). Exit 1 when no rung fits the budget (a start
     would fail), 2 on a bad command line or config."""
     with planning():  # nothing is written: no slot folder, no cached --help
-        _plan(commands, budget, backend, config_path, as_json, server_argv)
+        _plan(commands, budget, backend, config_path, pool_dir, as_json, server_argv)
 
 
-def _plan(commands: Commands, budget: str | None, backend: str | None, config_path: str | None, as_json: bool,
-          server_argv: tuple[str, ...]) -> None:
+def _plan(commands: Commands, budget: str | None, backend: str | None, config_path: str | None,
+          pool_dir: str | None, as_json: bool, server_argv: tuple[str, ...]) -> None:
     try:
         config = commands.load(config_path)
+        settings = DEGRADE.of(config)
+        pooled = _pool(Path(pool_dir).expanduser() if pool_dir else settings.pool)
+        if pooled is not None and budget is None:
+            budget = str(max(0, pooled["free"] or 0)) if pooled["total"] is not None else budget
         config = replace(config, argv=tuple(server_argv) or config.argv,
-                         settings={**config.settings, DEGRADE.name: DEGRADE.of(config)})
+                         settings={**config.settings, DEGRADE.name: replace(settings, pool=None)})
         size = _size(budget)
         if backend is not None and size is None and (budget == "auto" or DEGRADE.of(config).budget is None):
             raise ConfigError(f"--backend {backend} plans for another machine: give its memory with --budget SIZE "
@@ -102,6 +111,9 @@ def _plan(commands: Commands, budget: str | None, backend: str | None, config_pa
         rungs, spent, source, chosen = problem.rungs, problem.budget, problem.budget_source, None
     report = _report(config, state_of(shared), rungs, spent, source, chosen, launch, str(problem or "") or None,
                      backend)
+    if pooled is not None:
+        report["pool"] = {**pooled, "new_member": _new_member(config, state_of(shared), rungs, chosen, launch,
+                                                              backend)}
     click.echo(json.dumps(report, indent=2) if as_json else _table(report))
     if problem:
         sys.exit(EXIT_FAILED)  # a start with this budget would fail
@@ -132,6 +144,29 @@ def _report(config: Config, state: DegradeState, planned: list[RungPlan], budget
         **_device(first.argv, planner, backend),
         "current": as_given.as_dict(), "rungs": rungs, "start": chosen, "problem": problem,
     }
+
+
+def _pool(directory: Path | None) -> dict[str, Any] | None:
+    """The pool as it is now (nothing is written: a folder that is no pool yet is reported as such)."""
+    if directory is None:
+        return None
+    if not (directory / "pool.json").exists():
+        return {"dir": str(directory), "total": None, "used": 0, "free": None, "members": [], "moves": [],
+                "note": "no pool there yet: the first member to start makes it with its degrade.budget"}
+    with Pool(directory).locked() as held:
+        return held.summary()
+
+
+def _new_member(config: Config, state: DegradeState, planned: list[RungPlan], chosen: str | None,
+                launch: Launch | None, backend: str | None) -> dict[str, Any] | None:
+    """What a member started now would take: its rung at degrade.context (a member takes what it needs)."""
+    rung = next((r for r in planned if r.name == chosen), None)
+    if rung is None or launch is None:
+        return None
+    planner = planner_for(rung.argv, "", launch.model.id, config, state, 0, backend)
+    n_ctx = min(planner.ceiling, DEGRADE.of(config).context or MIN_START_CTX, max(rung.max_ctx, 256))
+    taken = planner.plan(rung.argv, n_ctx)
+    return {"rung": rung.name, "n_ctx": n_ctx, "share": taken.total(taken.budget_device)}
 
 
 def _device(argv: list[str], planner: Planner, backend: str | None) -> dict[str, Any]:
@@ -199,9 +234,25 @@ def _table(report: dict[str, Any]) -> str:
                      f"{_short(context):>12}{_short(nbytes.get('total', 0)):>12}  {figures}")
     if report["start"]:
         lines += ["", f"a start under this budget runs rung {report['start']}"]
+    if (pool := report.get("pool")) is not None:
+        lines += ["", *_pool_lines(pool)]
     if report["problem"]:
         lines += ["", report["problem"]]
     return "\n".join(lines)
+
+
+def _pool_lines(pool: dict[str, Any]) -> list[str]:
+    if pool["total"] is None:
+        return [f"pool {pool['dir']}: {pool['note']}"]
+    lines = [f"pool {pool['dir']}: {format_size(pool['total'])} on the {pool['device']}, "
+             f"{format_size(pool['used'])} used by {len(pool['members'])} member(s), {format_size(pool['free'])} free"]
+    lines += [f"  {m['name']}: {format_size(m['share'])} (floor {format_size(m['floor'])}), rung {m['rung']}, "
+              f"n_ctx {m['n_ctx']}{', busy' if m['busy'] else ''}" for m in pool["members"]]
+    if (new := pool.get("new_member")) is not None:
+        lines.append(f"a new member takes {format_size(new['share'])}: rung {new['rung']} at n_ctx {new['n_ctx']}")
+    lines += [f"  moved: {m['asker']} asked {format_size(m['asked'])}, got {format_size(m['given'])} in "
+              f"{m['took_s']}s" for m in pool["moves"][-5:]]
+    return lines
 
 
 def _as_given(current: dict[str, Any], device: str) -> str:

@@ -3,12 +3,13 @@ watches, its part of /wrapper/status and GET /wrapper/memory."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import structlog
 
-from hooks.degrade import calibration
+from hooks.degrade import calibration, share
 from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
@@ -50,6 +51,8 @@ def status(generation: Generation) -> dict[str, Any]:
         "budget": fit.budget if fit else state.budget, "budget_source": fit.budget_source if fit else "",
         "rung": fit.rung if fit else None, "n_ctx": fit.n_ctx if fit else None,
         "ladder": [r.as_dict() for r in fit.rungs] if fit else [],
+        "pool": {"dir": fit.pool, "share": fit.share, "floor": fit.floor, "gave": state.gave} if fit and fit.pool
+        else None,
         "steps": state.steps[-20:],
         "swa_window_note": ("the sliding-window cache is not full: restored slots would not be reused, so the "
                             "slots saved with it are kept") if fit and fit.swa_dropped else None,
@@ -59,6 +62,14 @@ def status(generation: Generation) -> dict[str, Any]:
 def metrics(generation: Generation) -> None:
     fit = fitted(generation.launch)
     METRICS.degrade(fit.rung if fit else None, fit.n_ctx if fit else None, fit.budget if fit else None)
+    pool = share.pool_of_generation(generation)
+    if pool is not None and fit is not None:
+        with pool.locked() as held:
+            members = held.members()
+            METRICS.pool_total.set(held.total)
+        METRICS.pool_used.set(sum(m.share for m in members))
+        METRICS.pool_members.set(len(members))
+        METRICS.pool_share.set(fit.share)
 
 
 def memory(generation: Generation) -> dict[str, Any]:
@@ -67,9 +78,16 @@ def memory(generation: Generation) -> dict[str, Any]:
     chosen = next((r for r in fit.rungs if r.name == fit.rung), None) if fit else None
     measured = measuring(generation).measured
     planned = chosen.plan.as_dict() if chosen is not None and chosen.plan is not None else None
+    pool = share.pool_of_generation(generation) if fit is not None and fit.pool else None
+    if pool is not None:
+        with pool.locked() as held:
+            pooled: dict[str, Any] | None = {**held.summary(), "me": os.getpid()}
+    else:
+        pooled = None
     return {
         "budget": {"bytes": fit.budget if fit else None, "source": fit.budget_source if fit else None,
                    "device": planned["budget_device"] if planned else None},
+        "pool": pooled,
         "rung": fit.rung if fit else None, "n_ctx": fit.n_ctx if fit else None,
         "planned": planned,
         "measured": {"n_ctx": measured.n_ctx, "devices": {d: {**parts, "total": sum(parts.values())}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hooks.degrade import FAMILY
-from wrapper.settings import BOOL, COUNT, DURATION, SIZE, SIZE_OR_AUTO, Kind, Section, setting
+from wrapper.settings import BOOL, COUNT, DURATION, PATH, SIZE, SIZE_OR_AUTO, Kind, Section, setting
 from wrapper.yamlread import Reader, suggest
 
 LADDER_RUNGS = ("disable-spec", "mmproj-to-cpu", "quantize-kv-q8", "quantize-kv-q4", "swa-window")
@@ -65,6 +66,7 @@ def _show_ladder(ladder: tuple[Rung, ...]) -> list[Any]:
 
 
 LADDER = Kind("list of rungs", _read_ladder, _show_ladder)
+OPTIONAL_PATH = Kind("path", PATH.read, lambda v: "none" if v is None else str(v))
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,13 @@ class DegradeSettings:
     continue_truncated: bool = setting(True, BOOL, "an answer cut by a full context goes on after a growth",
                                        key="continue")
     relax_after: float = setting(600.0, DURATION, "idle this long, move back up to the best rung that fits")
+    pool: Path | None = setting(None, OPTIONAL_PATH, "a folder the wrappers of one device share (e.g. "
+                                "`/run/llama-wrapper/gpu0`): `budget` is then the pool's total, and a member that "
+                                "needs more asks the others to give it up")
+    context: int = setting(4096, COUNT, "with a pool: the context a member takes at a start and relaxes back to "
+                           "(a growth goes beyond it, up to `-c` or the training context)")
+    pool_wait: float = setting(60.0, DURATION, "with a pool: how long a member waits (its client held) for the "
+                               "others to give what it asked")
 
 
 DEGRADE = Section(FAMILY, DegradeSettings, "degradation under a memory budget", optional=True)

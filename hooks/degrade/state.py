@@ -31,6 +31,8 @@ class DegradeState:
     lock: asyncio.Lock | None = None
     waiting: list[int] = field(default_factory=list)  # the tokens each request waiting for a growth needs
     shape: ModelShape | None = None
+    started: bool = False  # the first fit is done (a start asks the pool for what it needs; later fits do not)
+    gave: bool = False  # with a pool: it gave memory to another member and has not climbed back yet
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class Fitted:
     budget_source: str
     swa_dropped: bool
     verbosity_added: bool
+    share: int = 0  # with a pool: the bytes this plan takes of it (at n_ctx, on the pool's device)
+    floor: int = 0  # with a pool: the least this member could run with (its last rung at its smallest context)
+    pool: str | None = None  # the pool's folder
 
     def as_dict(self) -> dict[str, Any]:
         return {"rung": self.rung, "n_ctx": self.n_ctx}

@@ -3,13 +3,14 @@ Runs before degrade's fit, so the memory planner counts the projector only while
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from hooks.degrade import FAMILY as DEGRADE
 from hooks.media import FAMILY
-from hooks.media.settings import on_demand
-from hooks.media.state import STATE
+from hooks.media.settings import MEDIA, on_demand
+from hooks.media.state import STATE, MediaState
 from wrapper import argv as args
 from wrapper.config import Config
 from wrapper.kept import Kept
@@ -29,10 +30,13 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
     kept = shared.get(STATE)
     asked = (asks.get(FAMILY) or {}).get(ASK)
     if isinstance(asked, bool):
-        kept.wanted = asked
-    elif kept.wanted and DEGRADE in asks and kept.in_flight == 0:
-        kept.wanted = False  # a move for memory: an unused projector is the first thing to give up
+        kept.wanted, kept.given_up = asked, False
+    elif kept.wanted and DEGRADE in asks and not _upward(asks) and kept.in_flight == 0:
+        kept.wanted, kept.given_up = False, True  # a move for memory: an unused projector is given up first
         kept.decisions.made(change="given up", why="a memory move (degrade) and no request with media in flight")
+    elif not kept.wanted and _upward(asks) and takes_back(kept, config):
+        kept.wanted, kept.given_up = True, False
+        kept.decisions.made(change="taken back", why="a memory move up (degrade) after it was given up for memory")
     if kept.wanted:
         return Fitting(list(argv), fitted=True)
     projector = args.get(argv, args.MMPROJ)
@@ -42,6 +46,22 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
               "audio arrives, and dropped after media.idle without one, or at a memory move (degrade) while "
               "no request with media is in flight")
     return done
+
+
+def _upward(asks: Mapping[str, Any]) -> bool:
+    return bool(getattr(asks.get(DEGRADE), "up", False))
+
+
+def takes_back(kept: MediaState, config: Config) -> bool:
+    """A move up takes the projector back: it was given up for memory while media came within media.idle."""
+    recent = kept.last_media_at is not None and time.monotonic() - kept.last_media_at < MEDIA.of(config).idle
+    return kept.given_up and recent
+
+
+def yields(shared: Kept, config: Config) -> bool:
+    """A memory move now would give the projector up (on demand, loaded, no request with media in flight)."""
+    kept = shared.get(STATE)
+    return on_demand(config) and kept.wanted and kept.in_flight == 0
 
 
 def warnings(config: Config) -> list[str]:

@@ -16,6 +16,7 @@ from wrapper.kept import Key
 @dataclass
 class MediaState:
     wanted: bool = False  # with on_demand: the projector is in the argv of the next generations
+    given_up: bool = False  # dropped for memory (a degrade move), not for idleness: a move up takes it back
     last_media_at: float | None = None  # time.monotonic() of the last request with media
     in_flight: int = 0  # requests with media being served now
     loads: int = 0

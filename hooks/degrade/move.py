@@ -1,0 +1,45 @@
+"""One move along the ladder: a reload that asks the next fit for a rung (a context, a budget); the state in force
+changes only when that reload succeeds."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from hooks.degrade.fit import Ask
+from hooks.degrade.state import DegradeState, fitted
+from wrapper.generation import Host
+from wrapper.reload_ask import NotReloaded, Unchanged, ask_reload
+
+log = structlog.get_logger()
+
+
+async def move(host: Host, state: DegradeState, ask: Ask, why: str) -> str | None:
+    """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
+    budget in force change only when the reload succeeds."""
+    began = time.monotonic()
+    asked = await ask_reload(host, f"degrade: {why}", ask.as_mapping())
+    if isinstance(asked, Unchanged):
+        commit(state, ask)
+        return None
+    if isinstance(asked, NotReloaded):
+        return asked.reason
+    answer = asked.answer
+    fit = fitted(host.current.launch)
+    step = {"at": time.time(), "why": why, "success": bool(answer.get("success")), "rung": fit.rung if fit else None,
+            "n_ctx": answer.get("n_ctx"), "downtime_ms": answer.get("downtime_ms"),
+            "wait_s": round(time.monotonic() - began, 3), "restore": answer.get("restore")}
+    state.steps.append(step)
+    log.info("degrade.step", **step)
+    if not answer.get("success"):
+        return f"the reload failed: {answer.get('message')}"
+    commit(state, ask)
+    return None
+
+
+def commit(state: DegradeState, ask: Ask) -> None:
+    if ask.rung is not None:
+        state.held_rung = ask.rung
+    if ask.budget is not None:
+        state.budget, state.budget_source = ask.budget

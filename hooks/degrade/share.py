@@ -1,0 +1,201 @@
+"""This wrapper as a member of a pool (`degrade.pool`, the folder in hooks/degrade/pool.py): the share its fit
+takes, asking the others to give when it needs more than is free, giving when they ask, and its record.
+
+An asker writes one ask per giver, idle members first, each for at most what that member can spare above its
+floor, and waits (`degrade.pool_wait`; its client is held) until every giver has answered. A member that is
+asking gives nothing meanwhile (two members growing at once each refuse the other: nobody waits on anybody),
+and every share is taken under the pool's lock from what is free then, so the shares never add up to more than
+the total."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from hooks.degrade.pool import Ask, Held, Member, Pool
+from hooks.degrade.settings import DEGRADE, DegradeSettings
+from hooks.degrade.state import Fitted, fitted
+from wrapper.generation import Generation, Host
+from wrapper.metrics import METRICS
+from wrapper.units import format_size
+
+log = structlog.get_logger()
+
+POLL_S = 0.2
+
+
+def pool_of(settings: DegradeSettings) -> Pool | None:
+    return Pool(settings.pool) if settings.pool is not None else None
+
+
+def record(generation: Generation, fit: Fitted, busy: bool = False, asking: bool = False) -> Member:
+    return Member(os.getpid(), generation.launch.model.id, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking)
+
+
+@dataclass
+class Asked:
+    """What an asker got: per giver, the bytes and what it gave up."""
+
+    asked: int
+    answers: list[Ask] = field(default_factory=list)
+    took_s: float = 0.0
+
+    @property
+    def given(self) -> int:
+        return sum(a.given for a in self.answers)
+
+
+def place_asks(held: Held, me: Member, short: int) -> list[Ask]:
+    """Ask the others for `short` bytes: idle members before busy ones, the one with most to spare first, each for
+    no more than it can spare."""
+    others = sorted((m for m in held.members() if m.pid != me.pid and not m.asking and m.spare() > 0),
+                    key=lambda m: (m.busy, -m.spare()))
+    placed, left = [], short
+    for giver in others:
+        if left <= 0:
+            break
+        amount = min(giver.spare(), left)
+        placed.append(held.ask(me, giver, amount))
+        left -= amount
+    me.asking = bool(placed)
+    held.put(me)
+    return placed
+
+
+def collect(held: Held, placed: list[Ask]) -> list[Ask] | None:
+    """The answers once every giver answered (a dead giver answers nothing), else None."""
+    found = {a.id: a for a in held.asks()}
+    living = {m.pid for m in held.members()}
+    answers = []
+    for ask in placed:
+        now = found.get(ask.id)
+        if now is None or ask.giver not in living:
+            answers.append(Ask(ask.id, ask.asker, ask.asker_model, ask.giver, ask.bytes, ask.at, "refused",
+                               reason="the member is gone"))
+        elif now.state == "asked":
+            return None
+        else:
+            answers.append(now)
+    return answers
+
+
+def finish(held: Held, me: Member, placed: list[Ask], answers: list[Ask], began: float) -> Asked:
+    for ask in placed:
+        held.drop_ask(ask.id)
+    me.asking = False
+    held.put(me)
+    done = Asked(sum(a.bytes for a in placed), answers, round(time.monotonic() - began, 3))
+    if placed:
+        move = {"at": time.time(), "asker": me.name, "asked": done.asked, "given": done.given, "took_s": done.took_s,
+                "givers": [{"pid": a.giver, "asked": a.bytes, "given": a.given, "state": a.state,
+                            "what": a.reason, "took_s": a.took_s} for a in answers]}
+        held.moved(move)
+        METRICS.pool_moves.labels(role="asked").inc()
+        log.info("pool.asked", **move)
+    return done
+
+
+class Asking:
+    """One round of asking: placed at once, answered when every giver has (or at `degrade.pool_wait`)."""
+
+    def __init__(self, pool: Pool, me: Member, short: int, wait: float) -> None:
+        self.pool, self.me = pool, me
+        self.began = time.monotonic()
+        self.deadline = self.began + wait
+        with pool.locked() as held:
+            self.placed = place_asks(held, me, short)
+        log.info("pool.ask", asker=me.name, short=short,
+                 asks=[{"giver": a.giver, "bytes": a.bytes} for a in self.placed],
+                 message=None if self.placed else "no other member has anything to spare above its floor")
+
+    def poll(self) -> Asked | None:
+        """What was given, once every answer is in; None while some are awaited."""
+        with self.pool.locked() as held:
+            answers = collect(held, self.placed) if self.placed else []
+            if answers is None and time.monotonic() > self.deadline:
+                answers = [Ask(a.id, a.asker, a.asker_model, a.giver, a.bytes, a.at, "refused",
+                               reason="no answer within degrade.pool_wait") for a in self.placed]
+            return finish(held, self.me, self.placed, answers, self.began) if answers is not None else None
+
+
+def ask_now(pool: Pool, me: Member, short: int, wait: float) -> Asked:
+    """At a start (nothing served yet, no loop running): ask and wait for the answers here."""
+    asking = Asking(pool, me, short, wait)
+    while (done := asking.poll()) is None:
+        time.sleep(POLL_S)
+    return done
+
+
+async def ask(pool: Pool, me: Member, short: int, wait: float) -> Asked:
+    """Ask the others for `short` bytes and wait (without blocking the loop) for their answers."""
+    asking = Asking(pool, me, short, wait)
+    while True:  # the answers come from other processes, through the folder: nothing here to wait on but time
+        done = asking.poll()
+        if done is not None:
+            return done
+        await asyncio.sleep(POLL_S)
+
+
+def publish(generation: Generation, busy: bool, asking: bool = False) -> None:
+    """Write this member's record from the generation that runs (after a move that failed, too)."""
+    fit = fitted(generation.launch)
+    pool = pool_of_generation(generation)
+    if fit is None or pool is None:
+        return
+    with pool.locked() as held:
+        held.put(record(generation, fit, busy, asking))
+
+
+def pool_of_generation(generation: Generation) -> Pool | None:
+    settings = DEGRADE.on(generation.config)
+    return pool_of(settings) if settings is not None else None
+
+
+async def serve_asks(host: Host, give: Callable[[Host, Ask], Any], growing: Callable[[], bool]) -> None:
+    """In the background while the server runs: keep the record's `busy` true to what runs, and answer the asks
+    made of this member (`give` moves and says what it gave). Leaves the pool at the stop."""
+    pool = pool_of_generation(host.current)
+    if pool is None:
+        return
+    busy: bool | None = None
+    try:
+        while True:
+            await asyncio.sleep(POLL_S)
+            now_busy = host.in_flight > 0
+            with pool.locked() as held:
+                mine = [a for a in held.asks() if a.giver == os.getpid() and a.state == "asked"]
+                me = held.member(os.getpid())
+                if me is not None and now_busy != busy:
+                    me.busy, busy = now_busy, now_busy
+                    held.put(me)
+                for gone in held.gone:
+                    log.info("pool.member_gone", member=gone.name, share=gone.share,
+                             message=f"its {format_size(gone.share)} are free again")
+            for asked in mine:
+                if growing() or (me is not None and me.asking):
+                    await answer(pool, asked, "refused", 0, "it is growing itself", 0.0)
+                    continue
+                await give(host, asked)
+    finally:
+        with pool.locked() as held:
+            held.leave(os.getpid())
+        log.info("pool.left", dir=str(pool.dir))
+
+
+async def answer(pool: Pool, asked: Ask, state: str, given: int, what: str, took_s: float) -> None:
+    with pool.locked() as held:
+        if not any(a.id == asked.id for a in held.asks()):
+            return  # the asker stopped waiting (or is gone)
+        asked.state, asked.given, asked.reason, asked.took_s = state, given, what, took_s
+        held.write_ask(asked)
+    if given:
+        METRICS.pool_moves.labels(role="gave").inc()
+    log.info("pool.gave" if state == "given" else "pool.refused", asker=f"{asked.asker_model}[{asked.asker}]",
+             asked=asked.bytes, given=given, what=what, took_s=took_s)
+

@@ -1,0 +1,97 @@
+"""Two real wrappers, two real servers, one pool (`degrade.pool`): the task model's long request is answered
+with memory the main model gives up (its projector, then its draft) and gets back once the task is idle; both
+conversations come back; a member killed is noticed and its share taken."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import pooled
+from tests.helpers import wait_for
+
+TURN = [{"role": "user", "content": "Remember this story. " + pooled.STORY * 30}]
+
+
+@pytest.fixture(scope="module")
+def projector(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pooled.make_projector(tmp_path_factory.mktemp("mmproj"))
+
+
+def test_the_task_grows_on_what_the_main_gives_up_and_the_main_gets_it_back(
+        tmp_path: Path, server_bin: str, demo_path: str, projector: Path) -> None:
+    pair = pooled.start_pair(tmp_path, server_bin, demo_path, projector)
+    try:
+        pair.watch()
+        pooled.load_projector(pair.main)
+        status, first = pooled.chat(pair.main.url, TURN)
+        assert status == 200, first
+        main_history = TURN + [first["choices"][0]["message"]]
+        long_turn = [{"role": "user", "content": pooled.LONG}]
+        answers: dict[str, Any] = {}
+
+        def task_request() -> None:
+            answers["task"] = pooled.chat(pair.task.url, long_turn)
+
+        asking = threading.Thread(target=task_request)
+        asking.start()
+        wait_for(lambda: any(a for a in pair.main.events("pool.gave")) or not asking.is_alive(), 120,
+                 "the main to give")
+        status, meanwhile = pooled.chat(pair.main.url, [{"role": "user", "content": "Say hello."}])
+        assert status == 200, meanwhile  # the main answered while (or right after) it gave
+        asking.join(300)
+        status, long_answer = answers["task"]
+        assert status == 200, long_answer
+        assert long_answer["timings"]["prompt_n"] > pooled.TASK_CONTEXT  # it did not fit the task's own context
+
+        gave = pair.main.events("pool.gave")
+        assert gave and "the projector" in gave[0]["what"] and "disable-spec" in gave[0]["what"], gave
+        main_argv = pooled.argv_of(pair.main)
+        assert "--mmproj" not in main_argv and "-md" not in main_argv
+        moved = pooled.memory(pair.task)["pool"]["moves"]
+        assert moved and moved[-1]["given"] >= moved[-1]["asked"] > 0, moved
+        assert pair.sums and max(pair.sums) <= pair.total, (max(pair.sums), pair.total)
+
+        # the task idle: it gives back what it grew for, the main climbs back to its projector and its draft
+        wait_for(lambda: pair.task.events("pool.back"), 60, "the task to give back its context")
+        wait_for(lambda: "--mmproj" in pooled.argv_of(pair.main) and "-md" in pooled.argv_of(pair.main), 60,
+                 "the main to get its projector and draft back")
+        assert max(pair.sums) <= pair.total
+
+        # the next turn of each conversation reuses its history
+        main_history.append({"role": "user", "content": "Who wrote the names?"})
+        status, again = pooled.chat(pair.main.url, main_history)
+        assert status == 200 and again["timings"]["cache_n"] >= 0.95 * first["timings"]["prompt_n"], again
+        task_history = long_turn + [long_answer["choices"][0]["message"], {"role": "user", "content": "Shorter."}]
+        status, task_again = pooled.chat(pair.task.url, task_history)
+        assert status == 200, task_again
+        assert task_again["timings"]["cache_n"] >= 0.95 * long_answer["timings"]["prompt_n"], task_again
+        assert max(pair.sums) <= pair.total
+    finally:
+        pair.close()
+
+
+def test_a_member_killed_frees_its_share_for_the_other(
+        tmp_path: Path, server_bin: str, demo_path: str, projector: Path) -> None:
+    pair = pooled.start_pair(tmp_path, server_bin, demo_path, projector)
+    try:
+        main_pid = pair.main.process.pid
+        answers: dict[str, Any] = {}
+        threading.Thread(target=lambda: answers.update(task=pooled.chat(
+            pair.task.url, [{"role": "user", "content": pooled.LONG}])), daemon=True).start()
+        wait_for(lambda: pair.main.events("pool.ask") or pair.task.events("pool.ask"), 60, "the task to ask")
+        time.sleep(0.3)  # the main is moving now (or about to)
+        os.killpg(main_pid, signal.SIGKILL)
+        wait_for(lambda: "task" in answers, 300, "the task's answer")
+        status, answer = answers["task"]
+        assert status == 200, answer
+        assert answer["timings"]["prompt_n"] > pooled.TASK_CONTEXT
+        assert [r["pid"] for r in pooled.records(pair.pool)] == [pair.task.process.pid]
+    finally:
+        pair.close()
