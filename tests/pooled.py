@@ -19,8 +19,9 @@ from tests.helpers import ROOT, Wrapper, http, wait_for
 
 SMOLLM2_WIDTH = 576
 MAIN_CONTEXT, TASK_CONTEXT, LONG_CONTEXT = 2048, 1024, 4096
+LONG_NEEDS = 2560  # the context LONG needs: its ~2.2k tokens and the answer, in cells of 256
 STORY = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
-LONG = "A long report from the archive of the harbour office, to be summarised. " + STORY * 120  # ~2.8k tokens
+LONG = "A long report from the archive of the harbour office, to be summarised. " + STORY * 120  # ~2.2k tokens
 CONFIG = """
 slots: {{dir: {slots}}}
 media: {{projector: on_demand}}

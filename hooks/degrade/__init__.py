@@ -9,5 +9,7 @@ every conversation. What a generation reports (buffers, status, GET /wrapper/mem
 as long as the wrapper is `state`; the `degrade:` keys are `settings`.
 """
 
-FAMILY = "degrade"
+from hooks import DEGRADE
+
+FAMILY = DEGRADE
 TURN_ON = "add a degrade: section to the config (at least degrade: {budget: auto})"

@@ -120,6 +120,13 @@ def _of(kind: type[Any], data: dict[str, Any]) -> Any:
     return kind(**{k: v for k, v in data.items() if k in names})
 
 
+def _sound(member: Member) -> bool:
+    """A record as a member writes it: a process id, and a share and floor in bytes."""
+    numbers = (member.pid, member.share, member.floor)
+    return all(isinstance(n, int) and not isinstance(n, bool) for n in numbers) and member.pid > 0 \
+        and member.share >= 0 and member.floor >= 0
+
+
 class Pool:
     """The folder; `locked()` gives a `Held` pool to read and change."""
 
@@ -194,6 +201,8 @@ class Held:
             try:
                 member = _of(Member, data) if data is not None else None
             except TypeError:
+                member = None
+            if member is not None and not _sound(member):
                 member = None
             if member is None:
                 with contextlib.suppress(OSError):

@@ -68,21 +68,27 @@ def place_asks(held: Held, me: Member, short: int) -> list[Ask]:
     return placed
 
 
-def collect(held: Held, placed: list[Ask]) -> list[Ask] | None:
-    """The answers once every giver answered (a dead giver answers nothing), else None."""
+def collect(held: Held, placed: list[Ask], late: bool = False) -> list[Ask] | None:
+    """The answers once every giver answered (a dead giver answers nothing), else None; `late` (the wait is
+    over): the answers in, and the others refused."""
     found = {a.id: a for a in held.asks()}
     living = {m.pid for m in held.members()}
     answers = []
     for ask in placed:
         now = found.get(ask.id)
         if now is None or ask.giver not in living:
-            answers.append(Ask(ask.id, ask.asker, ask.asker_model, ask.giver, ask.bytes, ask.at, "refused",
-                               reason="the member is gone"))
+            answers.append(_refused(ask, "the member is gone"))
         elif now.state == "asked":
-            return None
+            if not late:
+                return None
+            answers.append(_refused(ask, "no answer within degrade.pool_wait"))
         else:
             answers.append(now)
     return answers
+
+
+def _refused(ask: Ask, why: str) -> Ask:
+    return Ask(ask.id, ask.asker, ask.asker_model, ask.giver, ask.bytes, ask.at, "refused", reason=why)
 
 
 def finish(held: Held, me: Member, placed: list[Ask], answers: list[Ask], began: float) -> Asked:
@@ -117,10 +123,7 @@ class Asking:
     def poll(self) -> Asked | None:
         """What was given, once every answer is in; None while some are awaited."""
         with self.pool.locked() as held:
-            answers = collect(held, self.placed) if self.placed else []
-            if answers is None and time.monotonic() > self.deadline:
-                answers = [Ask(a.id, a.asker, a.asker_model, a.giver, a.bytes, a.at, "refused",
-                               reason="no answer within degrade.pool_wait") for a in self.placed]
+            answers = collect(held, self.placed, late=time.monotonic() > self.deadline) if self.placed else []
             return finish(held, self.me, self.placed, answers, self.began) if answers is not None else None
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from hooks.degrade import FAMILY as DEGRADE
+from hooks import DEGRADE
 from hooks.media import FAMILY
 from hooks.media.settings import MEDIA, on_demand
 from hooks.media.state import STATE, MediaState

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests import pooled
-from tests.helpers import wait_for
+from tests.helpers import Wrapper, wait_for
 
 TURN = [{"role": "user", "content": "Remember this story. " + pooled.STORY * 30}]
 
@@ -32,7 +32,7 @@ def test_the_task_grows_on_what_the_main_gives_up_and_the_main_gets_it_back(
         pooled.load_projector(pair.main)
         status, first = pooled.chat(pair.main.url, TURN)
         assert status == 200, first
-        main_history = TURN + [first["choices"][0]["message"]]
+        main_history = [*TURN, first["choices"][0]["message"]]
         long_turn = [{"role": "user", "content": pooled.LONG}]
         answers: dict[str, Any] = {}
 
@@ -68,7 +68,7 @@ def test_the_task_grows_on_what_the_main_gives_up_and_the_main_gets_it_back(
         main_history.append({"role": "user", "content": "Who wrote the names?"})
         status, again = pooled.chat(pair.main.url, main_history)
         assert status == 200 and again["timings"]["cache_n"] >= 0.95 * first["timings"]["prompt_n"], again
-        task_history = long_turn + [long_answer["choices"][0]["message"], {"role": "user", "content": "Shorter."}]
+        task_history = [*long_turn, long_answer["choices"][0]["message"], {"role": "user", "content": "Shorter."}]
         status, task_again = pooled.chat(pair.task.url, task_history)
         assert status == 200, task_again
         assert task_again["timings"]["cache_n"] >= 0.95 * long_answer["timings"]["prompt_n"], task_again
@@ -93,5 +93,39 @@ def test_a_member_killed_frees_its_share_for_the_other(
         assert status == 200, answer
         assert answer["timings"]["prompt_n"] > pooled.TASK_CONTEXT
         assert [r["pid"] for r in pooled.records(pair.pool)] == [pair.task.process.pid]
+    finally:
+        pair.close()
+
+
+def test_two_members_growing_at_once_are_both_answered_and_never_overcommit(
+        tmp_path: Path, server_bin: str, demo_path: str, projector: Path) -> None:
+    _, task_argv = pooled.argvs(server_bin, demo_path, projector)
+    rest, long = pooled.share_of(task_argv, pooled.TASK_CONTEXT), pooled.share_of(task_argv, pooled.LONG_NEEDS)
+    total = 2 * rest + (long - rest) * 3 // 2  # room for one long request, not for two
+    pool = tmp_path / "pool"
+    members = []
+    for name in ("a", "b"):
+        config = pooled.CONFIG.format(slots=tmp_path / f"slots-{name}", pool=pool, total=total,
+                                      context=pooled.TASK_CONTEXT, relax="10m")
+        members.append(Wrapper(tmp_path, task_argv, config))
+    pair = pooled.Pair(members[0], members[1], pool, total)
+    try:
+        for member in members:
+            member.wait_ready(180)
+        pair.watch()
+        answers: dict[int, tuple[int, dict[str, Any]]] = {}
+        threads = [threading.Thread(target=lambda i=i, m=m: answers.update({i: pooled.chat(
+            m.url, [{"role": "user", "content": f"Report {i}. " + pooled.LONG}])})) for i, m in enumerate(members)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert sorted(answers) == [0, 1]  # both answered: nobody waited on the other
+        statuses = sorted(status for status, _ in answers.values())
+        assert statuses[0] == 200, answers  # one grew into the room there is
+        for status, answer in answers.values():
+            if status != 200:  # the other one is told why, with what the pool had for it
+                assert status == 400 and "pool" in answer["error"]["message"], answer
+        assert pair.sums and max(pair.sums) <= total, (max(pair.sums), total)
     finally:
         pair.close()
