@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -17,10 +16,9 @@ from hooks.degrade.fit import MIN_START_CTX, Ask, auto_budget, ladder_for
 from hooks.degrade.ladder import RungPlan, choose
 from hooks.degrade.move import move
 from hooks.degrade.settings import DEGRADE, DegradeSettings
-from hooks.degrade.state import DegradeState, Fitted, fitted, state_of
+from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.memory import PlanError
 from hooks.slots import restored_tokens
-from wrapper import argv as args
 from wrapper.config import ConfigError
 from wrapper.generation import Generation, Host
 from wrapper.proxy import error_body
@@ -76,22 +74,6 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
         state.waiting.remove(needed)
 
 
-def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]) -> int:
-    """The `-c` that holds `demands` (the tokens requests need) beside what the other slots hold. With one KV
-    for all slots (-kvu) their cells add up: the demands that can run at once, plus the conversations they
-    do not replace; without it every slot gets -c / -np cells, so the largest demand times -np."""
-    parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
-    running = sorted(demands, reverse=True)[:parallel]
-    if not running:
-        return 0
-    if parallel == 1:
-        return running[0]
-    if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED):
-        held = sorted(state.conversation.values(), reverse=True)[len(running):]  # slots the requests do not use
-        return sum(running) + sum(held)
-    return running[0] * parallel
-
-
 async def background(host: Host) -> None:
     """From ready to the stop: the relax, and with a pool the answers to the others' asks."""
     state = state_of(host.current.shared)
@@ -115,13 +97,14 @@ async def relax(host: Host) -> None:
         await asyncio.sleep(poll)
         idle = time.monotonic() - state.last_activity >= settings.relax_after
         fit = fitted(host.current.launch)
-        below = pooled and fit is not None and (state.gave or fit.index > 0)
+        below = pooled and fit is not None and (state.gave or fit.index > 0) and time.monotonic() >= state.climb_after
         if host.in_flight or not (idle or below) or (state.lock is not None and state.lock.locked()):
             continue
         try:
             if pooled:
                 held = [] if idle else [t + settings.headroom for t in _held(state, host.current)]
-                await poolmoves.relax(host, state, held, "idle for degrade.relax_after" if idle else "memory is free")
+                needed = context_for(host.current.launch.argv, state, held)
+                await poolmoves.relax(host, state, needed, "idle for degrade.relax_after" if idle else "memory is free")
                 if idle:
                     state.last_activity = time.monotonic()
             else:
@@ -140,7 +123,8 @@ async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, 
     if target is None or (fit.rungs.index(target) >= fit.index and target.max_ctx <= fit.n_ctx):
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
         return None
-    return await move(host, state, Ask(rung=target.name), f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
+    return await move(host, state, Ask(rung=target.name, up=True),
+                      f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
 
 
 async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -43,7 +43,8 @@ class Ask:
     backend: str | None = None  # plan for this backend (BACKENDS), not for this build's devices: `plan --backend`
     ctx: int | None = None  # with a pool: the context to take (a member takes what it needs, not all it could)
     limit: int | None = None  # with a pool: take at most these bytes (a member giving some back)
-    up: bool = False  # a move up (a relax): what was given up for memory may come back
+    up: bool = False  # a move up (a relax): nothing is given up for it
+    projector: bool = False  # a move up that takes back the projector given up for memory (hooks/media)
 
     def as_mapping(self) -> dict[str, Any]:
         return {FAMILY: self}
@@ -197,7 +198,9 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
             budget = max(0, min(free, ask.limit) if ask.limit is not None else free)
             planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
             rest = min(planner.ceiling, settings.context or MIN_START_CTX)
-            wanted = min(planner.ceiling, cells(max(ask.ctx or 0, rest, _saved_tokens(launch, config, settings))))
+            saved = _saved_tokens(launch, config, settings) if not state.started else 0  # a start restores them
+            kept = state.held_ctx if ask.ctx is None else 0  # a reload degrade did not ask for keeps the context
+            wanted = min(planner.ceiling, cells(max(ask.ctx or 0, rest, saved, kept)))
             chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
             short = 0
             if not state.started and not last and choose(rungs, wanted) is None:
@@ -209,7 +212,7 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
                 share = planner.plan(chosen.argv, n_ctx).total(device)
                 floor = _floor(planner, rungs, config, settings)
                 held.put(Member(os.getpid(), launch.model.id, share, floor, rung=chosen.name, n_ctx=n_ctx))
-                state.started = True
+                state.started, state.held_ctx = True, n_ctx
                 return chosen, n_ctx, planner, rungs, budget, f"pool {pool.dir} ({source})", share, floor
         ask_now(pool, Member(os.getpid(), launch.model.id, 0), short, settings.pool_wait)
     raise AssertionError("the second pass always returns")

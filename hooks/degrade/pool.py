@@ -47,6 +47,7 @@ class Member:
     rung: str = ""
     n_ctx: int = 0
     asking: bool = False  # waiting for others to give: it gives nothing meanwhile
+    serving: bool = False  # it answers asks (from ready to its stop); one still starting is not asked
     started: str = ""  # the process's start time (/proc), so that a reused pid is not taken for it
     at: float = field(default_factory=time.time)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
 
 import structlog
 
@@ -16,7 +15,7 @@ from hooks.degrade.ladder import choose
 from hooks.degrade.move import move
 from hooks.degrade.pool import Ask as PoolAsk
 from hooks.degrade.settings import DEGRADE
-from hooks.degrade.state import DegradeState, Fitted, fitted, state_of
+from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.media import fit as media_fit
 from hooks.media.state import STATE as MEDIA_STATE
 from hooks.memory import CELL_PAD
@@ -61,7 +60,10 @@ async def grow(host: Host, state: DegradeState, fit: Fitted, wanted: int, why: s
         return (f"{why}: the pool {pool.dir} has {format_size(free)} for this member{got}, which holds at most "
                 f"{best.max_ctx if best else 0} tokens of context (rung {best.name if best else '-'}); give the pool "
                 "more memory (degrade.budget) or shorten the conversation")
-    return await move(host, state, Ask(rung=target.name, ctx=wanted), f"{why} ({format_size(free)} free in the pool)")
+    problem = await move(host, state, Ask(rung=target.name, ctx=wanted),
+                         f"{why} ({format_size(free)} free in the pool)")
+    share.publish(host.current, busy=True)  # what runs now, whether the move took effect or not
+    return problem
 
 
 async def give(host: Host, asked: PoolAsk) -> None:
@@ -85,6 +87,9 @@ async def give(host: Host, asked: PoolAsk) -> None:
         base = args.remove(base, args.MMPROJ)
     planner, rungs = ladder_for(base, generation.launch, generation.config, state, limit)
     smallest = min(planner.ceiling, settings.context or MIN_START_CTX, MIN_START_CTX)
+    if host.in_flight:  # it serves requests: it keeps what its conversations hold (the reload drains them first)
+        held = [t + settings.headroom for t in state.conversation.values()]
+        smallest = min(fit.n_ctx, max(smallest, cells(context_for(generation.launch.argv, state, held))))
     target = choose(rungs, fit.n_ctx) or choose(rungs, smallest)
     if target is None or limit >= fit.share:
         await share.answer(pool, asked, "refused", 0, "nothing to give above its floor", _since(began))
@@ -113,7 +118,7 @@ def _since(began: float) -> float:
     return round(time.monotonic() - began, 3)
 
 
-async def relax(host: Host, state: DegradeState, held_tokens: Sequence[int], why: str) -> str | None:
+async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str | None:
     """Take what this member wants at rest from what the pool has free now: the best rung at its resting context
     (`degrade.context`, or what the conversations in flight hold), and the projector back if it was given up.
     An asker gives back the context it grew for; a giver climbs back. None when nothing had to change."""
@@ -130,7 +135,7 @@ async def relax(host: Host, state: DegradeState, held_tokens: Sequence[int], why
         base = [*base, "--mmproj", projector]
     planner, rungs = ladder_for(base, generation.launch, generation.config, state, free)
     rest = min(planner.ceiling, settings.context or MIN_START_CTX)
-    wanted = min(planner.ceiling, cells(max([rest, *held_tokens])))
+    wanted = min(planner.ceiling, cells(max(rest, needed)))
     target = choose(rungs, wanted)
     if back and target is not None and target.name != rungs[0].name:
         back = False  # the projector would cost a rung: it comes back with the first image instead
@@ -144,9 +149,12 @@ async def relax(host: Host, state: DegradeState, held_tokens: Sequence[int], why
     if same and not back:
         state.gave = state.gave and index > 0
         return None
-    problem = await move(host, state, Ask(rung=target.name, ctx=wanted, up=True),
+    problem = await move(host, state, Ask(rung=target.name, ctx=wanted, up=True, projector=back),
                          f"relax to {target.name}, n_ctx {wanted} ({why}; {format_size(free)} free in the pool)")
-    if problem is None:
+    share.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
+    if problem is not None:
+        state.climb_after = time.monotonic() + settings.relax_after  # not again at once: each try is a reload
+    else:
         now = fitted(host.current.launch)
         state.gave = now is not None and now.index > 0
         log.info("pool.back", rung=now.rung if now else None, n_ctx=now.n_ctx if now else None,

@@ -10,6 +10,8 @@ the total."""
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -35,7 +37,9 @@ def pool_of(settings: DegradeSettings) -> Pool | None:
 
 
 def record(generation: Generation, fit: Fitted, busy: bool = False, asking: bool = False) -> Member:
-    return Member(os.getpid(), generation.launch.model.id, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking)
+    """This member's record from a generation that serves."""
+    return Member(os.getpid(), generation.launch.model.id, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking,
+                  serving=True)
 
 
 @dataclass
@@ -51,11 +55,11 @@ class Asked:
         return sum(a.given for a in self.answers)
 
 
-def place_asks(held: Held, me: Member, short: int) -> list[Ask]:
+def place_asks(held: Held, me: Member, short: int, exclude: frozenset[int] = frozenset()) -> list[Ask]:
     """Ask the others for `short` bytes: idle members before busy ones, the one with most to spare first, each for
-    no more than it can spare."""
-    others = sorted((m for m in held.members() if m.pid != me.pid and not m.asking and m.spare() > 0),
-                    key=lambda m: (m.busy, -m.spare()))
+    no more than it can spare; only members that answer asks, and none of `exclude` (asked already)."""
+    others = sorted((m for m in held.members() if m.pid != me.pid and m.pid not in exclude and m.serving
+                     and not m.asking and m.spare() > 0), key=lambda m: (m.busy, -m.spare()))
     placed, left = [], short
     for giver in others:
         if left <= 0:
@@ -94,9 +98,10 @@ def _refused(ask: Ask, why: str) -> Ask:
 def finish(held: Held, me: Member, placed: list[Ask], answers: list[Ask], began: float) -> Asked:
     for ask in placed:
         held.drop_ask(ask.id)
-    me.asking = False
-    held.put(me)
     done = Asked(sum(a.bytes for a in placed), answers, round(time.monotonic() - began, 3))
+    me.asking = False
+    me.share += done.given  # held for the asker until its fit takes it: a giver climbing back cannot take it first
+    held.put(me)
     if placed:
         move = {"at": time.time(), "asker": me.name, "asked": done.asked, "given": done.given, "took_s": done.took_s,
                 "givers": [{"pid": a.giver, "asked": a.bytes, "given": a.given, "state": a.state,
@@ -110,12 +115,12 @@ def finish(held: Held, me: Member, placed: list[Ask], answers: list[Ask], began:
 class Asking:
     """One round of asking: placed at once, answered when every giver has (or at `degrade.pool_wait`)."""
 
-    def __init__(self, pool: Pool, me: Member, short: int, wait: float) -> None:
+    def __init__(self, pool: Pool, me: Member, short: int, wait: float, exclude: frozenset[int] = frozenset()) -> None:
         self.pool, self.me = pool, me
         self.began = time.monotonic()
         self.deadline = self.began + wait
         with pool.locked() as held:
-            self.placed = place_asks(held, me, short)
+            self.placed = place_asks(held, me, short, exclude)
         log.info("pool.ask", asker=me.name, short=short,
                  asks=[{"giver": a.giver, "bytes": a.bytes} for a in self.placed],
                  message=None if self.placed else "no other member has anything to spare above its floor")
@@ -136,13 +141,30 @@ def ask_now(pool: Pool, me: Member, short: int, wait: float) -> Asked:
 
 
 async def ask(pool: Pool, me: Member, short: int, wait: float) -> Asked:
-    """Ask the others for `short` bytes and wait (without blocking the loop) for their answers."""
-    asking = Asking(pool, me, short, wait)
-    while True:  # the answers come from other processes, through the folder: nothing here to wait on but time
-        done = asking.poll()
-        if done is not None:
-            return done
-        await asyncio.sleep(POLL_S)
+    """Ask the others for `short` bytes and wait (without blocking the loop) for their answers; what the first
+    ones asked could not give is asked of the others, within the same wait."""
+    began, deadline = time.monotonic(), time.monotonic() + wait
+    got = Asked(short)
+    while True:
+        asked_of = frozenset(a.giver for a in got.answers)
+        done = await _round(Asking(pool, me, short - got.given, deadline - time.monotonic(), asked_of))
+        got.answers += done.answers
+        if not done.answers or got.given >= short or time.monotonic() >= deadline:
+            got.took_s = round(time.monotonic() - began, 3)
+            return got
+
+
+async def _round(asking: Asking) -> Asked:
+    try:
+        while True:  # the answers come from other processes, through the folder: nothing here to wait on but time
+            done = asking.poll()
+            if done is not None:
+                return done
+            await asyncio.sleep(POLL_S)
+    except asyncio.CancelledError:  # the client hung up: the asks are taken back, the member asks no more
+        with asking.pool.locked() as held:
+            finish(held, asking.me, asking.placed, [], asking.began)
+        raise
 
 
 def publish(generation: Generation, busy: bool, asking: bool = False) -> None:
@@ -166,29 +188,44 @@ async def serve_asks(host: Host, give: Callable[[Host, Ask], Any], growing: Call
     pool = pool_of_generation(host.current)
     if pool is None:
         return
+    atexit.register(_leave, pool)  # after the server has stopped: its memory is free only then
     busy: bool | None = None
-    try:
-        while True:
-            await asyncio.sleep(POLL_S)
-            now_busy = host.in_flight > 0
-            with pool.locked() as held:
-                mine = [a for a in held.asks() if a.giver == os.getpid() and a.state == "asked"]
-                me = held.member(os.getpid())
-                if me is not None and now_busy != busy:
-                    me.busy, busy = now_busy, now_busy
-                    held.put(me)
-                for gone in held.gone:
-                    log.info("pool.member_gone", member=gone.name, share=gone.share,
-                             message=f"its {format_size(gone.share)} are free again")
-            for asked in mine:
-                if growing() or (me is not None and me.asking):
-                    await answer(pool, asked, "refused", 0, "it is growing itself", 0.0)
-                    continue
-                await give(host, asked)
-    finally:
-        with pool.locked() as held:
-            held.leave(os.getpid())
-        log.info("pool.left", dir=str(pool.dir))
+    while True:
+        await asyncio.sleep(POLL_S)
+        try:
+            busy = await _serve_once(host, pool, give, growing, busy)
+        except Exception:  # a bug or a folder error must not end the answers (nor the relax) for the wrapper's life
+            log.exception("pool.serve_failed")
+
+
+async def _serve_once(host: Host, pool: Pool, give: Callable[[Host, Ask], Any], growing: Callable[[], bool],
+                      busy: bool | None) -> bool | None:
+    now_busy = host.in_flight > 0
+    with pool.locked() as held:
+        mine = [a for a in held.asks() if a.giver == os.getpid() and a.state == "asked"]
+        me = held.member(os.getpid())
+        if me is not None and (now_busy != busy or not me.serving):
+            me.busy, me.serving, busy = now_busy, True, now_busy
+            held.put(me)
+        for gone in held.gone:
+            log.info("pool.member_gone", member=gone.name, share=gone.share,
+                     message=f"its {format_size(gone.share)} are free again")
+    for asked in mine:
+        if growing() or (me is not None and me.asking):
+            await answer(pool, asked, "refused", 0, "it is growing itself", 0.0)
+            continue
+        try:
+            await give(host, asked)
+        except Exception as exc:
+            await answer(pool, asked, "refused", 0, f"it failed: {exc}", 0.0)
+            raise
+    return busy
+
+
+def _leave(pool: Pool) -> None:
+    with contextlib.suppress(OSError), pool.locked() as held:
+        held.leave(os.getpid())
+    log.info("pool.left", dir=str(pool.dir))
 
 
 async def answer(pool: Pool, asked: Ask, state: str, given: int, what: str, took_s: float) -> None:

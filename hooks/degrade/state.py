@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
 from hooks.memory import ModelShape, Settings
+from wrapper import argv as args
 from wrapper.generation import Generation
 from wrapper.kept import Kept, Key
 from wrapper.launch import Launch
@@ -32,6 +34,8 @@ class DegradeState:
     waiting: list[int] = field(default_factory=list)  # the tokens each request waiting for a growth needs
     shape: ModelShape | None = None
     started: bool = False  # the first fit is done (a start asks the pool for what it needs; later fits do not)
+    climb_after: float = 0.0  # with a pool: a failed climb back waits until then (time.monotonic())
+    held_ctx: int = 0  # with a pool: the context the last fit took (a reload degrade did not ask for keeps it)
     gave: bool = False  # with a pool: it gave memory to another member and has not climbed back yet
 
 
@@ -90,3 +94,19 @@ def conversation_tokens(tail: bytes) -> tuple[int, int] | None:
     slot = int(found["id_slot"][-1]) if found["id_slot"] else 0
     total = sum(int(found[k][-1]) for k in ("cache_n", "prompt_n", "predicted_n") if found[k])
     return slot, total
+
+
+def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]) -> int:
+    """The `-c` that holds `demands` (the tokens requests need) beside what the other slots hold. With one KV
+    for all slots (-kvu) their cells add up: the demands that can run at once, plus the conversations they
+    do not replace; without it every slot gets -c / -np cells, so the largest demand times -np."""
+    parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
+    running = sorted(demands, reverse=True)[:parallel]
+    if not running:
+        return 0
+    if parallel == 1:
+        return running[0]
+    if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED):
+        held = sorted(state.conversation.values(), reverse=True)[len(running):]  # slots the requests do not use
+        return sum(running) + sum(held)
+    return running[0] * parallel

@@ -34,9 +34,9 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
     elif kept.wanted and DEGRADE in asks and not _upward(asks) and kept.in_flight == 0:
         kept.wanted, kept.given_up = False, True  # a move for memory: an unused projector is given up first
         kept.decisions.made(change="given up", why="a memory move (degrade) and no request with media in flight")
-    elif not kept.wanted and _upward(asks) and takes_back(kept, config):
+    elif not kept.wanted and bool(getattr(asks.get(DEGRADE), "projector", False)) and takes_back(kept, config):
         kept.wanted, kept.given_up = True, False
-        kept.decisions.made(change="taken back", why="a memory move up (degrade) after it was given up for memory")
+        kept.decisions.made(change="taken back", why="memory is free again (degrade) after it was given up for it")
     if kept.wanted:
         return Fitting(list(argv), fitted=True)
     projector = args.get(argv, args.MMPROJ)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from hooks.degrade.control import context_for
 from hooks.degrade.ladder import Planner, build, choose
 from hooks.degrade.settings import Rung
-from hooks.degrade.state import DegradeState
+from hooks.degrade.state import DegradeState, context_for
 from hooks.memory import Settings, plan
 from tests.unit.test_memory import h200_model
 

@@ -318,12 +318,12 @@ def test_a_member_killed_while_writing_leaves_the_pool_readable(tmp_path: Path) 
 def givers(pool: Path, pids: list[int]) -> dict[str, Member]:
     """Members for the living `pids`: what each can spare above its floor."""
     a, b, c, d, e, f = pids
-    found = {"idle100": Member(a, "idle100", share=400, floor=300),
-             "busy500": Member(b, "busy500", share=900, floor=400, busy=True),
-             "idle300": Member(c, "idle300", share=500, floor=200),
-             "asking": Member(d, "asking", share=5000, floor=0, asking=True),
-             "none": Member(e, "none", share=300, floor=300),
-             "busy50": Member(f, "busy50", share=150, floor=100, busy=True)}
+    found = {"idle100": Member(a, "idle100", share=400, floor=300, serving=True),
+             "busy500": Member(b, "busy500", share=900, floor=400, busy=True, serving=True),
+             "idle300": Member(c, "idle300", share=500, floor=200, serving=True),
+             "asking": Member(d, "asking", share=5000, floor=0, asking=True, serving=True),
+             "none": Member(e, "none", share=300, floor=300, serving=True),
+             "busy50": Member(f, "busy50", share=150, floor=100, busy=True, serving=True)}
     with Pool(pool).locked() as held:
         for member in found.values():
             held.put(member)
@@ -360,7 +360,7 @@ def test_place_asks_idle_first_then_most_spare_each_for_no_more_than_it_spares(
 def test_place_asks_with_nobody_to_spare_asks_nothing_and_is_not_asking(tmp_path: Path) -> None:
     made(tmp_path)
     with sleepers(1) as (other,), Pool(tmp_path).locked() as held:
-        held.put(Member(other.pid, "full", share=300, floor=300))
+        held.put(Member(other.pid, "full", share=300, floor=300, serving=True))
         me = Member(os.getpid(), "me", share=100, floor=0)
         assert place_asks(held, me, 100) == []
         record = held.member(me.pid)
@@ -374,7 +374,7 @@ def test_collect_waits_for_every_answer_and_a_gone_giver_refuses(tmp_path: Path)
         pool = Pool(tmp_path)
         with pool.locked() as held:
             for pid in pids:
-                held.put(Member(pid, f"g{pid}", share=1000, floor=0))
+                held.put(Member(pid, f"g{pid}", share=1000, floor=0, serving=True))
             me = Member(os.getpid(), "me", share=10)
             began = time.monotonic()
             placed = place_asks(held, me, 2500)
@@ -418,7 +418,7 @@ def test_collect_waits_for_every_answer_and_a_gone_giver_refuses(tmp_path: Path)
 def test_collect_counts_an_ask_file_removed_as_refused(tmp_path: Path) -> None:
     made(tmp_path)
     with sleepers(1) as (giver,), Pool(tmp_path).locked() as held:
-        held.put(Member(giver.pid, "g", share=100))
+        held.put(Member(giver.pid, "g", share=100, serving=True))
         placed = place_asks(held, Member(os.getpid(), "me", 0), 50)
         held.drop_ask(placed[0].id)
         answers = collect(held, placed)
@@ -458,7 +458,7 @@ def test_asking_answered_by_another_process_and_one_past_its_wait(tmp_path: Path
     """
     with sleepers(2) as (slow, quick):
         with Pool(tmp_path).locked() as held:
-            held.put(Member(quick.pid, "quick", share=400))
+            held.put(Member(quick.pid, "quick", share=400, serving=True))
         me = Member(os.getpid(), "me", share=10)
         asking = Asking(Pool(tmp_path), me, 300, wait=60)
         assert [(a.giver, a.bytes) for a in asking.placed] == [(quick.pid, 300)]
@@ -472,7 +472,7 @@ def test_asking_answered_by_another_process_and_one_past_its_wait(tmp_path: Path
         assert done is not None and done.given == 150 and [a.reason for a in done.answers] == ["half"]
 
         with Pool(tmp_path).locked() as held:
-            held.put(Member(slow.pid, "slow", share=400))
+            held.put(Member(slow.pid, "slow", share=400, serving=True))
             held.leave(quick.pid)
         late = Asking(Pool(tmp_path), me, 100, wait=0)
         time.sleep(0.01)
@@ -522,7 +522,7 @@ def test_asking_past_its_wait_keeps_the_answers_already_in(tmp_path: Path) -> No
     with sleepers(2) as procs:
         with Pool(tmp_path).locked() as held:
             for p in procs:
-                held.put(Member(p.pid, f"g{p.pid}", share=1000))
+                held.put(Member(p.pid, f"g{p.pid}", share=1000, serving=True))
         asking = Asking(Pool(tmp_path), Member(os.getpid(), "me", share=10), 1500, wait=0)
         answered = asking.placed[0]
         with Pool(tmp_path).locked() as held:
@@ -543,3 +543,14 @@ def test_a_record_with_a_pid_that_is_no_process_is_removed(tmp_path: Path, pid: 
     with Pool(tmp_path).locked() as held:
         assert held.members() == []
         assert held.free() == 1000
+
+
+def test_a_member_still_starting_is_not_asked(tmp_path: Path) -> None:
+    made(tmp_path)
+    with sleepers(2) as procs, Pool(tmp_path).locked() as held:
+        held.put(Member(procs[0].pid, "starting", share=5000))  # no serving: its answers would not come yet
+        held.put(Member(procs[1].pid, "ready", share=400, serving=True))
+        placed = place_asks(held, Member(os.getpid(), "me", 0), 1000)
+        assert [(a.giver, a.bytes) for a in placed] == [(procs[1].pid, 400)]
+        again = place_asks(held, Member(os.getpid(), "me", 0), 1000, exclude=frozenset({procs[1].pid}))
+        assert again == []  # asked already: not asked twice in one wait
