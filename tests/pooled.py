@@ -25,11 +25,15 @@ LONG = "A long report from the archive of the harbour office, to be summarised. 
 CONFIG = """
 slots: {{dir: {slots}}}
 media: {{projector: on_demand}}
-degrade: {{pool: {pool}, budget: {total}, context: {context}, relax_after: {relax}, pool_wait: 60s}}
+degrade: {{pool: {pool}, budget: {total}, context: {context}, relax_after: {relax}, pool_wait: 60s{extra}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
 """
+
+
+def config(slots: Path, pool: Path, total: int, context: int, relax: str = "10m", extra: str = "") -> str:
+    return CONFIG.format(slots=slots, pool=pool, total=total, context=context, relax=relax, extra=extra)
 
 
 def share_of(argv: list[str], context: int, projector: str = "always") -> int:
@@ -100,11 +104,9 @@ def start_pair(tmp: Path, server_bin: str, demo: str, projector: Path, relax: st
     total, _ = sized_total(server_bin, demo, projector)
     pool = tmp / "pool"
     main_argv, task_argv = argvs(server_bin, demo, projector)
-    main = Wrapper(tmp, main_argv, CONFIG.format(slots=tmp / "slots-main", pool=pool, total=total,
-                                                 context=MAIN_CONTEXT, relax="10m"))
+    main = Wrapper(tmp, main_argv, config(tmp / "slots-main", pool, total, MAIN_CONTEXT))
     main.wait_ready(180)
-    task = Wrapper(tmp, task_argv, CONFIG.format(slots=tmp / "slots-task", pool=pool, total=total,
-                                                 context=TASK_CONTEXT, relax=relax))
+    task = Wrapper(tmp, task_argv, config(tmp / "slots-task", pool, total, TASK_CONTEXT, relax))
     task.wait_ready(180)
     return Pair(main, task, pool, total)
 

@@ -105,8 +105,7 @@ def test_two_members_growing_at_once_are_both_answered_and_never_overcommit(
     pool = tmp_path / "pool"
     members = []
     for name in ("a", "b"):
-        config = pooled.CONFIG.format(slots=tmp_path / f"slots-{name}", pool=pool, total=total,
-                                      context=pooled.TASK_CONTEXT, relax="10m")
+        config = pooled.config(tmp_path / f"slots-{name}", pool, total, pooled.TASK_CONTEXT)
         members.append(Wrapper(tmp_path, task_argv, config))
     pair = pooled.Pair(members[0], members[1], pool, total)
     try:
@@ -127,5 +126,42 @@ def test_two_members_growing_at_once_are_both_answered_and_never_overcommit(
             if status != 200:  # the other one is told why, with what the pool had for it
                 assert status == 400 and "pool" in answer["error"]["message"], answer
         assert pair.sums and max(pair.sums) <= total, (max(pair.sums), total)
+    finally:
+        pair.close()
+
+
+def test_an_idle_members_long_conversation_gives_its_context_and_comes_back_restored(
+        tmp_path: Path, server_bin: str, demo_path: str, projector: Path) -> None:
+    """A main with no ladder (`ladder: []`): context is all it can give. Its long conversation, idle, is held by
+    the conversation cache while the context shrinks for the task; at its next turn the main grows back (the
+    task idle by then) and the conversation is restored."""
+    _, plain = pooled.argvs(server_bin, demo_path, projector)
+    main_share, task_share = pooled.share_of(plain, pooled.MAIN_CONTEXT), pooled.share_of(plain, pooled.TASK_CONTEXT)
+    long_share = pooled.share_of(plain, pooled.LONG_NEEDS)
+    total = main_share + task_share + (long_share - task_share) // 3  # the task's long request needs the main's
+    pool = tmp_path / "pool"
+    main = Wrapper(tmp_path, plain, pooled.config(tmp_path / "slots-main", pool, total, pooled.MAIN_CONTEXT,
+                                                  extra=", ladder: []"))
+    task = Wrapper(tmp_path, plain, pooled.config(tmp_path / "slots-task", pool, total, pooled.TASK_CONTEXT, "3s"))
+    pair = pooled.Pair(main, task, pool, total)
+    try:
+        main.wait_ready(180)
+        task.wait_ready(180)
+        pair.watch()
+        story = [{"role": "user", "content": "Remember this story. " + pooled.STORY * 80}]  # ~1.5k tokens
+        status, first = pooled.chat(main.url, story)
+        assert status == 200, first
+        assert first["timings"]["prompt_n"] > pooled.TASK_CONTEXT
+        status, long_answer = pooled.chat(task.url, [{"role": "user", "content": pooled.LONG}])
+        assert status == 200, long_answer
+        gave = main.events("pool.gave")
+        assert gave and "n_ctx 2048 ->" in gave[0]["what"], gave
+        assert pooled.memory(main)["n_ctx"] < first["timings"]["prompt_n"]  # the conversation no longer fits
+        wait_for(lambda: task.events("pool.back"), 60, "the task to give back its context")
+        history = [*story, first["choices"][0]["message"], {"role": "user", "content": "Who kept the ledger?"}]
+        status, again = pooled.chat(main.url, history)
+        assert status == 200, again
+        assert again["timings"]["cache_n"] >= 0.95 * first["timings"]["prompt_n"], again["timings"]
+        assert max(pair.sums) <= total
     finally:
         pair.close()
