@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 LISTEN ?= 127.0.0.1:8080
 CTX ?= 8192
 
-.PHONY: demo test unit integration bench lint server model clean
+.PHONY: demo test unit integration bench lint server old-server model clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 
 server:  ## build (or find in the cache) the pinned llama-server and print its path
 	@llama.cpp/build-server
+
+old-server:  ## build (or find in the cache) the older llama-server the upgrade tests save under, and print its path
+	@LLAMA_CPP_VERSION=$$(cat llama.cpp/OLD_VERSION) llama.cpp/build-server
 
 model: $(VENV)/.installed  ## print the default model's path, assembling it on first use
 	@llama.cpp/get-model

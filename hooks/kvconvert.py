@@ -43,6 +43,9 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+WRITES = slotfile.ROT_WRITTEN  # the state version a conversion writes (llama.cpp b11434's)
+
+
 class NotConvertible(Exception):
     """A file this converter does not rewrite; the caller falls back to prefilling its tokens."""
 
@@ -84,9 +87,11 @@ def target_rotation(type_name: str, head_dim: int | None, for_keys: bool, disabl
 
 
 def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: int,
-            progress: Callable[[int, int], None] | None = None) -> Conversion:
-    """Write `src`'s slot state to `dst` with K/V cache types `type_k`/`type_v` and rotations `rot_k`/`rot_v`;
-    `progress(bytes read, bytes in all)` after each layer."""
+            progress: Callable[[int, int], None] | None = None, implied: tuple[int, int] = (0, 0)) -> Conversion:
+    """Write `src`'s slot state to `dst` in state version 4 with K/V cache types `type_k`/`type_v` and rotations
+    `rot_k`/`rot_v`; `progress(bytes read, bytes in all)` after each layer. A source of an earlier state version
+    (llama.cpp b9095 writes 2) is read in its framing; its rotation, which it does not write, is `implied`
+    (K, V: what its server gave its cache types)."""
     for name in (type_k, type_v):
         if name not in TYPES:
             raise NotConvertible(f"cache type {name} cannot be converted to (only {', '.join(TYPES)})")
@@ -99,13 +104,15 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
         raise NotConvertible(f"cannot read {src}: {exc.strerror}") from exc
     try:
         head = slotfile.header(data, str(src))
-        if head.version < 3:
+        if head.version not in slotfile.READS:
             raise NotConvertible(f"not a slot file with a KV layout this converter knows (version {head.version})")
-        sections = list(slotfile.walk(data, head.words_end))  # the whole layout checked before a byte is written
+        # the whole layout checked before a byte is written
+        sections = list(slotfile.walk(data, head.words_end, head.version))
         with open(dst, "wb") as out:
-            out.write(data[:head.words_end])
+            out.write(bytes(data[:4]) + struct.pack("<I", WRITES) + bytes(data[8:head.words_end]))
             for section in sections:
-                _section(data, section, out, type_k, type_v, rot_k, rot_v, progress and (lambda at: progress(at, size)))
+                _section(data, section, out, type_k, type_v, rot_k, rot_v, progress and (lambda at: progress(at, size)),
+                         implied)
             out.flush()
             os.fsync(out.fileno())
     except slotfile.SlotFileError as exc:
@@ -117,7 +124,7 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
 
 
 def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, type_k: str, type_v: str,
-             rot_k: int, rot_v: int, done: Callable[[int], None] | None) -> None:
+             rot_k: int, rot_v: int, done: Callable[[int], None] | None, implied: tuple[int, int]) -> None:
     out.write(struct.pack("<I", len(section.streams)))
     for stream in section.streams:
         out.write(struct.pack("<I", stream.cells))
@@ -127,14 +134,17 @@ def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, ty
             raise NotConvertible("V is stored transposed (flash attention off): not converted")
         if not stream.one_sequence:
             raise NotConvertible("cells with several sequences: not converted")
+        if stream.cell_ext and not stream.rot_written:
+            raise NotConvertible("M-RoPE cells of an earlier state version lack the token the newer layout keeps")
+        src_k, src_v = (stream.n_rot_k, stream.n_rot_v) if stream.rot_written else implied
         out.write(data[stream.meta_start:stream.meta_end])
         out.write(struct.pack("<IIII", 0, len(stream.k), rot_k, rot_v))
         for layer in stream.k:
-            _layer(data, layer, out, stream.cells, type_k, stream.n_rot_k, rot_k)
+            _layer(data, layer, out, stream.cells, type_k, src_k, rot_k)
             if done is not None:
                 done(layer.start + layer.row_size * stream.cells)
         for layer in stream.v:
-            _layer(data, layer, out, stream.cells, type_v, stream.n_rot_v, rot_v)
+            _layer(data, layer, out, stream.cells, type_v, src_v, rot_v)
             if done is not None:
                 done(layer.start + layer.row_size * stream.cells)
 

@@ -132,7 +132,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         observer=slots.observer,
         status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},  # where status has had it
         hand_over=slots.save_step, take_over=slots.take_over,
-        reload_report=slots.restore_report,
+        reload_report=slots.restore_report, background=slots.warm_after_start,
     ),
     Builtin(  # on always: without a projector a media request is its 400; the projector on demand
         family=media.FAMILY, settings=MEDIA, in_use=lambda config: True, warnings=media_fit.warnings, fit=media_fit.fit,

@@ -5,7 +5,8 @@ i32 words[n_words]; the words are either plain tokens (older servers) or the ser
 (-1, u32 1, u32 n, tokens, u32 n_media, ...).
 Then one KV section per cache (two for sliding-window models: the global one, then the SWA one): u32 n_stream,
 per stream u32 cell_count and, when cells, their metadata (i32 pos, u32 n_seq_id, [12 bytes of M-RoPE
-positions], i32 seq_id x n_seq_id), u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v, per layer K
+positions and token; 8 before state version 3], i32 seq_id x n_seq_id), u32 v_trans, u32 n_layer, u32 n_rot_k,
+u32 n_rot_v (from state version 4: before, the rotation is implied by the cache type), per layer K
 (i32 type, u64 row size, rows), per layer V (the same, or i32 type, u32 element size, u32 n_embd_v and the
 transposed data).
 
@@ -28,6 +29,9 @@ MAGIC = 0x67677371  # 'ggsq'
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16",
               39: "mxfp4", 41: "iq4_nl"}
 _CELL_EXT_CHOICES = (0, 12)  # M-RoPE models store 12 more bytes per cell; the file does not say which
+_CELL_EXT_BEFORE_3 = (0, 8)  # before state version 3: the M-RoPE positions only
+READS = (2, 3, 4)  # the state versions whose KV layout this reader walks (llama.cpp b9095 writes 2, b11434 4)
+ROT_WRITTEN = 4  # from this state version on, each stream says its K/V rotation (n_rot_k, n_rot_v)
 MAX_STREAMS = 4096
 MAX_LAYERS = 1024
 
@@ -64,6 +68,7 @@ class Stream:
     v_trans: bool = False
     n_rot_k: int = 0
     n_rot_v: int = 0
+    rot_written: bool = True  # False before state version 4: the rotation is the cache type's default
     k: tuple[Layer, ...] = ()
     v: tuple[Layer, ...] = ()
 
@@ -182,15 +187,18 @@ def _tokens(words: np.ndarray[Any, np.dtype[np.int32]], name: str) -> tuple[list
     return words[3:3 + n_tokens].tolist(), f"server-state-{state_version}", n_media
 
 
-def walk(data: Buffer, start: int) -> Iterator[Section]:
-    """Every KV section from `start` to the end of the file, each span checked against the file size.
-    SlotFileError when a section is cut short or does not parse."""
+def walk(data: Buffer, start: int, version: int = ROT_WRITTEN) -> Iterator[Section]:
+    """Every KV section from `start` to the end of the file, in the framing of state `version`, each span checked
+    against the file size. SlotFileError when a section is cut short or does not parse."""
+    if version not in READS:
+        raise SlotFileError(f"state version {version}: this reader knows the KV layout of versions "
+                            f"{', '.join(map(str, READS))}")
     r = _Cursor(data, start)
     while r.pos < r.size:
-        yield _section(r)
+        yield _section(r, version)
 
 
-def _section(r: _Cursor) -> Section:
+def _section(r: _Cursor, version: int) -> Section:
     begin = r.pos
     n_stream = r.u32("a section's stream count")
     if not 0 < n_stream <= MAX_STREAMS:
@@ -205,10 +213,10 @@ def _section(r: _Cursor) -> Section:
         if cells * 12 > r.size - r.pos:  # each cell takes 12 bytes at least: never trust a count blindly
             raise SlotFileError(f"KV cell count {cells} does not fit the {r.size}-byte file (truncated or damaged)")
         stream, problem, at = None, "", r.pos
-        for ext in _CELL_EXT_CHOICES:
+        for ext in _CELL_EXT_CHOICES if version >= 3 else _CELL_EXT_BEFORE_3:
             r.pos = at
             try:
-                stream = _stream(r, cells, ext)
+                stream = _stream(r, cells, ext, version)
                 break
             except SlotFileError as exc:
                 problem = problem or str(exc)
@@ -218,11 +226,15 @@ def _section(r: _Cursor) -> Section:
     return Section(begin, r.pos, tuple(streams))
 
 
-def _stream(r: _Cursor, cells: int, ext: int) -> Stream:
+def _stream(r: _Cursor, cells: int, ext: int, version: int) -> Stream:
     meta_start = r.pos
     one_sequence = _cells(r, cells, ext)
     meta_end = r.pos
-    v_trans, n_layer, n_rot_k, n_rot_v = r.unpack("<IIII", "the layer header")
+    rot_written = version >= ROT_WRITTEN
+    if rot_written:
+        v_trans, n_layer, n_rot_k, n_rot_v = r.unpack("<IIII", "the layer header")
+    else:
+        (v_trans, n_layer), n_rot_k, n_rot_v = r.unpack("<II", "the layer header"), 0, 0
     if v_trans > 1 or not 0 < n_layer <= MAX_LAYERS:
         raise SlotFileError(f"implausible layer header (v_trans {v_trans}, {n_layer} layers)")
     k = []
@@ -246,7 +258,7 @@ def _stream(r: _Cursor, cells: int, ext: int) -> Stream:
             raise SlotFileError(f"V layer {index}: unknown type {type_id}")
         v.append(Layer(type_id, row, r.pos, at, transposed))
         r.skip(row * cells, f"V layer {index}'s {cells} rows")
-    return Stream(cells, meta_start, meta_end, ext, one_sequence, bool(v_trans), n_rot_k, n_rot_v,
+    return Stream(cells, meta_start, meta_end, ext, one_sequence, bool(v_trans), n_rot_k, n_rot_v, rot_written,
                   tuple(k), tuple(v))
 
 
@@ -296,7 +308,7 @@ def read(path: str | os.PathLike[str]) -> SlotFile:
         raise SlotFileError(f"cannot read {name}: {exc.strerror}") from exc
     try:
         head = header(data, name)
-        kv = _layout(list(walk(data, head.words_end))) if head.version >= 3 else None
+        kv = _layout(list(walk(data, head.words_end, head.version))) if head.version in READS else None
         return SlotFile(name, size, head.version, head.token_format, head.tokens, head.n_media, kv)
     except (struct.error, MemoryError, ValueError) as exc:  # whatever a damaged file makes of the reader
         raise SlotFileError(f"{name}: damaged: {exc!r}") from exc

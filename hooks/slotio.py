@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from hooks import kvconvert, slotfile
-from hooks.compat import WARMABLE, Mismatch, server_settings, skip_reason
+from hooks.compat import WARMABLE, Mismatch, Skip, server_settings, skip_reason
 from hooks.convstore import DirectoryStore
 from hooks.slotbook import book_of
 from hooks.store import Entry, Store, Unreadable
@@ -150,9 +150,9 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
     model = generation.launch.model.id
     skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
     conversion: Any = None
-    if skip is not None and skip.kind is Mismatch.CACHE_TYPES:  # the same tokens in other types: convert them
-        try:
-            entry, header, path, conversion = await _converted(generation, store, entry, path, settings)
+    if skip is not None and (skip.kind is Mismatch.CACHE_TYPES or upgradable(skip, header, book.state_version)):
+        try:  # the same tokens in other cache types, or another build's framing of them: convert them
+            entry, header, path, conversion = await _converted(generation, store, entry, path, settings, header)
             skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
         except (kvconvert.NotConvertible, slotfile.SlotFileError, Unreadable, OSError) as exc:
             conversion = f"not converted: {exc}"
@@ -180,18 +180,34 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
                     (answer.get("timings") or {}).get("restore_ms"), _ms(began), conversion)
 
 
-async def _converted(generation: Generation, store: Store, entry: Entry, source: Path, settings: dict[str, Any]
-                     ) -> tuple[Entry, slotfile.SlotFile, Path, dict[str, Any]]:
-    """The entry rewritten into the server's cache types and rotation, committed in its place (the rewrite in a
-    thread: the wrapper goes on answering; the commit here: the store is the event loop's)."""
+def upgradable(skip: Skip, header: slotfile.SlotFile, state_version: int | None) -> bool:
+    """An entry another llama-server build wrote in an earlier state version whose layout converts into the one
+    this server reads (b9095's version 2 into b11434's 4)."""
+    return (skip.kind is Mismatch.STATE_VERSION and header.kv is not None and state_version == kvconvert.WRITES
+            and header.version in slotfile.READS and header.version < kvconvert.WRITES)
+
+
+async def _converted(generation: Generation, store: Store, entry: Entry, source: Path, settings: dict[str, Any],
+                     header: slotfile.SlotFile) -> tuple[Entry, slotfile.SlotFile, Path, dict[str, Any]]:
+    """The entry rewritten into the server's cache types, rotation and state version, committed in its place (the
+    rewrite in a thread: the wrapper goes on answering; the commit here: the store is the event loop's)."""
     was = f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"
     now = f"{settings['cache_type_k']}/{settings['cache_type_v']}"
+    if header.version != kvconvert.WRITES:
+        was += f", state version {header.version} (build {entry.record.get('build') or '?'})"
+        now += f", state version {kvconvert.WRITES} (build {settings['build']})"
+    implied = _implied_rotation(generation, header, bool(entry.record.get("attn_rot_disable")))
     with store.part("converted") as part:
-        done = await asyncio.to_thread(convert_for, generation, source, part, settings)
-        header = slotfile.read(part)
+        done = await asyncio.to_thread(convert_for, generation, source, part, settings, implied)
+        converted = slotfile.read(part)
+        if converted.tokens != header.tokens or converted.kv is None or header.kv is None \
+                or converted.kv.cells != header.kv.cells or converted.kv.n_layer != header.kv.n_layer:
+            raise kvconvert.NotConvertible("the converted state does not hold what the source held")
+        header = converted
         record = {**{k: v for k, v in entry.record.items() if k not in _DERIVED},
                   "cache_type_k": settings["cache_type_k"], "cache_type_v": settings["cache_type_v"],
-                  "attn_rot_disable": bool(settings["attn_rot_disable"]), "converted_from": was}
+                  "attn_rot_disable": bool(settings["attn_rot_disable"]), "converted_from": was,
+                  "state_version": header.version, "build": settings["build"]}
         fresh = store.commit(part, header.tokens, record)
     if not entry.by_content:
         store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens now
@@ -200,15 +216,27 @@ async def _converted(generation: Generation, store: Store, entry: Entry, source:
     return fresh, header, store.local(fresh), conversion
 
 
-def convert_for(generation: Generation, source: Path, target: Path, settings: dict[str, Any]
-                ) -> kvconvert.Conversion:
-    """Rewrite a state file into the running server's cache types and rotation (NotConvertible if it cannot)."""
+def _implied_rotation(generation: Generation, header: slotfile.SlotFile, disabled: bool) -> tuple[int, int]:
+    """The K/V rotation a file of an earlier state version holds without saying: its cache types' default."""
+    facts = generation.launch.facts
+    kv = header.kv
+    k_type = kv.k_types[0] if kv and kv.k_types else "f16"
+    v_type = kv.v_types[0] if kv and kv.v_types else "f16"
+    return (kvconvert.target_rotation(k_type, facts.get("head_dim_k"), True, disabled),
+            kvconvert.target_rotation(v_type, facts.get("head_dim_v"), False, disabled))
+
+
+def convert_for(generation: Generation, source: Path, target: Path, settings: dict[str, Any],
+                implied: tuple[int, int] = (0, 0)) -> kvconvert.Conversion:
+    """Rewrite a state file into the running server's cache types, rotation and state version (NotConvertible if
+    it cannot); `implied`: the rotation of a source whose state version does not write it."""
     disabled = bool(settings["attn_rot_disable"])
     facts = generation.launch.facts
     rot_k = kvconvert.target_rotation(settings["cache_type_k"], facts.get("head_dim_k"), True, disabled)
     rot_v = kvconvert.target_rotation(settings["cache_type_v"], facts.get("head_dim_v"), False, disabled)
     return kvconvert.convert(source, target, settings["cache_type_k"], settings["cache_type_v"], rot_k, rot_v,
-                             lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"))
+                             lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"),
+                             implied)
 
 
 def _ms(began: float) -> float:

@@ -7,6 +7,7 @@ slot folder each keep their own note, and every state is an entry any of them ca
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -22,17 +23,18 @@ from hooks.slotbook import book_of
 from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
 from hooks.store import Entry, Held, Store, Unreadable
 from wrapper.actions import ActionError
-from wrapper.generation import Generation, ServerLost
+from wrapper.generation import Generation, Host, ServerLost
 from wrapper.kept import Key
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
 from wrapper.proxy import Observer
-from wrapper.settings import PATH, Section, choice, setting
+from wrapper.settings import COUNT, PATH, Section, choice, setting
 
 log = structlog.get_logger()
 
 FAMILY = "slots"
+WARM_IDLE_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class SlotSettings:
                         "where slot files are kept, one folder per model id (also `--slots-dir`)")
     swa_full: str = setting("auto", choice("auto", "always", "never"),
                             "add `--swa-full` so that restored slots of sliding-window models are reused")
+    warm: int = setting(16, COUNT, "after a start, prefill at most this many slots `slots.restore` could not use "
+                        "(saved by another build that does not convert, or in other cache types), one at a time "
+                        "while no request is in flight; 0: none (their next turn prefills them)")
 
 
 SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)", moved=MOVED)
@@ -53,6 +58,7 @@ class SlotState:
     save: list[dict[str, Any]] = field(default_factory=list)
     restore: list[dict[str, Any]] = field(default_factory=list)
     reuse: ReuseTracker | None = None
+    restored: asyncio.Event = field(default_factory=asyncio.Event)  # slots.restore has run for this generation
 
     def tracker(self, rt: Generation) -> ReuseTracker:
         if self.reuse is None:
@@ -196,6 +202,13 @@ async def _save_one(rt: Generation, store: Store, slot: dict[str, Any], held: di
 async def restore(rt: Generation) -> str:
     """Restore what each slot held at this host's last stop, as far as the running server can use it; skip
     the rest with a reason. Never fails a start."""
+    try:
+        return await _restore(rt)
+    finally:
+        _state(rt).restored.set()
+
+
+async def _restore(rt: Generation) -> str:
     store = _store(rt)
     _sweep(store)
     book = book_of(rt)
@@ -266,36 +279,64 @@ async def _restore_one(rt: Generation, store: Store, held: Held) -> dict[str, An
 async def warm(rt: Generation) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
-    rows = [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
-            or (e.get("outcome") == "skipped" and e.get("warmable"))]
+    rows = _warmable(rt)
     store = store_of(rt)
     if not rows or store is None:
         return ""
-    reuse = _state(rt).tracker(rt)
     started = time.monotonic()
-    total_slots = int((await rt.props()).get("total_slots") or 1)
     warmed = 0
     for row in rows:
-        try:
-            found = store.get(str(row["entry"]))
-            if found is None:
-                raise slotfile.SlotFileError(f"its state {row['entry']} is gone")
-            tokens = found.tokens
-            answer = await rt.client.prefill(int(row["slot"]), tokens)
-        except (slotfile.SlotFileError, Unreadable, LlamaError) as exc:
-            row["warm_error"] = str(exc)
-            log.warning("slots.warm_failed", slot=row["slot"], error=str(exc))
-            continue
-        book_of(rt).served(int(row["slot"]), tokens)
-        row.update(outcome="prefilled", tokens=len(tokens),
-                   prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
-        reuse.expect(row, total_slots)
-        METRICS.slot_ops.labels(operation="restore", outcome="prefilled").inc()
-        warmed += 1
-        log.info("slots.prefilled", slot=row["slot"], tokens=len(tokens), prefill_ms=row["prefill_ms"],
-                 why=row["reason"])
-    await reuse.snapshot()
+        warmed += await _prefill(rt, store, row)
+    await _state(rt).tracker(rt).snapshot()
     return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
+
+
+def _warmable(rt: Generation) -> list[dict[str, Any]]:
+    return [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
+            or (e.get("outcome") == "skipped" and e.get("warmable"))]
+
+
+async def _prefill(rt: Generation, store: Store, row: dict[str, Any]) -> int:
+    """Prefill one slot the restore could not use with its saved tokens; 1 when done."""
+    try:
+        found = store.get(str(row["entry"]))
+        if found is None:
+            raise slotfile.SlotFileError(f"its state {row['entry']} is gone")
+        tokens = found.tokens
+        answer = await rt.client.prefill(int(row["slot"]), tokens)
+    except (slotfile.SlotFileError, Unreadable, LlamaError) as exc:
+        row["warm_error"] = str(exc)
+        log.warning("slots.warm_failed", slot=row["slot"], error=str(exc))
+        return 0
+    book_of(rt).served(int(row["slot"]), tokens)
+    row.update(outcome="prefilled", tokens=len(tokens),
+               prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
+    _state(rt).tracker(rt).expect(row, int((await rt.props()).get("total_slots") or 1))
+    METRICS.slot_ops.labels(operation="restore", outcome="prefilled").inc()
+    log.info("slots.prefilled", slot=row["slot"], tokens=len(tokens), prefill_ms=row["prefill_ms"],
+             why=row["reason"])
+    return 1
+
+
+async def warm_after_start(host: Host) -> None:
+    """In the background from ready: once the start's `slots.restore` has run, prefill the slots it could not
+    use (another build's state that does not convert, other cache types), at most `slots.warm`, one at a time
+    and only while no request is in flight (a client's request goes first). `/health` is not delayed."""
+    rt = host.current
+    await _state(rt).restored.wait()
+    store = store_of(rt)
+    rows = _warmable(rt)[:SLOTS.of(rt.config).warm]
+    if store is None or not rows:
+        return
+    started, warmed = time.monotonic(), 0
+    for row in rows:
+        while host.in_flight or host.current is not rt:
+            if host.current is not rt:
+                return  # a reload took over: its own hand-over restores or prefills what it can
+            await asyncio.sleep(WARM_IDLE_POLL_S)
+        warmed += await _prefill(rt, store, row)
+    await _state(rt).tracker(rt).snapshot()
+    log.info("slots.warmed", warmed=warmed, of=len(rows), seconds=round(time.monotonic() - started, 3))
 
 
 async def _guarded(work: Awaitable[dict[str, Any]], entry: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ llama-server loads and generates from (nonsense text, real mechanics, and no sli
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -23,6 +24,20 @@ def llama_server() -> str:
     if not path:
         raise RuntimeError("set LLAMA_SERVER to a llama-server binary (make test does: llama.cpp/build-server)")
     return path
+
+
+def old_llama_server() -> str | None:
+    """The older llama-server the upgrade tests save under (llama.cpp/OLD_VERSION): $LLAMA_SERVER_OLD, else the
+    one `make old-server` left in the cache; None when there is none (it is not built here: 5-20 minutes)."""
+    path = os.environ.get("LLAMA_SERVER_OLD")
+    if path:
+        return path
+    version = (ROOT / "llama.cpp" / "OLD_VERSION").read_text().strip()
+    key = hashlib.sha256(f"{version}\n{os.environ.get('CMAKE_ARGS', '')}\n".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("LLAMA_WRAPPER_CACHE")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-wrapper")
+    found = root / "llama-server" / f"{version}-{key}" / "llama-server"
+    return str(found) if os.access(found, os.X_OK) else None
 
 
 def demo() -> str:

@@ -16,17 +16,17 @@ def slot_bytes(tokens: list[int], n_layer: int = 2, cells: int = 3, row: int = 8
     section, as sliding-window models write it after the global one."""
     words = [-1, 1, len(tokens), *tokens, 0] if server_state else tokens
     out = struct.pack("<III", MAGIC, version, len(words)) + struct.pack(f"<{len(words)}i", *words)
-    out += _section(n_layer, cells, row, k_type, v_trans)
+    out += _section(n_layer, cells, row, k_type, v_trans, version)
     if swa is not None:
-        out += _section(swa[0], swa[1], row, k_type, v_trans)
+        out += _section(swa[0], swa[1], row, k_type, v_trans, version)
     return out
 
 
-def _section(n_layer: int, cells: int, row: int, k_type: int, v_trans: int) -> bytes:
+def _section(n_layer: int, cells: int, row: int, k_type: int, v_trans: int, version: int) -> bytes:
     out = struct.pack("<II", 1, cells)
     for pos in range(cells):
         out += struct.pack("<iIi", pos, 1, 0)
-    out += struct.pack("<IIII", v_trans, n_layer, 0, 0)
+    out += struct.pack("<IIII", v_trans, n_layer, 0, 0) if version >= 4 else struct.pack("<II", v_trans, n_layer)
     for _ in range(n_layer):
         out += struct.pack("<iQ", k_type, row) + b"\0" * row * cells
     for _ in range(n_layer):

@@ -51,15 +51,17 @@ def test_target_rotation_follows_llama_cpps_rule() -> None:
     assert target_rotation("q8_0", 128, for_keys=True, disabled=True) == 0
 
 
-def slot_file(path: Path, k: np.ndarray, v: np.ndarray, v_trans: int = 0, sections: int = 1) -> None:
-    """A one-stream f16 slot file of `len(k)` cells: tokens, cell metadata, K and V per layer."""
+def slot_file(path: Path, k: np.ndarray, v: np.ndarray, v_trans: int = 0, sections: int = 1,
+              version: int = 4) -> None:
+    """A one-stream f16 slot file of `len(k)` cells: tokens, cell metadata, K and V per layer; `version` 2 as
+    llama.cpp b9095 writes it (plain tokens, no rotation words)."""
     layers, cells, n_embd = k.shape
     tokens = list(range(cells))
-    words = [-1, 1, cells, *tokens, 0]
-    out = struct.pack("<III", MAGIC, 4, len(words)) + struct.pack(f"<{len(words)}i", *words)
+    words = [-1, 1, cells, *tokens, 0] if version >= 4 else tokens
+    out = struct.pack("<III", MAGIC, version, len(words)) + struct.pack(f"<{len(words)}i", *words)
     for _ in range(sections):
         out += struct.pack("<II", 1, cells) + b"".join(struct.pack("<iIi", p, 1, 0) for p in range(cells))
-        out += struct.pack("<IIII", v_trans, layers, 0, 0)
+        out += struct.pack("<IIII", v_trans, layers, 0, 0) if version >= 4 else struct.pack("<II", v_trans, layers)
         for layer in range(layers):
             out += struct.pack("<iQ", 1, 2 * n_embd) + k[layer].astype("<f2").tobytes()
         for layer in range(layers):
@@ -68,10 +70,11 @@ def slot_file(path: Path, k: np.ndarray, v: np.ndarray, v_trans: int = 0, sectio
     path.write_bytes(out)
 
 
-def kv_rows(path: Path, cells: int, n_embd: int, layers: int, qtype: QType) -> tuple[np.ndarray, np.ndarray]:
-    """Read the K and V rows back out of a converted file (one section)."""
+def kv_rows(path: Path, cells: int, n_embd: int, layers: int, qtype: QType,
+            words: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Read the K and V rows back out of a converted file (one section; `words`: its token words)."""
     data = path.read_bytes()
-    pos = 12 + 4 * (cells + 4) + 8 + 12 * cells + 16
+    pos = 12 + 4 * (cells + 4 if words is None else words) + 8 + 12 * cells + 16
     found = []
     for _ in range(2 * layers):
         _, row_size = struct.unpack_from("<iQ", data, pos)
@@ -131,3 +134,55 @@ def test_a_conversion_says_how_far_it_is(tmp_path: Path) -> None:
     assert len(seen) == 2 * 2 * 3  # every layer of K and V, in both sections
     assert [done for done, _ in seen] == sorted(done for done, _ in seen)
     assert seen[-1] == (source.stat().st_size, source.stat().st_size)
+
+
+def test_a_state_of_an_earlier_build_converts_into_the_version_this_one_reads(tmp_path: Path) -> None:
+    """b9095 writes state version 2 (no rotation words after n_layer, plain tokens); b11434 reads only 4. The
+    same KV, converted, is byte for byte what the newer build writes for it, and quantizes the same way."""
+    layers, cells, n_embd = 2, 24, 128
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((layers, cells, n_embd)).astype(np.float16)
+    v = rng.standard_normal((layers, cells, n_embd)).astype(np.float16)
+    old, new = tmp_path / "v2.bin", tmp_path / "v4.bin"
+    slot_file(old, k, v, sections=2, version=2)
+    slot_file(new, k, v, sections=2, version=4)
+    parsed = read(old)
+    assert parsed.version == 2 and parsed.kv is not None and parsed.kv.sections == 2
+    assert parsed.kv.n_layer == layers and parsed.kv.cells == [cells] and parsed.tokens == list(range(cells))
+    upgraded = tmp_path / "up.bin"
+    convert(old, upgraded, "f16", "f16", 0, 0)
+    after = read(upgraded)
+    assert after.version == 4 and after.tokens == list(range(cells))
+    new_words = 12 + 4 * (cells + 4)
+    old_words = 12 + 4 * cells
+    assert upgraded.read_bytes()[old_words:] == new.read_bytes()[new_words:]  # the KV framed as b11434 frames it
+    quantized_old, quantized_new = tmp_path / "q-old.bin", tmp_path / "q-new.bin"
+    convert(old, quantized_old, "q8_0", "q8_0", 128, 64)
+    convert(new, quantized_new, "q8_0", "q8_0", 128, 64)
+    assert quantized_old.read_bytes()[old_words:] == quantized_new.read_bytes()[new_words:]
+
+
+def test_an_earlier_builds_rotated_cache_is_read_with_its_implied_rotation(tmp_path: Path) -> None:
+    """A version-2 q8_0 cache is rotated (b9095 rotates quantized caches) but does not say so: `implied` gives
+    the rotation its server used, and the conversion to f16 undoes it."""
+    layers, cells, n_embd = 2, 16, 64
+    k = np.random.default_rng(6).standard_normal((layers, cells, n_embd)).astype(np.float16)
+    f16_v4, q8_v4 = tmp_path / "f16.bin", tmp_path / "q8.bin"
+    slot_file(f16_v4, k, k)
+    convert(f16_v4, q8_v4, "q8_0", "q8_0", 64, 64)
+    data = q8_v4.read_bytes()  # the same file in version 2: the version word, plain tokens, no rotation words
+    words_end = 12 + 4 * (cells + 4)
+    meta_end = words_end + 8 + 12 * cells
+    as_v2 = (struct.pack("<III", MAGIC, 2, cells) + struct.pack(f"<{cells}i", *range(cells))
+             + data[words_end:meta_end + 8] + data[meta_end + 16:])
+    old = tmp_path / "old-q8.bin"
+    old.write_bytes(as_v2)
+    assert read(old).kv is not None
+    back = tmp_path / "back.bin"
+    convert(old, back, "f16", "f16", 0, 0, implied=(64, 64))
+    k_back, _ = kv_rows(back, cells, n_embd, layers, QType.F16, words=cells)
+    assert np.abs(k_back - k.astype(np.float32)).max() < 0.12  # unrotated: the values it started from
+    wrong = tmp_path / "wrong.bin"
+    convert(old, wrong, "f16", "f16", 0, 0)  # taken as unrotated, it would be another K
+    k_wrong, _ = kv_rows(wrong, cells, n_embd, layers, QType.F16, words=cells)
+    assert np.abs(k_wrong - k.astype(np.float32)).max() > 0.5
