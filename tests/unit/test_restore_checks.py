@@ -11,6 +11,7 @@ import structlog
 from hooks.compat import Mismatch, server_settings, skip_reason
 from hooks.reuse import ReuseTracker
 from hooks.slotfile import read
+from hooks.slotio import upgradable
 from tests.slotfiles import slot_bytes
 from wrapper.lifecycle import IllegalTransition, Lifecycle, State
 from wrapper.llama import LlamaClient
@@ -127,3 +128,18 @@ def test_what_a_prefill_can_make_up_for_is_typed_not_worded(header: Any) -> None
     assert kinds["cache types"] is not None and kinds["cache types"].kind is Mismatch.CACHE_TYPES
     assert kinds["cache types"].warmable
     assert kinds["other model"] is not None and not kinds["other model"].warmable
+
+
+@pytest.mark.parametrize(("written", "reads", "converts"), [(2, 4, True), (3, 4, True), (4, 2, False), (4, 4, False)])
+def test_an_earlier_state_version_converts_and_a_later_one_is_warmed(tmp_path: Path, written: int, reads: int,
+                                                                     converts: bool) -> None:
+    path = tmp_path / "slot0.bin"
+    path.write_bytes(slot_bytes([1, 2, 3], version=written, server_state=written >= 4))
+    found = read(path)
+    assert found.kv is not None and found.kv.n_layer == 2 and found.tokens == [1, 2, 3]  # every framing walks
+    skip = skip_reason(0, sidecar(bytes=found.bytes, build="b9095-old"), found, "m1", settings(), reads)
+    if written == reads:
+        assert skip is None
+        return
+    assert skip is not None and skip.kind is Mismatch.STATE_VERSION and skip.warmable
+    assert upgradable(skip, found, reads) is converts
