@@ -31,12 +31,17 @@ def old_bin() -> str:
     return found
 
 
-def chat(url: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def chat(url: str, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     status, _, raw = http("POST", f"{url}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": 8, "temperature": 0}, timeout=300)
+                          {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}, timeout=300)
     answer: dict[str, Any] = json.loads(raw)
     assert status == 200, answer
     return answer
+
+
+def first_word(answer: dict[str, Any]) -> str:
+    text: str = answer["choices"][0]["message"]["content"]
+    return text.split()[0] if text.split() else text
 
 
 def conversation(name: str, repeat: int) -> list[dict[str, Any]]:
@@ -47,16 +52,20 @@ def next_turn(history: list[dict[str, Any]], answer: dict[str, Any]) -> list[dic
     return [*history, answer["choices"][0]["message"], {"role": "user", "content": "Who kept the ledger?"}]
 
 
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
 def test_conversations_saved_by_an_older_build_continue_after_the_upgrade(
-        tmp_path: Path, old_bin: str, server_bin: str, demo_path: str) -> None:
+        tmp_path: Path, old_bin: str, server_bin: str, demo_path: str, cache: str) -> None:
+    """A quantized cache is rotated by both builds, which only the newer one writes down: the conversion adds
+    the rotation the older one applied, and the next turn answers as a fresh prefill of it does."""
     config = CONFIG.format(dir=tmp_path / "slots")
     first, second = conversation("the north", 40), conversation("the south", 30)
-    with running(tmp_path, [old_bin, "-m", demo_path, "-c", "4096", "-np", "1"], config) as old:
+    types = ["-ctk", cache, "-ctv", cache]
+    with running(tmp_path, [old_bin, "-m", demo_path, "-c", "4096", "-np", "1", *types], config) as old:
         assert "b9095" in str(json.loads(http("GET", f"{old.url}/props")[2]).get("build_info"))
         one = chat(old.url, first)
         two = chat(old.url, second)  # the first leaves the slot: the conversation cache keeps it
         assert old.stop() == 0
-    with running(tmp_path, [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"], config) as new:
+    with running(tmp_path, [server_bin, "-m", demo_path, "-c", "4096", "-np", "1", *types], config) as new:
         converted = new.events("slots.converted")
         assert converted and "state version 2" in converted[0]["from"], new.events("slots.restore_skipped")
         again = chat(new.url, next_turn(second, two))  # the slot file, converted at the start
@@ -64,6 +73,9 @@ def test_conversations_saved_by_an_older_build_continue_after_the_upgrade(
         back = chat(new.url, next_turn(first, one))  # a cache entry, converted when its turn came
         assert back["timings"]["cache_n"] >= 0.9 * one["timings"]["prompt_n"], back["timings"]
         assert len(new.events("slots.converted")) >= 2
+        fresh = chat(new.url, next_turn(first, one), cache_prompt=False)  # the same turn prefilled from nothing
+        assert fresh["timings"]["prompt_n"] > 0.9 * one["timings"]["prompt_n"]
+        assert first_word(back) == first_word(fresh), (back["choices"], fresh["choices"])
 
 
 def test_a_newer_builds_slots_under_an_older_build_are_prefilled_not_a_failed_start(
