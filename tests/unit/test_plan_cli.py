@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from hooks.degrade.pool import Member, Pool
 from hooks.memory import MiB
 from wrapper.cli import main
 from wrapper.config import ConfigError, parse_config
@@ -222,3 +223,30 @@ hooks:
     swa = next(line for line in result.output.splitlines() if line.startswith("swa-window"))
     assert "skipped" not in swa  # the slots' --swa-full was added, so the ladder can drop it
     assert tree(home) == before  # no slot folder, no cached --help or --list-devices
+
+
+# -- a new member of a pool -------------------------------------------------------------------------------
+
+def test_plan_for_a_pool_plans_a_new_member_under_what_is_free_and_writes_nothing(home: Path) -> None:
+    model = gemma3_27b(home / "g.gguf")
+    pool = home / "pool"
+    empty = plan_cli("--budget", "40GiB", "--pool", str(pool), "--", "llama-server", "-m", model, "-c", "4096")
+    assert empty.exit_code == 0, empty.output
+    assert "no pool there yet: the first member to start makes it" in empty.output
+    assert not pool.exists()  # nothing made
+    with Pool(pool).locked() as held:
+        held.join(40 * GiB, "degrade.budget", "CPU", True)
+        held.put(Member(os.getpid(), "chat", 10 * GiB, 8 * GiB, rung="as-given", n_ctx=8192, serving=True))
+    before = tree(pool)
+    shown = plan_cli("--json", "--pool", str(pool), "--", "llama-server", "-m", model, "-c", "4096")
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    assert report["budget"]["bytes"] == 30 * GiB  # what the pool has free
+    assert report["pool"]["free"] == 30 * GiB and [m["name"] for m in report["pool"]["members"]] == [
+        f"chat[{os.getpid()}]"]
+    new = report["pool"]["new_member"]
+    assert new["n_ctx"] == 4096 and 0 < new["share"] <= 30 * GiB
+    table = plan_cli("--pool", str(pool), "--", "llama-server", "-m", model, "-c", "4096").output
+    assert f"pool {pool}: 40.00 GiB on the CPU, 10.00 GiB used by 1 member(s), 30.00 GiB free" in table
+    assert "a new member takes" in table
+    assert tree(pool) == before
