@@ -162,7 +162,8 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
     context = f"-c {before} -> {n_ctx}" if before and before != str(n_ctx) else f"-c {n_ctx}"
     limit = f"the largest context under the budget {format_size(budget)} ({source})"
     if pool is not None:
-        limit = f"what this member needs now, of {format_size(budget)} free in the pool {pool.dir}"
+        limit = (f"what this member needs now, of {format_size(budget)} the pool {pool.dir} has for it (its share "
+                 "and what is free)")
     elif planner.ceiling - chosen.max_ctx < 256:  # the ceiling held it, not the budget
         bound = "the model's training context" if planner.ceiling == planner.shape.n_ctx_train else "the -c given"
         limit = f"{bound} ({planner.ceiling}), within the budget {format_size(budget)} ({source})"
@@ -207,14 +208,15 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
                 best = rungs[0].plan if rungs[0].skipped is None else None
                 short = planner.plan(rungs[0].argv, wanted).total(device) - budget if best is not None else 0
             if short <= 0:
-                chosen = _fitting(chosen, rungs, budget, f"free in the pool {pool.dir}, of {format_size(total)}")
+                chosen = _fitting(chosen, rungs, budget,
+                                  f"what the pool {pool.dir} has for it, of {format_size(total)}")
                 n_ctx = min(chosen.max_ctx, wanted)
                 share = planner.plan(chosen.argv, n_ctx).total(device)
                 floor = _floor(planner, rungs, config, settings)
-                held.put(Member(os.getpid(), launch.model.id, share, floor, rung=chosen.name, n_ctx=n_ctx))
+                held.put(Member(os.getpid(), launch.model.name, share, floor, rung=chosen.name, n_ctx=n_ctx))
                 state.started, state.held_ctx = True, n_ctx
                 return chosen, n_ctx, planner, rungs, budget, f"pool {pool.dir} ({source})", share, floor
-        ask_now(pool, Member(os.getpid(), launch.model.id, 0), short, settings.pool_wait)
+        ask_now(pool, Member(os.getpid(), launch.model.name, 0), short, settings.pool_wait)
     raise AssertionError("the second pass always returns")
 
 

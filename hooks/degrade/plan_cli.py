@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import replace
@@ -11,10 +12,10 @@ from typing import Any
 
 import click
 
-from hooks.degrade.fit import BACKENDS, GPU_BACKENDS, MIN_START_CTX, Ask, NoRungFits, auto_budget, planner_for
+from hooks.degrade.fit import BACKENDS, GPU_BACKENDS, MIN_START_CTX, Ask, NoRungFits, auto_budget, offloads, planner_for
 from hooks.degrade.ladder import Planner, RungPlan
-from hooks.degrade.pool import Pool
-from hooks.degrade.settings import DEGRADE
+from hooks.degrade.pool import Pool, agree
+from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, fitted, state_of
 from hooks.memory import DEVICE, GPU_CONTEXT
 from wrapper import argv as args
@@ -76,16 +77,16 @@ def _plan(commands: Commands, budget: str | None, backend: str | None, config_pa
     try:
         config = commands.load(config_path)
         settings = DEGRADE.of(config)
-        pooled = _pool(Path(pool_dir).expanduser() if pool_dir else settings.pool)
-        if pooled is not None and budget is None:
-            budget = str(max(0, pooled["free"] or 0)) if pooled["total"] is not None else budget
         config = replace(config, argv=tuple(server_argv) or config.argv,
                          settings={**config.settings, DEGRADE.name: replace(settings, pool=None)})
+        pooled = _pool(Path(pool_dir).expanduser() if pool_dir else settings.pool, config, settings, backend)
         size = _size(budget)
         if backend is not None and size is None and (budget == "auto" or DEGRADE.of(config).budget is None):
             raise ConfigError(f"--backend {backend} plans for another machine: give its memory with --budget SIZE "
                               "(auto would measure this one's)")
         given = (size, "--budget") if size is not None else None
+        if pooled is not None and pooled["total"] is not None and budget is None:
+            given = (max(0, int(pooled["free"])), f"free in the pool {pooled['dir']}")
         if budget == "auto":
             given = auto_budget(DEGRADE.of(config).reserve, config.argv)
         asks = Ask(budget=given, backend=backend).as_mapping()
@@ -146,14 +147,25 @@ def _report(config: Config, state: DegradeState, planned: list[RungPlan], budget
     }
 
 
-def _pool(directory: Path | None) -> dict[str, Any] | None:
-    """The pool as it is now (nothing is written: a folder that is no pool yet is reported as such)."""
+def _pool(directory: Path | None, config: Config, settings: DegradeSettings,
+          backend: str | None) -> dict[str, Any] | None:
+    """The pool as it is now, checked as a start checks it (nothing is written: a folder that is no pool yet is
+    reported as such, and whether a member could make it there)."""
     if directory is None:
         return None
     if not (directory / "pool.json").exists():
+        existing = next(p for p in (directory, *directory.parents) if p.exists())
+        writable = existing.is_dir() and os.access(existing, os.W_OK)
+        note = ("no pool there yet: the first member to start makes it with its degrade.budget" if writable else
+                f"no pool there, and {existing} cannot be written: a member could not make it; give degrade.pool a "
+                "folder every member can write, e.g. /run/llama-wrapper/gpu0")
         return {"dir": str(directory), "total": None, "used": 0, "free": None, "members": [], "moves": [],
-                "note": "no pool there yet: the first member to start makes it with its degrade.budget"}
+                "note": note}
     with Pool(directory).locked() as held:
+        found = held.made()
+        assert found is not None
+        device = "GPU" if offloads(config.argv[0], backend) and args.offloaded(config.argv) else "CPU"
+        agree(directory, found, settings.budget or int(found["total"]), device, settings.budget is not None)
         return held.summary()
 
 
@@ -242,14 +254,18 @@ def _table(report: dict[str, Any]) -> str:
 
 
 def _pool_lines(pool: dict[str, Any]) -> list[str]:
+    new = pool.get("new_member")
+    takes = [f"a new member takes {format_size(new['share'])}: rung {new['rung']} at n_ctx {new['n_ctx']}"] \
+        if new is not None else []
     if pool["total"] is None:
-        return [f"pool {pool['dir']}: {pool['note']}"]
+        return [f"pool {pool['dir']}: {pool['note']}", *takes]
     lines = [f"pool {pool['dir']}: {format_size(pool['total'])} on the {pool['device']}, "
              f"{format_size(pool['used'])} used by {len(pool['members'])} member(s), {format_size(pool['free'])} free"]
     lines += [f"  {m['name']}: {format_size(m['share'])} (floor {format_size(m['floor'])}), rung {m['rung']}, "
               f"n_ctx {m['n_ctx']}{', busy' if m['busy'] else ''}" for m in pool["members"]]
-    if (new := pool.get("new_member")) is not None:
-        lines.append(f"a new member takes {format_size(new['share'])}: rung {new['rung']} at n_ctx {new['n_ctx']}")
+    lines += takes
+    if pool["free"] is not None and new is not None and new["share"] > pool["free"]:
+        lines.append("  more than is free: a member starting now asks the others for the rest")
     lines += [f"  moved: {m['asker']} asked {format_size(m['asked'])}, got {format_size(m['given'])} in "
               f"{m['took_s']}s" for m in pool["moves"][-5:]]
     return lines

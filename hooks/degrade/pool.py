@@ -128,6 +128,20 @@ def _sound(member: Member) -> bool:
         and member.share >= 0 and member.floor >= 0
 
 
+def agree(directory: Path, found: dict[str, Any], total: int, device: str, explicit: bool) -> None:
+    """PoolError unless a member planning for `device` with `total` bytes (its own budget when `explicit`, else
+    `auto`) may join the pool `found` describes."""
+    if found.get("device") != device:
+        raise PoolError(f"degrade.pool {directory} is memory of the {found.get('device')}, and this member plans "
+                        f"for the {device}: members of one pool share one device (the GPU with -ngl, else the "
+                        "host); give this member a pool of its own device")
+    if explicit and int(found["total"]) != total:
+        raise PoolError(f"degrade.pool {directory} holds {format_size(int(found['total']))} "
+                        f"({found.get('source')}), and this member's degrade.budget is {format_size(total)}: "
+                        "write the same budget for every member (or `auto` to take the pool's), or remove "
+                        "the folder while no member runs to make the pool again")
+
+
 class Pool:
     """The folder; `locked()` gives a `Held` pool to read and change."""
 
@@ -160,11 +174,24 @@ class Held:
     # -- the pool itself ------------------------------------------------------------------------------------
 
     def made(self) -> dict[str, Any] | None:
-        found = _read(self.dir / "pool.json")
-        if found is not None and (found.get("format") != FORMAT or found.get("version") != VERSION):
+        """pool.json as its first member wrote it; None when there is none yet. PoolError when it is damaged or
+        of another version: it is never written over (its members would no longer agree)."""
+        path = self.dir / "pool.json"
+        if not path.exists():
+            return None
+        found = _read(path)
+        if found is None:
+            raise PoolError(f"degrade.pool {self.dir}: pool.json is damaged (not the JSON a member writes): stop "
+                            "the pool's members and remove the folder, or give this member another one")
+        if found.get("format") != FORMAT or found.get("version") != VERSION:
             raise PoolError(f"degrade.pool {self.dir} was made by another version of llama-wrapper (format "
                             f"{found.get('format')!r} version {found.get('version')!r}, this one reads version "
                             f"{VERSION}): stop its members and remove the folder, or give this member another one")
+        total, device = found.get("total"), found.get("device")
+        sound = isinstance(total, int) and not isinstance(total, bool) and total > 0
+        if not sound or not isinstance(device, str) or not device:
+            raise PoolError(f"degrade.pool {self.dir}: pool.json is damaged (total {total!r}, device {device!r}): "
+                            "stop the pool's members and remove the folder, or give this member another one")
         return found
 
     def join(self, total: int, source: str, device: str, explicit: bool) -> dict[str, Any]:
@@ -176,15 +203,7 @@ class Held:
                      "created": time.time()}
             _write(self.dir / "pool.json", found)
             return found
-        if found.get("device") != device:
-            raise PoolError(f"degrade.pool {self.dir} is memory of the {found.get('device')}, and this member plans "
-                            f"for the {device}: members of one pool share one device (the GPU with -ngl, else the "
-                            "host); give this member a pool of its own device")
-        if explicit and int(found["total"]) != total:
-            raise PoolError(f"degrade.pool {self.dir} holds {format_size(int(found['total']))} "
-                            f"({found.get('source')}), and this member's degrade.budget is {format_size(total)}: "
-                            "write the same budget for every member (or `auto` to take the pool's), or remove "
-                            "the folder while no member runs to make the pool again")
+        agree(self.dir, found, total, device, explicit)
         return found
 
     @property

@@ -61,7 +61,7 @@ async def grow(host: Host, state: DegradeState, fit: Fitted, wanted: int, why: s
                 f"{best.max_ctx if best else 0} tokens of context (rung {best.name if best else '-'}); give the pool "
                 "more memory (degrade.budget) or shorten the conversation")
     problem = await move(host, state, Ask(rung=target.name, ctx=wanted),
-                         f"{why} ({format_size(free)} free in the pool)")
+                         f"{why} ({format_size(free)} for it in the pool)")
     share.publish(host.current, busy=True)  # what runs now, whether the move took effect or not
     return problem
 
@@ -150,7 +150,7 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
         state.gave = state.gave and index > 0
         return None
     problem = await move(host, state, Ask(rung=target.name, ctx=wanted, up=True, projector=back),
-                         f"relax to {target.name}, n_ctx {wanted} ({why}; {format_size(free)} free in the pool)")
+                         f"relax to {target.name}, n_ctx {wanted} ({why}; {format_size(free)} for it in the pool)")
     share.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
     if problem is not None:
         state.climb_after = time.monotonic() + settings.relax_after  # not again at once: each try is a reload

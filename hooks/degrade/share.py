@@ -38,7 +38,7 @@ def pool_of(settings: DegradeSettings) -> Pool | None:
 
 def record(generation: Generation, fit: Fitted, busy: bool = False, asking: bool = False) -> Member:
     """This member's record from a generation that serves."""
-    return Member(os.getpid(), generation.launch.model.id, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking,
+    return Member(os.getpid(), generation.launch.model.name, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking,
                   serving=True)
 
 

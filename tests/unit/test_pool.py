@@ -554,3 +554,13 @@ def test_a_member_still_starting_is_not_asked(tmp_path: Path) -> None:
         assert [(a.giver, a.bytes) for a in placed] == [(procs[1].pid, 400)]
         again = place_asks(held, Member(os.getpid(), "me", 0), 1000, exclude=frozenset({procs[1].pid}))
         assert again == []  # asked already: not asked twice in one wait
+
+
+@pytest.mark.parametrize("text", ["garbage", "", '{"format": "llama-wrapper pool", "total": 6291',
+                                  '{"format": "llama-wrapper pool", "version": 1}',
+                                  '{"format": "llama-wrapper pool", "version": 1, "total": "lots", "device": "CPU"}'])
+def test_a_damaged_pool_file_is_never_written_over(tmp_path: Path, text: str) -> None:
+    (tmp_path / "pool.json").write_text(text)
+    with pytest.raises(PoolError, match=r"pool\.json is damaged.*remove the folder"), Pool(tmp_path).locked() as held:
+        held.join(700 << 20, "degrade.budget", "CPU", explicit=True)
+    assert (tmp_path / "pool.json").read_text() == text
