@@ -134,7 +134,7 @@ def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, ty
             raise NotConvertible("V is stored transposed (flash attention off): not converted")
         if not stream.one_sequence:
             raise NotConvertible("cells with several sequences: not converted")
-        if stream.cell_ext and not stream.rot_written:
+        if stream.cell_ext == 8:
             raise NotConvertible("M-RoPE cells of an earlier state version lack the token the newer layout keeps")
         src_k, src_v = (stream.n_rot_k, stream.n_rot_v) if stream.rot_written else implied
         out.write(data[stream.meta_start:stream.meta_end])

@@ -30,7 +30,8 @@ GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8:
               39: "mxfp4", 41: "iq4_nl"}
 _CELL_EXT_CHOICES = (0, 12)  # M-RoPE models store 12 more bytes per cell; the file does not say which
 _CELL_EXT_BEFORE_3 = (0, 8)  # before state version 3: the M-RoPE positions only
-READS = (2, 3, 4)  # the state versions whose KV layout this reader walks (llama.cpp b9095 writes 2, b11434 4)
+READS = (2, 4)  # the state versions whose KV layout this reader walks (llama.cpp b9095 writes 2, b11434 4); a
+# version 3 (between them) is read for its tokens only: its layout is not known from a build of it
 ROT_WRITTEN = 4  # from this state version on, each stream says its K/V rotation (n_rot_k, n_rot_v)
 MAX_STREAMS = 4096
 MAX_LAYERS = 1024
@@ -308,7 +309,14 @@ def read(path: str | os.PathLike[str]) -> SlotFile:
         raise SlotFileError(f"cannot read {name}: {exc.strerror}") from exc
     try:
         head = header(data, name)
-        kv = _layout(list(walk(data, head.words_end, head.version))) if head.version in READS else None
+        kv = None
+        if head.version in READS:
+            try:
+                kv = _layout(list(walk(data, head.words_end, head.version)))
+            except SlotFileError:
+                if head.version >= ROT_WRITTEN:
+                    raise
+                # an older build's layout this reader does not walk (recurrent memory, ...): its tokens still count
         return SlotFile(name, size, head.version, head.token_format, head.tokens, head.n_media, kv)
     except (struct.error, MemoryError, ValueError) as exc:  # whatever a damaged file makes of the reader
         raise SlotFileError(f"{name}: damaged: {exc!r}") from exc

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +136,9 @@ class Restored:
 
 
 async def restore_into(generation: Generation, store: Store, entry: Entry, slot: int) -> Restored:
-    """Check the entry against the running server, convert it when only the cache types differ, restore it.
-    NotRestored with the reason otherwise; ServerLost (the entry set aside) when the server died under it."""
+    """Check the entry against the running server, convert it when only the cache types or another build's
+    framing differ, restore it. NotRestored with the reason otherwise; ServerLost (the entry set aside) when the
+    server died under it. A converted state replaces the entry only once the server has restored it."""
     book = book_of(generation)
     settings = await server_settings_of(generation)
     try:
@@ -150,15 +151,36 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
     model = generation.launch.model.id
     skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
     conversion: Any = None
-    if skip is not None and (skip.kind is Mismatch.CACHE_TYPES or upgradable(skip, header, book.state_version)):
-        try:  # the same tokens in other cache types, or another build's framing of them: convert them
-            entry, header, path, conversion = await _converted(generation, store, entry, path, settings, header)
-            skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
-        except (kvconvert.NotConvertible, slotfile.SlotFileError, Unreadable, OSError) as exc:
-            conversion = f"not converted: {exc}"
-            log.info("slots.not_converted", slot=slot, entry=entry.key, reason=str(exc))
+    if skip is not None and convertible(skip, header, book.state_version):
+        with store.part("converted") as part:
+            try:  # the same tokens in other cache types, or another build's framing of them
+                converted, record, conversion = await _convert(generation, entry, path, part, settings, header)
+            except (kvconvert.NotConvertible, slotfile.SlotFileError, OSError) as exc:
+                conversion = f"not converted: {exc}"
+                log.info("slots.not_converted", slot=slot, entry=entry.key, reason=str(exc))
+            else:
+                described = {**record, "bytes": converted.bytes, "tokens": converted.n_tokens}  # as a commit says
+                skip = skip_reason(slot, described, converted, model, settings, book.state_version)
+                if skip is None:
+                    done = await _restore_file(generation, store, entry, slot, part, converted, conversion)
+                    fresh = store.commit(part, converted.tokens, record)  # the server took it: it replaces the old
+                    if not entry.by_content:
+                        store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens
+                    log.info("slots.converted", entry=fresh.key, **conversion)
+                    book.restored(slot, converted.tokens, fresh.key if fresh.by_content else None)
+                    return replace(done, entry=fresh)
+                header = converted
     if skip is not None:
         raise NotRestored(skip.reason, kind=skip.kind, header=header, conversion=conversion)
+    done = await _restore_file(generation, store, entry, slot, path, header, conversion)
+    book.restored(slot, header.tokens, entry.key if entry.by_content else None)
+    return done
+
+
+async def _restore_file(generation: Generation, store: Store, entry: Entry, slot: int, path: Path,
+                        header: slotfile.SlotFile, conversion: Any) -> Restored:
+    """Restore `path` (the entry's file, or a conversion of it) into `slot`; NotRestored when the server refuses
+    it, ServerLost (the entry set aside) when the server died under it."""
     child = generation.child
     if child is not None and not child.alive:  # dead before this restore: not this file's doing
         raise ServerLost(f"llama-server was not running when slot {slot} was to be restored from {entry.name}")
@@ -175,9 +197,16 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
             raise ServerLost(f"llama-server died restoring slot {slot} from {entry.name}; the file was set aside "
                              f"in {where}") from exc
         raise NotRestored(f"the server refused it: {exc}{said}", failed=True, header=header) from exc
-    book.restored(slot, header.tokens, entry.key if entry.by_content else None)
     return Restored(entry, header, int(answer.get("n_restored", header.n_tokens)),
                     (answer.get("timings") or {}).get("restore_ms"), _ms(began), conversion)
+
+
+def convertible(skip: Skip, header: slotfile.SlotFile, state_version: int | None) -> bool:
+    """A conversion makes the entry fit: other cache types (into the version the converter writes, which the
+    server must read), or an earlier state version (`upgradable`)."""
+    if skip.kind is Mismatch.CACHE_TYPES:
+        return state_version == kvconvert.WRITES or (state_version is None and header.version == kvconvert.WRITES)
+    return upgradable(skip, header, state_version)
 
 
 def upgradable(skip: Skip, header: slotfile.SlotFile, state_version: int | None) -> bool:
@@ -187,33 +216,27 @@ def upgradable(skip: Skip, header: slotfile.SlotFile, state_version: int | None)
             and header.version in slotfile.READS and header.version < kvconvert.WRITES)
 
 
-async def _converted(generation: Generation, store: Store, entry: Entry, source: Path, settings: dict[str, Any],
-                     header: slotfile.SlotFile) -> tuple[Entry, slotfile.SlotFile, Path, dict[str, Any]]:
-    """The entry rewritten into the server's cache types, rotation and state version, committed in its place (the
-    rewrite in a thread: the wrapper goes on answering; the commit here: the store is the event loop's)."""
+async def _convert(generation: Generation, entry: Entry, source: Path, part: Path, settings: dict[str, Any],
+                   header: slotfile.SlotFile) -> tuple[slotfile.SlotFile, dict[str, Any], dict[str, Any]]:
+    """The entry rewritten into `part` in the server's cache types, rotation and state version (in a thread: the
+    wrapper goes on answering), checked against the source; its header, sidecar record and what was done."""
     was = f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"
     now = f"{settings['cache_type_k']}/{settings['cache_type_v']}"
     if header.version != kvconvert.WRITES:
         was += f", state version {header.version} (build {entry.record.get('build') or '?'})"
         now += f", state version {kvconvert.WRITES} (build {settings['build']})"
     implied = _implied_rotation(generation, header, bool(entry.record.get("attn_rot_disable")))
-    with store.part("converted") as part:
-        done = await asyncio.to_thread(convert_for, generation, source, part, settings, implied)
-        converted = slotfile.read(part)
-        if converted.tokens != header.tokens or converted.kv is None or header.kv is None \
-                or converted.kv.cells != header.kv.cells or converted.kv.n_layer != header.kv.n_layer:
-            raise kvconvert.NotConvertible("the converted state does not hold what the source held")
-        header = converted
-        record = {**{k: v for k, v in entry.record.items() if k not in _DERIVED},
-                  "cache_type_k": settings["cache_type_k"], "cache_type_v": settings["cache_type_v"],
-                  "attn_rot_disable": bool(settings["attn_rot_disable"]), "converted_from": was,
-                  "state_version": header.version, "build": settings["build"]}
-        fresh = store.commit(part, header.tokens, record)
-    if not entry.by_content:
-        store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens now
+    done = await asyncio.to_thread(convert_for, generation, source, part, settings, implied)
+    converted = slotfile.read(part)
+    if converted.tokens != header.tokens or converted.kv is None or header.kv is None \
+            or converted.kv.cells != header.kv.cells or converted.kv.n_layer != header.kv.n_layer:
+        raise kvconvert.NotConvertible("the converted state does not hold what the source held")
+    record = {**{k: v for k, v in entry.record.items() if k not in _DERIVED},
+              "cache_type_k": settings["cache_type_k"], "cache_type_v": settings["cache_type_v"],
+              "attn_rot_disable": bool(settings["attn_rot_disable"]), "converted_from": was,
+              "state_version": converted.version, "build": settings["build"]}
     conversion = {"from": was, "to": now, "ms": round(done.seconds * 1000, 1), "mb_per_s": round(done.mb_per_s, 1)}
-    log.info("slots.converted", entry=fresh.key, **conversion)
-    return fresh, header, store.local(fresh), conversion
+    return converted, record, conversion
 
 
 def _implied_rotation(generation: Generation, header: slotfile.SlotFile, disabled: bool) -> tuple[int, int]:
@@ -222,8 +245,17 @@ def _implied_rotation(generation: Generation, header: slotfile.SlotFile, disable
     kv = header.kv
     k_type = kv.k_types[0] if kv and kv.k_types else "f16"
     v_type = kv.v_types[0] if kv and kv.v_types else "f16"
-    return (kvconvert.target_rotation(k_type, facts.get("head_dim_k"), True, disabled),
-            kvconvert.target_rotation(v_type, facts.get("head_dim_v"), False, disabled))
+    return (_rotation(k_type, facts.get("head_dim_k"), True, disabled),
+            _rotation(v_type, facts.get("head_dim_v"), False, disabled))
+
+
+def _rotation(type_name: str, head_dim: int | None, for_keys: bool, disabled: bool) -> int:
+    """What a server gives a cache of this type; NotConvertible when it depends on a head size not known (a
+    model not read from a -m file): a guess would restore a rotated cache as an unrotated one."""
+    if not head_dim and not disabled and type_name not in ("f32", "f16", "bf16"):
+        raise kvconvert.NotConvertible(f"the model's head size is not known, so the rotation of a {type_name} "
+                                       "cache is not either")
+    return kvconvert.target_rotation(type_name, head_dim, for_keys, disabled)
 
 
 def convert_for(generation: Generation, source: Path, target: Path, settings: dict[str, Any],
@@ -232,8 +264,8 @@ def convert_for(generation: Generation, source: Path, target: Path, settings: di
     it cannot); `implied`: the rotation of a source whose state version does not write it."""
     disabled = bool(settings["attn_rot_disable"])
     facts = generation.launch.facts
-    rot_k = kvconvert.target_rotation(settings["cache_type_k"], facts.get("head_dim_k"), True, disabled)
-    rot_v = kvconvert.target_rotation(settings["cache_type_v"], facts.get("head_dim_v"), False, disabled)
+    rot_k = _rotation(settings["cache_type_k"], facts.get("head_dim_k"), True, disabled)
+    rot_v = _rotation(settings["cache_type_v"], facts.get("head_dim_v"), False, disabled)
     return kvconvert.convert(source, target, settings["cache_type_k"], settings["cache_type_v"], rot_k, rot_v,
                              lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"),
                              implied)

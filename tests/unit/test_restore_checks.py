@@ -130,13 +130,17 @@ def test_what_a_prefill_can_make_up_for_is_typed_not_worded(header: Any) -> None
     assert kinds["other model"] is not None and not kinds["other model"].warmable
 
 
-@pytest.mark.parametrize(("written", "reads", "converts"), [(2, 4, True), (3, 4, True), (4, 2, False), (4, 4, False)])
+@pytest.mark.parametrize(("written", "reads", "converts"), [(2, 4, True), (3, 4, False), (4, 2, False), (4, 4, False)])
 def test_an_earlier_state_version_converts_and_a_later_one_is_warmed(tmp_path: Path, written: int, reads: int,
                                                                      converts: bool) -> None:
     path = tmp_path / "slot0.bin"
     path.write_bytes(slot_bytes([1, 2, 3], version=written, server_state=written >= 4))
     found = read(path)
-    assert found.kv is not None and found.kv.n_layer == 2 and found.tokens == [1, 2, 3]  # every framing walks
+    assert found.tokens == [1, 2, 3]
+    if written == 3:  # between the two builds: its tokens are read, its layout is not walked (never converted)
+        assert found.kv is None
+    else:
+        assert found.kv is not None and found.kv.n_layer == 2
     skip = skip_reason(0, sidecar(bytes=found.bytes, build="b9095-old"), found, "m1", settings(), reads)
     if written == reads:
         assert skip is None

@@ -114,3 +114,42 @@ async def test_a_save_of_what_the_store_holds_writes_nothing(tmp_path: Path) -> 
     assert again is not None and not again.new and again.entry.key == saved.entry.key
     assert len(store.entries()) == 1 and not list(tmp_path.glob("*.part-*"))  # parts never stay
     assert await save_into(generation(tmp_path, saves=[]), store, 0) is None  # an empty slot
+
+
+def old_entry(store: DirectoryStore, tokens: list[int], k_type: int = 1, **record: Any) -> Entry:
+    """An entry as llama.cpp b9095 wrote it: state version 2, plain tokens."""
+    part = store.directory / part_name("old")
+    part.write_bytes(slot_bytes(tokens, version=2, server_state=False, k_type=k_type, row=64))
+    return store.commit(part, tokens, {**RECORD, "build": "b9095", **record})
+
+
+async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_server_took_it(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    entry = old_entry(store, [1, 2, 3])
+    refusing = generation(tmp_path, restore="refuse")
+    book_of(refusing).state_version = 4
+    with pytest.raises(NotRestored) as refused:
+        await restore_into(refusing, store, entry, 0)
+    assert refused.value.failed  # the converted state was refused: the older build's file is what is kept
+    kept = store.get(entry.key)
+    assert kept is not None and store.local(kept).read_bytes()[4:8] == (2).to_bytes(4, "little")
+    assert [e.key for e in store.entries()] == [entry.key] and not list(tmp_path.glob("*.tmp"))
+    taking = generation(tmp_path)
+    book_of(taking).state_version = 4
+    done = await restore_into(taking, store, entry, 0)
+    assert done.conversion is not None and "state version 2 (build b9095)" in done.conversion["from"]
+    assert done.header.version == 4 and done.entry.record["state_version"] == 4
+    assert [store.local(e).read_bytes()[4:8] for e in store.entries()] == [(4).to_bytes(4, "little")]
+    action, name = cast(Client, taking.client).calls[-1]
+    assert action == "restore" and name is not None and "converted" in name  # the conversion, before its commit
+
+
+async def test_a_quantized_entry_of_an_older_build_is_not_converted_without_the_head_size(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    entry = old_entry(store, [1, 2, 3], k_type=8, cache_type_k="q8_0", cache_type_v="q8_0")
+    rt = generation(tmp_path)  # facts: {} (a model the wrapper could not read): the rotation is not known
+    book_of(rt).state_version = 4
+    with pytest.raises(NotRestored) as skipped:
+        await restore_into(rt, store, entry, 0)
+    assert skipped.value.warmable and "head size is not known" in str(skipped.value.conversion)
+    assert cast(Client, rt.client).calls == [] and store.get(entry.key) is not None
