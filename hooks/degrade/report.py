@@ -70,6 +70,8 @@ def metrics(generation: Generation) -> None:
         METRICS.pool_used.set(sum(m.share for m in members))
         METRICS.pool_members.set(len(members))
         METRICS.pool_share.set(fit.share)
+        for role in ("asked", "gave"):  # each counter is there from the first scrape, at 0 until a move
+            METRICS.pool_moves.labels(role=role)
 
 
 def memory(generation: Generation) -> dict[str, Any]:
