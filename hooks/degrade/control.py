@@ -98,7 +98,8 @@ async def relax(host: Host) -> None:
         idle = time.monotonic() - state.last_activity >= settings.relax_after
         fit = fitted(host.current.launch)
         below = pooled and fit is not None and (state.gave or fit.index > 0) and time.monotonic() >= state.climb_after
-        if host.in_flight or not (idle or below) or (state.lock is not None and state.lock.locked()):
+        busy = host.in_flight or state.giving or (state.lock is not None and state.lock.locked())
+        if busy or not (idle or below):
             continue
         try:
             if pooled:

@@ -95,14 +95,18 @@ async def give(host: Host, asked: PoolAsk) -> None:
         await share.answer(pool, asked, "refused", 0, "nothing to give above its floor", _since(began))
         return
     ctx = min(target.max_ctx, fit.n_ctx)
-    problem = await move(host, state, Ask(rung=target.name, ctx=ctx, limit=limit),
-                         f"give {format_size(asked.bytes)} to {asked.asker_model}[{asked.asker}]")
-    now = fitted(host.current.launch) or fit
-    given = max(0, fit.share - now.share) if problem is None else 0
-    share.publish(host.current, host.in_flight > 0)
-    state.gave = state.gave or given > 0
-    what = _what(fit, now, projector) if problem is None else str(problem)
-    await share.answer(pool, asked, "given" if given else "refused", given, what, _since(began))
+    state.giving = True  # its own climb back waits: what it frees is the asker's once answered
+    try:
+        problem = await move(host, state, Ask(rung=target.name, ctx=ctx, limit=limit),
+                             f"give {format_size(asked.bytes)} to {asked.asker_model}[{asked.asker}]")
+        now = fitted(host.current.launch) or fit
+        given = max(0, fit.share - now.share) if problem is None else 0
+        share.publish(host.current, host.in_flight > 0)
+        state.gave = state.gave or given > 0
+        what = _what(fit, now, projector) if problem is None else str(problem)
+        await share.answer(pool, asked, "given" if given else "refused", given, what, _since(began))
+    finally:
+        state.giving = False
 
 
 def _what(before: Fitted, after: Fitted, projector: bool) -> str:

@@ -67,9 +67,16 @@ def place_asks(held: Held, me: Member, short: int, exclude: frozenset[int] = fro
         amount = min(giver.spare(), left)
         placed.append(held.ask(me, giver, amount))
         left -= amount
-    me.asking = bool(placed)
-    held.put(me)
+    _mark(held, me, asking=bool(placed))
     return placed
+
+
+def _mark(held: Held, me: Member, asking: bool) -> None:
+    """Say in the asker's record whether it is asking, keeping the share it has there (what givers added)."""
+    current = held.member(me.pid) or me
+    current.asking = me.asking = asking
+    me.share = current.share
+    held.put(current)
 
 
 def collect(held: Held, placed: list[Ask], late: bool = False) -> list[Ask] | None:
@@ -99,9 +106,7 @@ def finish(held: Held, me: Member, placed: list[Ask], answers: list[Ask], began:
     for ask in placed:
         held.drop_ask(ask.id)
     done = Asked(sum(a.bytes for a in placed), answers, round(time.monotonic() - began, 3))
-    me.asking = False
-    me.share += done.given  # held for the asker until its fit takes it: a giver climbing back cannot take it first
-    held.put(me)
+    _mark(held, me, asking=False)
     if placed:
         move = {"at": time.time(), "asker": me.name, "asked": done.asked, "given": done.given, "took_s": done.took_s,
                 "givers": [{"pid": a.giver, "asked": a.bytes, "given": a.given, "state": a.state,
@@ -234,6 +239,10 @@ async def answer(pool: Pool, asked: Ask, state: str, given: int, what: str, took
             return  # the asker stopped waiting (or is gone)
         asked.state, asked.given, asked.reason, asked.took_s = state, given, what, took_s
         held.write_ask(asked)
+        asker = held.member(asked.asker)
+        if given and asker is not None:  # the asker's until its fit takes it: nobody else, this giver included,
+            asker.share += given  # can take it in the meantime (the giver's own climb back among them)
+            held.put(asker)
     if given:
         METRICS.pool_moves.labels(role="gave").inc()
     log.info("pool.gave" if state == "given" else "pool.refused", asker=f"{asked.asker_model}[{asked.asker}]",
