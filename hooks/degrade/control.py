@@ -144,6 +144,11 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
     if fit is None:
         return 409, error_body(409, "degradation has no plan for this model (see argv_changes in "
                                     "/wrapper/status)", "conflict")
+    if fit.pool is not None:
+        return 409, error_body(409, f"this member shares the pool {fit.pool}: its budget is the pool's total, and "
+                                    "its share moves with what the members need; to change the total, stop the "
+                                    "members, remove the folder and start them with the new degrade.budget",
+                               "conflict")
     value = body["budget"]
     try:
         budget = (auto_budget(settings.reserve, generation.launch.argv) if value == "auto"

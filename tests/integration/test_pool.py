@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests import pooled
-from tests.helpers import Wrapper, wait_for
+from tests.helpers import Wrapper, http, wait_for
 
 TURN = [{"role": "user", "content": "Remember this story. " + pooled.STORY * 30}]
 
@@ -165,3 +165,20 @@ def test_an_idle_members_long_conversation_gives_its_context_and_comes_back_rest
         assert max(pair.sums) <= total
     finally:
         pair.close()
+
+
+def test_a_pool_members_budget_is_the_pools(tmp_path: Path, server_bin: str, demo_path: str,
+                                            projector: Path) -> None:
+    _, plain = pooled.argvs(server_bin, demo_path, projector)
+    config = pooled.config(tmp_path / "slots", tmp_path / "pool", 600 << 20, pooled.TASK_CONTEXT)
+    config += "admin: {token_file: %s}\n" % (tmp_path / "token")
+    (tmp_path / "token").write_text("s3cret\n")
+    member = Wrapper(tmp_path, plain, config)
+    try:
+        member.wait_ready(120)
+        status, _, raw = http("POST", f"{member.url}/wrapper/budget", {"budget": "1GiB"},
+                              headers={"Authorization": "Bearer s3cret"})
+        assert status == 409 and b"shares the pool" in raw, raw
+        assert pooled.records(tmp_path / "pool")[0]["share"] > 0  # nothing changed
+    finally:
+        member.kill()
