@@ -188,7 +188,7 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
     """The rung and context this member needs now (not all it could take), planned with what the pool has free
     and taken from it under its lock: two members fitting at once never both count the same bytes. A start
     that does not fit asks the others first (and waits for them here: nothing is served yet)."""
-    device = "GPU" if offloads(argv[0], ask.backend) and args.offloaded(argv) else "CPU"
+    device = pool_device(argv, ask.backend)
     for last in (False, True):
         with pool.locked() as held:
             made = held.made()
@@ -204,20 +204,25 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
             wanted = min(planner.ceiling, cells(max(ask.ctx or 0, rest, saved, kept)))
             chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
             short = 0
-            if not state.started and not last and choose(rungs, wanted) is None:
-                best = rungs[0].plan if rungs[0].skipped is None else None
-                short = planner.plan(rungs[0].argv, wanted).total(device) - budget if best is not None else 0
+            if not state.started and not last and choose(rungs, wanted) is None and rungs[0].skipped is None:
+                short = planner.plan(rungs[0].argv, wanted).total(device) - budget
             if short <= 0:
                 chosen = _fitting(chosen, rungs, budget,
                                   f"what the pool {pool.dir} has for it, of {format_size(total)}")
                 n_ctx = min(chosen.max_ctx, wanted)
                 share = planner.plan(chosen.argv, n_ctx).total(device)
                 floor = _floor(planner, rungs, config, settings)
-                held.put(Member(os.getpid(), launch.model.name, share, floor, rung=chosen.name, n_ctx=n_ctx))
+                held.put(Member(os.getpid(), launch.model.name, share, floor, rung=chosen.name, n_ctx=n_ctx,
+                                serving=state.started))  # after its start it answers asks (between reloads too)
                 state.started, state.held_ctx = True, n_ctx
                 return chosen, n_ctx, planner, rungs, budget, f"pool {pool.dir} ({source})", share, floor
         ask_now(pool, Member(os.getpid(), launch.model.name, 0), short, settings.pool_wait)
     raise AssertionError("the second pass always returns")
+
+
+def pool_device(argv: Sequence[str], backend: str | None = None) -> str:
+    """The device a pool member's memory is on: the GPU when `-ngl` puts layers on one, else the host."""
+    return "GPU" if offloads(argv[0], backend) and args.offloaded(argv) else "CPU"
 
 
 def _floor(planner: Planner, rungs: list[RungPlan], config: Config, settings: DegradeSettings) -> int:

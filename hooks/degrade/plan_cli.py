@@ -12,7 +12,16 @@ from typing import Any
 
 import click
 
-from hooks.degrade.fit import BACKENDS, GPU_BACKENDS, MIN_START_CTX, Ask, NoRungFits, auto_budget, offloads, planner_for
+from hooks.degrade.fit import (
+    BACKENDS,
+    GPU_BACKENDS,
+    MIN_START_CTX,
+    Ask,
+    NoRungFits,
+    auto_budget,
+    planner_for,
+    pool_device,
+)
 from hooks.degrade.ladder import Planner, RungPlan
 from hooks.degrade.pool import Pool, agree
 from hooks.degrade.settings import DEGRADE, DegradeSettings
@@ -164,8 +173,8 @@ def _pool(directory: Path | None, config: Config, settings: DegradeSettings,
     with Pool(directory).locked() as held:
         found = held.made()
         assert found is not None
-        device = "GPU" if offloads(config.argv[0], backend) and args.offloaded(config.argv) else "CPU"
-        agree(directory, found, settings.budget or int(found["total"]), device, settings.budget is not None)
+        agree(directory, found, settings.budget or int(found["total"]), pool_device(config.argv, backend),
+              settings.budget is not None)
         return held.summary()
 
 

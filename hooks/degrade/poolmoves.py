@@ -137,6 +137,10 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
     back = not args.has(base, args.MMPROJ) and media_fit.takes_back(media_state, generation.config)
     if back and (projector := args.get(generation.config.argv, args.MMPROJ)):
         base = [*base, "--mmproj", projector]
+    looked = (free, needed, back, fit.rung, fit.n_ctx, fit.share)
+    if looked == state.looked:
+        return None  # nothing changed since the last look, which moved nothing: no planning every second
+    state.looked = looked
     planner, rungs = ladder_for(base, generation.launch, generation.config, state, free)
     rest = min(planner.ceiling, settings.context or MIN_START_CTX)
     wanted = min(planner.ceiling, cells(max(rest, needed)))
@@ -158,6 +162,7 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
     share.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
     if problem is not None:
         state.climb_after = time.monotonic() + settings.relax_after  # not again at once: each try is a reload
+        state.looked = None  # the same look tries again then
     else:
         now = fitted(host.current.launch)
         state.gave = now is not None and now.index > 0

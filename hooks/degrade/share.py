@@ -172,14 +172,14 @@ async def _round(asking: Asking) -> Asked:
         raise
 
 
-def publish(generation: Generation, busy: bool, asking: bool = False) -> None:
+def publish(generation: Generation, busy: bool) -> None:
     """Write this member's record from the generation that runs (after a move that failed, too)."""
     fit = fitted(generation.launch)
     pool = pool_of_generation(generation)
     if fit is None or pool is None:
         return
     with pool.locked() as held:
-        held.put(record(generation, fit, busy, asking))
+        held.put(record(generation, fit, busy))
 
 
 def pool_of_generation(generation: Generation) -> Pool | None:

@@ -36,6 +36,7 @@ class DegradeState:
     started: bool = False  # the first fit is done (a start asks the pool for what it needs; later fits do not)
     climb_after: float = 0.0  # with a pool: a failed climb back waits until then (time.monotonic())
     held_ctx: int = 0  # with a pool: the context the last fit took (a reload degrade did not ask for keeps it)
+    looked: tuple[int, int, bool, str, int, int] | None = None  # with a pool: what the last climb looked at
     giving: bool = False  # with a pool: a give is under way (its climb back waits for the answer)
     gave: bool = False  # with a pool: it gave memory to another member and has not climbed back yet
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +84,8 @@ def test_a_member_killed_frees_its_share_for_the_other(
         answers: dict[str, Any] = {}
         threading.Thread(target=lambda: answers.update(task=pooled.chat(
             pair.task.url, [{"role": "user", "content": pooled.LONG}])), daemon=True).start()
-        wait_for(lambda: pair.main.events("pool.ask") or pair.task.events("pool.ask"), 60, "the task to ask")
-        time.sleep(0.3)  # the main is moving now (or about to)
-        os.killpg(main_pid, signal.SIGKILL)
+        wait_for(lambda: pair.main.events("reload.begin"), 60, "the main to begin its move")
+        os.killpg(main_pid, signal.SIGKILL)  # in the middle of its move: its reload has begun
         wait_for(lambda: "task" in answers, 300, "the task's answer")
         status, answer = answers["task"]
         assert status == 200, answer
