@@ -20,6 +20,9 @@ class CacheSettings:
                               "tokens over what the slot holds")
     restore_margin: float = setting(1.2, NUMBER, "restore when the predicted restore time times this is below "
                                     "the predicted prefill time")
+    chunk_tokens: int = setting(256, COUNT, "a conversation is kept as chunks of this many tokens, each written "
+                                "once: a new turn writes only the chunks it adds, and conversations with the same "
+                                "beginning share it (0: each state whole)")
     restore_rate: int | None = setting(None, SIZE_OR_AUTO, "bytes per second a restore reads (`auto`: measured; "
                                        "give one for a slow disk)")
 

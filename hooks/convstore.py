@@ -2,7 +2,10 @@
 by its plain name), shared by every host pointed at it (NFS, a ReadWriteMany volume).
 
 An entry is a pair committed as hooks/slotdir.py commits one: `conv-<key>-<fingerprint>.bin`, the state
-llama-server wrote (its token ids first), and the sidecar `conv-<key>.json` that names it, written last. The key
+llama-server wrote (its token ids first), and the sidecar `conv-<key>.json` that names it, written last. With
+`chunk_tokens`, the state is cut into chunks (hooks/chunks.py) written once into `chunks/` (hooks/chunkdir.py)
+before the sidecar — the manifest — names them, and the pair's file is only the tail; a restore assembles the
+state into a part file in the slot folder, which is removed once llama-server has read it. The key
 is a hash of the entry's tokens: two hosts that save the same state write the same key, each its own KV file,
 and the last sidecar wins; a reader only ever follows a committed sidecar to a whole file, and a half-written
 part has a name no reader looks at. The listing is kept and done again when the folder's mtime changes (a
@@ -23,7 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hooks import slotdir, slotfile
+from hooks import chunks, slotdir, slotfile
+from hooks.chunkdir import ChunkFolder, names_of, size_of
 from hooks.store import Entry, Held, Unreadable, common_prefix, key_of
 
 PREFIX = slotdir.ENTRY_PREFIX
@@ -44,8 +48,10 @@ def part_name(what: str) -> str:
 
 class DirectoryStore:
     def __init__(self, directory: Path, relist_s: float = RELIST_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, chunk_tokens: int = 0) -> None:
         self.directory = directory
+        self.chunk_tokens = chunk_tokens  # 0: each state kept whole
+        self.chunks = ChunkFolder(directory)
         self._relist_s, self._clock = relist_s, clock
         self._index: dict[str, Entry] = {}
         self._files: dict[str, tuple[Path, Path]] = {}  # key -> sidecar, KV file
@@ -106,17 +112,43 @@ class DirectoryStore:
         previous = None
         with contextlib.suppress(OSError, slotdir.SidecarError):
             previous = self._kv_file(sidecar, slotdir.read_sidecar(sidecar))
-        slotdir.commit_pair(self.directory, f"{PREFIX}{key}", written, {"key": key, "tokens": len(tokens), **record},
-                            previous)
+        record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k != "chunks"}}
+        with self.part("tail") as tail:
+            state_bytes, wrote, plan = self._cut(written, tail, str((record.get("model") or {}).get("id")))
+            if plan is not None:
+                record["chunks"] = plan
+            final = slotdir.commit_pair(self.directory, f"{PREFIX}{key}", tail if plan else written, record,
+                                        previous, state_bytes if plan else None)
+        if plan is not None:
+            with contextlib.suppress(OSError):
+                written.unlink()  # cut: gone before its pages need writing out
         self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
         entry = self._read(sidecar, key, tokens)
         assert entry is not None
+        entry.written = wrote + final.stat().st_size + sidecar.stat().st_size
         for other in self.entries():
             with contextlib.suppress(Unreadable):
                 if other.key != key and other.n_tokens < len(tokens) and \
                         common_prefix(other.tokens, tokens) == other.n_tokens:
                     self.remove(other)  # a shorter state of the same conversation: the new one holds it all
         return entry
+
+    def _cut(self, written: Path, tail: Path, salt: str) -> tuple[int, int, dict[str, Any] | None]:
+        """Write the chunks of the state in `written` this folder lacks and its tail into `tail`: the state's
+        size, the chunk bytes written, the plan (None when nothing is chunked: `written` is kept whole)."""
+        if self.chunk_tokens <= 0:
+            return written.stat().st_size, 0, None
+        data, size = slotfile.open_map(written)
+        try:
+            cut = chunks.split(data, self.chunk_tokens, salt)
+            if cut.plan is None:
+                return size, 0, None
+            wrote = self.chunks.write(cut)
+            tail.write_bytes(cut.tail)
+            return size, wrote, cut.plan
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
 
     def touch(self, entry: Entry) -> None:
         sidecar, _ = self._files.get(entry.key, (slotdir.entry_sidecar(self.directory, entry.key), None))
@@ -125,28 +157,46 @@ class DirectoryStore:
             entry.last_used = sidecar.stat().st_mtime
 
     def remove(self, entry: Entry) -> None:
+        self._remove(entry)
+
+    def _remove(self, entry: Entry) -> int:
+        """Remove the entry and the chunks no other entry names; the bytes that freed."""
         sidecar, kv_file = self._where(entry)
+        freed = int(entry.record.get("tail_bytes", entry.bytes))
         for path in (sidecar, kv_file):  # the sidecar first: nothing names a half-removed pair
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self._forget(entry.key)
+        if names := names_of(entry.record):  # what another entry names stays
+            freed += len(self.chunks.remove(names, self._named())) * size_of(entry.record)
+        return freed
 
     def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
-        if sum(e.bytes for e in self.entries()) <= budget:
+        if self.used_bytes() <= budget:
             return []
         self._seen = None  # other hosts' hits moved their last use: look again before removing anything
-        entries = sorted(self.entries(), key=lambda e: e.last_used)
-        total = sum(e.bytes for e in entries)
+        self.chunks.remove(self._on_disk(), self._named())  # chunks no manifest names go first
+        used = self.used_bytes()
         removed = []
-        for entry in entries:
-            if total <= budget:
+        for entry in sorted(self.entries(), key=lambda e: e.last_used):
+            if used <= budget:
                 break
             if keep and entry.key in keep:
                 continue
-            self.remove(entry)
-            total -= entry.bytes
+            used -= self._remove(entry)
             removed.append(entry)
         return removed
+
+    def used_bytes(self) -> int:
+        """What the entries take on disk: their files, and each chunk once."""
+        return sum(int(e.record.get("tail_bytes", e.bytes)) for e in self.entries()) + self.chunks.bytes()
+
+    def _named(self) -> set[str]:
+        return {name for e in self.entries() for name in names_of(e.record)}
+
+    def _on_disk(self) -> list[str]:
+        folder = self.chunks.directory
+        return [p.name[:-3] for p in folder.glob("*.kv")] if folder.is_dir() else []
 
     def set_aside(self, entry: Entry, reason: str) -> str:
         sidecar, kv_file = self._where(entry)
@@ -166,13 +216,20 @@ class DirectoryStore:
 
     # -- making an entry readable by llama-server ------------------------------------------------------------
 
-    def local(self, entry: Entry) -> Path:
+    @contextlib.contextmanager
+    def local(self, entry: Entry) -> Iterator[Path]:
         sidecar, kv_file = self._where(entry)
         try:
-            slotdir.check_pair(slotdir.read_sidecar(sidecar), kv_file)
+            record = slotdir.read_sidecar(sidecar)
+            slotdir.check_pair(record, kv_file)
         except slotdir.SidecarError as exc:
             raise Unreadable(f"no usable sidecar: {exc}") from exc
-        return kv_file
+        if not names_of(record):
+            yield kv_file
+            return
+        with self.part("restore") as state:
+            self.chunks.assemble(kv_file, record, state)  # in the page cache: removed once restored
+            yield state
 
     def fetch_seconds(self, entry: Entry) -> float:
         return 0.0  # on local disk (or a mounted share) already
@@ -192,7 +249,7 @@ class DirectoryStore:
         self._seen = None
         named = {self._where(e)[1].name for e in self.entries()}
         host = slotdir.host_id()
-        removed = slotdir.sweep(self.directory, now)
+        removed = slotdir.sweep(self.directory, now) + self.chunks.sweep(self._named(), now)
         for path in self.directory.iterdir():
             part = _PART.match(path.name)
             age = slotdir.age(path, now)

@@ -161,8 +161,9 @@ def check_pair(sidecar: dict[str, Any], kv_file: Path) -> None:
         size = kv_file.stat().st_size
     except OSError as exc:
         raise SidecarError(f"the KV file {kv_file.name} is missing: {exc.strerror}") from exc
-    if sidecar.get("bytes") != size:
-        raise SidecarError(f"the sidecar does not describe {kv_file.name} ({sidecar.get('bytes')} bytes recorded, "
+    recorded_size = sidecar.get("tail_bytes", sidecar.get("bytes"))  # a chunked entry's file is its tail
+    if recorded_size != size:
+        raise SidecarError(f"the sidecar does not describe {kv_file.name} ({recorded_size} bytes recorded, "
                            f"{size} found): an interrupted save?")
     recorded = sidecar.get("fingerprint")
     if recorded is not None and recorded != fingerprint(str(kv_file)):
@@ -174,15 +175,19 @@ def commit(directory: Path, slot: int, written: Path, record: dict[str, Any]) ->
     return commit_pair(directory, f"slot{slot}", written, {"slot": slot, **record}, _current_kv_file(directory, slot))
 
 
-def commit_pair(directory: Path, stem: str, written: Path, record: dict[str, Any], previous: Path | None) -> Path:
+def commit_pair(directory: Path, stem: str, written: Path, record: dict[str, Any], previous: Path | None,
+                state_bytes: int | None = None) -> Path:
     """Move `written` to `<stem>-<fingerprint>.bin`, then replace the sidecar `<stem>.json` that names it (the
     one atomic step), then remove the `previous` KV file. Two writers of one stem (two wrappers on one folder)
-    each write their own KV file; the last sidecar wins and always names a whole file."""
+    each write their own KV file; the last sidecar wins and always names a whole file. `state_bytes`: the size
+    of the state when `written` is only its tail (the rest in chunks the record names)."""
     file_fingerprint = fingerprint(str(written))
     final = directory / f"{stem}-{file_fingerprint[:12]}.bin"
     os.replace(written, final)
-    data = {"format": SIDECAR_FORMAT, **record, "file": final.name, "bytes": final.stat().st_size,
-            "fingerprint": file_fingerprint}
+    size = final.stat().st_size
+    data = {"format": SIDECAR_FORMAT, **record, "file": final.name, "bytes": size, "fingerprint": file_fingerprint}
+    if state_bytes is not None:
+        data.update(bytes=state_bytes, tail_bytes=size)
     _write_json(directory / f"{stem}.json", data)  # the commit: from here on the new pair is the current one
     if previous is not None and previous != final:
         with contextlib.suppress(OSError):

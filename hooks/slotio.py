@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from hooks import kvconvert, slotfile
+from hooks.cachesettings import CACHE
 from hooks.compat import WARMABLE, Mismatch, Skip, server_settings, skip_reason
 from hooks.convstore import DirectoryStore
 from hooks.slotbook import book_of
@@ -42,7 +43,7 @@ def store_of(generation: Generation) -> Store | None:
         return None
     stores = generation.shared.get(_STORES)
     if directory not in stores:
-        stores[directory] = DirectoryStore(directory)
+        stores[directory] = DirectoryStore(directory, chunk_tokens=CACHE.of(generation.config).chunk_tokens)
     return stores[directory]
 
 
@@ -139,13 +140,19 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
     """Check the entry against the running server, convert it when only the cache types or another build's
     framing differ, restore it. NotRestored with the reason otherwise; ServerLost (the entry set aside) when the
     server died under it. A converted state replaces the entry only once the server has restored it."""
-    book = book_of(generation)
     settings = await server_settings_of(generation)
     try:
-        path = store.local(entry)
-        header = slotfile.read(path)
+        with store.local(entry) as path:
+            return await _restore_from(generation, store, entry, slot, path, settings)
     except Unreadable as exc:
         raise NotRestored(str(exc), damaged=True) from exc
+
+
+async def _restore_from(generation: Generation, store: Store, entry: Entry, slot: int, path: Path,
+                        settings: dict[str, Any]) -> Restored:
+    book = book_of(generation)
+    try:
+        header = slotfile.read(path)
     except slotfile.SlotFileError as exc:
         raise NotRestored(f"unreadable file: {exc}", damaged=True) from exc
     model = generation.launch.model.id

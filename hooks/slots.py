@@ -191,7 +191,8 @@ async def _save_one(rt: Generation, store: Store, slot: dict[str, Any], held: di
     if not saved.new:  # the store held that state already (another host saved it, or it left its slot)
         log.info("slots.unchanged", slot=number, tokens=entry["tokens"])
         return entry
-    entry.update(bytes=saved.entry.bytes, server_ms=saved.server_ms, total_ms=saved.total_ms, file=saved.entry.name)
+    entry.update(bytes=saved.entry.bytes, written=saved.entry.written, server_ms=saved.server_ms,
+                 total_ms=saved.total_ms, file=saved.entry.name)
     log.info("slots.saved", **entry)
     return entry
 

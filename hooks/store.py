@@ -47,6 +47,7 @@ class Entry:
     by_content: bool = True  # False: a pair of the earlier layout, named by its slot (never found by a lookup)
     load_tokens: Callable[[], list[int]] = field(repr=False, default=list)
     _tokens: list[int] | None = field(default=None, repr=False)
+    written: int = 0  # the bytes its commit wrote (only what the store did not hold: new chunks, tail, manifest)
 
     @property
     def tokens(self) -> list[int]:
@@ -113,9 +114,9 @@ class Store(Protocol):
         """Keep an entry that made llama-server fail out of every lookup, with why; says where it went."""
         ...
 
-    def local(self, entry: Entry) -> Path:
-        """The entry, whole, as a file in llama-server's slot folder (its name for the restore action);
-        Unreadable when it cannot be."""
+    def local(self, entry: Entry) -> AbstractContextManager[Path]:
+        """The entry, whole, as a file in llama-server's slot folder (its name for the restore action) for the
+        block's length; Unreadable when it cannot be."""
         ...
 
     def fetch_seconds(self, entry: Entry) -> float:
@@ -123,6 +124,10 @@ class Store(Protocol):
         ...
 
     def free_bytes(self) -> int: ...
+
+    def used_bytes(self) -> int:
+        """What the entries take (each chunk counted once)."""
+        ...
 
     def sweep(self) -> list[str]:
         """Remove what dead writers left; says what went."""

@@ -159,11 +159,11 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     if saved is None or not saved.new:
         return None
     entry = saved.entry
-    conv.written.append((time.time(), entry.bytes))
-    METRICS.conv_bytes_written.inc(entry.bytes)
+    conv.written.append((time.time(), entry.written))
+    METRICS.conv_bytes_written.inc(entry.written)
     evicted = store.evict(settings.budget, keep={entry.key})
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
-             ms=saved.total_ms, evicted=[e.key for e in evicted])
+             written=entry.written, ms=saved.total_ms, evicted=[e.key for e in evicted])
     return entry
 
 

@@ -67,7 +67,7 @@ def test_two_writers_of_one_conversation_leave_one_whole_entry(tmp_path: Path) -
     first.commit(a, tokens, RECORD)
     second.commit(b, tokens, RECORD)
     (entry,) = first.entries()  # the other wrapper's commit is seen
-    assert first.local(entry).stat().st_size == len(slot_bytes(tokens, cells=5)) and entry.tokens == tokens
+    assert (first.directory / entry.name).stat().st_size == len(slot_bytes(tokens, cells=5)) and entry.tokens == tokens
 
 
 def test_a_listing_is_kept_until_the_folder_changes_or_grows_old(tmp_path: Path,

@@ -76,7 +76,7 @@ async def test_a_restore_tells_the_book_what_the_slot_holds(tmp_path: Path) -> N
     book_of(rt).exact = True
     done = await restore_into(rt, store, entry, 0)
     assert done.n_restored == 3 and book_of(rt).entry_of(0) == entry.key and book_of(rt).holds(0) == [1, 2, 3]
-    assert cast(Client, rt.client).calls == [("restore", store.local(entry).name)]
+    assert cast(Client, rt.client).calls == [("restore", entry.name)]
 
 
 async def test_a_server_that_dies_under_a_restore_is_noticed_and_the_entry_set_aside(tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ async def test_a_refusal_and_a_damaged_entry_are_not_restored_and_say_why(tmp_pa
         await restore_into(generation(tmp_path, restore="refuse"), store, entry, 0)
     assert refused.value.failed and "the server refused it" in refused.value.reason
     assert store.get(entry.key) is not None  # a refusal is not the entry's fault
-    store.local(entry).write_bytes(b"cut")
+    (tmp_path / entry.name).write_bytes(b"cut")
     with pytest.raises(NotRestored) as damaged:
         await restore_into(generation(tmp_path), store, entry, 0)
     assert damaged.value.damaged and "an interrupted save?" in damaged.value.reason
@@ -132,14 +132,14 @@ async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_ser
         await restore_into(refusing, store, entry, 0)
     assert refused.value.failed  # the converted state was refused: the older build's file is what is kept
     kept = store.get(entry.key)
-    assert kept is not None and store.local(kept).read_bytes()[4:8] == (2).to_bytes(4, "little")
+    assert kept is not None and (tmp_path / kept.name).read_bytes()[4:8] == (2).to_bytes(4, "little")
     assert [e.key for e in store.entries()] == [entry.key] and not list(tmp_path.glob("*.tmp"))
     taking = generation(tmp_path)
     book_of(taking).state_version = 4
     done = await restore_into(taking, store, entry, 0)
     assert done.conversion is not None and "state version 2 (build b9095)" in done.conversion["from"]
     assert done.header.version == 4 and done.entry.record["state_version"] == 4
-    assert [store.local(e).read_bytes()[4:8] for e in store.entries()] == [(4).to_bytes(4, "little")]
+    assert [(tmp_path / e.name).read_bytes()[4:8] for e in store.entries()] == [(4).to_bytes(4, "little")]
     action, name = cast(Client, taking.client).calls[-1]
     assert action == "restore" and name is not None and "converted" in name  # the conversion, before its commit
 

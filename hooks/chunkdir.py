@@ -1,0 +1,153 @@
+"""The chunks of a slot folder (`chunks/<name>.kv`, hooks/chunks.py): each written once, whole, before any
+manifest names it; read back into the state file llama-server restores from; removed when no manifest names
+them any more.
+
+A chunk is written to `<name>.kv.<pid>.tmp` and renamed into place, so a name is only ever a whole chunk; one that
+exists already is not written again (its mtime is touched: a chunk younger than GRACE_S is never removed, since
+another host may be committing a manifest that names it). A kill between the chunks and the manifest leaves
+chunks no manifest names: `sweep` removes them once ORPHAN_AGE_S old.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hooks import chunks, slotdir, slotfile
+from hooks.store import Unreadable
+
+FOLDER = "chunks"
+GRACE_S = 30.0
+ORPHAN_AGE_S = 600.0
+_NAME = re.compile(r"^[0-9a-f]{32}$")
+_FILE = re.compile(r"^([0-9a-f]{32})\.kv$")
+_TEMPORARY = re.compile(r"^[0-9a-f]{32}\.kv\.(\d+)\.tmp$")
+
+
+def names_of(record: dict[str, Any]) -> list[str]:
+    """The chunks an entry's sidecar names (none for a state kept whole)."""
+    plan = record.get("chunks")
+    if not isinstance(plan, dict):
+        return []
+    names = plan.get("names")
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def size_of(record: dict[str, Any]) -> int:
+    """The bytes of each of the entry's chunks."""
+    plan = record.get("chunks")
+    try:
+        return chunks.chunk_size(plan) if isinstance(plan, dict) else 0
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+class ChunkFolder:
+    def __init__(self, slot_folder: Path) -> None:
+        self.directory = slot_folder / FOLDER
+
+    def path(self, name: str) -> Path:
+        if not _NAME.match(name):
+            raise Unreadable(f"a manifest names an odd chunk: {name!r}")
+        return self.directory / f"{name}.kv"
+
+    def has(self, name: str, size: int) -> bool:
+        try:
+            return self.path(name).stat().st_size == size
+        except OSError:
+            return False
+
+    def write(self, cut: chunks.Split) -> int:
+        """Write the chunks this folder does not hold yet; the bytes written."""
+        if not cut.chunks:
+            return 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        written = 0
+        for name, data in cut.chunks:
+            target = self.path(name)
+            if self.has(name, len(data)):
+                with contextlib.suppress(OSError):
+                    os.utime(target)  # in use again: not removed while a manifest naming it is committed
+                continue
+            written += self.put(name, data)
+        return written
+
+    def put(self, name: str, data: bytes | memoryview) -> int:
+        """Write one chunk whole under its name."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        target = self.path(name)
+        temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as out:
+            out.write(data)
+        os.replace(temporary, target)
+        return len(data)
+
+    def assemble(self, tail: Path, record: dict[str, Any], into: Path) -> int:
+        """Write the state of a chunked entry (its tail and its chunks) to `into`; Unreadable when a chunk is
+        missing or damaged."""
+        plan = record["chunks"]
+        maps: list[slotfile.Buffer] = []
+        try:
+            for name in names_of(record):
+                try:
+                    maps.append(slotfile.open_map(self.path(name))[0])
+                except OSError as exc:
+                    raise Unreadable(f"chunk {name} is missing ({exc.strerror})") from exc
+            tail_map, _ = slotfile.open_map(tail)
+            maps.append(tail_map)
+            with open(into, "wb") as out:
+                return chunks.assemble(tail_map, maps[:-1], plan, out)
+        except (chunks.NotAssembled, OSError, KeyError, TypeError, ValueError) as exc:
+            raise Unreadable(f"its chunks do not make a state: {exc}") from exc
+        finally:
+            for each in maps:
+                if isinstance(each, mmap.mmap):
+                    each.close()
+
+    def remove(self, names: Iterable[str], named: set[str], now: float | None = None,
+               min_age: float = GRACE_S) -> list[str]:
+        """Remove those of `names` no manifest names (`named`) and not touched within `min_age`."""
+        now = time.time() if now is None else now
+        removed = []
+        for name in set(names) - named:
+            with contextlib.suppress(OSError, Unreadable):
+                path = self.path(name)
+                if now - path.stat().st_mtime >= min_age:
+                    path.unlink()
+                    removed.append(name)
+        return removed
+
+    def sweep(self, named: set[str], now: float | None = None) -> list[str]:
+        """Chunks no manifest names once ORPHAN_AGE_S old, and temporaries of writers that are gone."""
+        if not self.directory.is_dir():
+            return []
+        now = time.time() if now is None else now
+        found, removed = [], []
+        for path in self.directory.iterdir():
+            if (match := _FILE.match(path.name)) is not None:
+                found.append(match.group(1))
+            elif (temporary := _TEMPORARY.match(path.name)) is not None:
+                pid = int(temporary.group(1))
+                if pid != os.getpid() and not slotdir.alive(pid):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                        removed.append(path.name)
+        removed += [f"{FOLDER}/{name}.kv" for name in self.remove(found, named, now, ORPHAN_AGE_S)]
+        return removed
+
+    def bytes(self) -> int:
+        """What every chunk here takes."""
+        if not self.directory.is_dir():
+            return 0
+        total = 0
+        for path in self.directory.iterdir():
+            if _FILE.match(path.name):
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+        return total
