@@ -3,9 +3,10 @@ manifest names it; read back into the state file llama-server restores from; rem
 them any more.
 
 A chunk is written to `<name>.kv.<pid>.tmp` and renamed into place, so a name is only ever a whole chunk; one that
-exists already is not written again (its mtime is touched: a chunk younger than GRACE_S is never removed, since
-another host may be committing a manifest that names it). A kill between the chunks and the manifest leaves
-chunks no manifest names: `sweep` removes them once ORPHAN_AGE_S old.
+exists already is not written again (its mtime is touched: a chunk younger than GRACE_S that this process did not
+write or touch itself is not removed, since another host may be committing a manifest that names it; and a
+commit checks that its chunks are all there once its manifest is, writing again any that went meanwhile). A kill
+between the chunks and the manifest leaves chunks no manifest names: `sweep` removes them once ORPHAN_AGE_S old.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hooks import chunks, slotdir, slotfile
 from hooks.store import Unreadable
 
 FOLDER = "chunks"
-GRACE_S = 30.0
+GRACE_S = 5.0
 ORPHAN_AGE_S = 600.0
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^([0-9a-f]{32})\.kv$")
@@ -51,6 +52,7 @@ def size_of(record: dict[str, Any]) -> int:
 class ChunkFolder:
     def __init__(self, slot_folder: Path) -> None:
         self.directory = slot_folder / FOLDER
+        self.mine: set[str] = set()  # written or touched by this process: its own commits name them
 
     def path(self, name: str) -> Path:
         if not _NAME.match(name):
@@ -69,14 +71,19 @@ class ChunkFolder:
             return 0
         self.directory.mkdir(parents=True, exist_ok=True)
         written = 0
-        for name, data in cut.chunks:
-            target = self.path(name)
-            if self.has(name, len(data)):
+        for chunk in cut.chunks:
+            target = self.path(chunk.name)
+            self.mine.add(chunk.name)
+            if self.has(chunk.name, chunk.size):
                 with contextlib.suppress(OSError):
                     os.utime(target)  # in use again: not removed while a manifest naming it is committed
                 continue
-            written += self.put(name, data)
+            written += self.put(chunk.name, chunk.make())
         return written
+
+    def rewrite_missing(self, cut: chunks.Split) -> int:
+        """After the manifest: write again the chunks another process removed meanwhile; the bytes written."""
+        return sum(self.put(c.name, c.make()) for c in cut.chunks if not self.has(c.name, c.size))
 
     def put(self, name: str, data: bytes | memoryview) -> int:
         """Write one chunk whole under its name."""
@@ -111,15 +118,18 @@ class ChunkFolder:
                     each.close()
 
     def remove(self, names: Iterable[str], named: set[str], now: float | None = None,
-               min_age: float = GRACE_S) -> list[str]:
-        """Remove those of `names` no manifest names (`named`) and not touched within `min_age`."""
+               min_age: float = GRACE_S, since: float | None = None) -> list[str]:
+        """Remove those of `names` no manifest names (`named`), unless another process touched them within
+        `min_age` — after `since` (when the manifest that named them was committed or last used), if given."""
         now = time.time() if now is None else now
         removed = []
         for name in set(names) - named:
             with contextlib.suppress(OSError, Unreadable):
                 path = self.path(name)
-                if now - path.stat().st_mtime >= min_age:
+                mtime = path.stat().st_mtime
+                if name in self.mine or now - mtime >= min_age or (since is not None and mtime <= since):
                     path.unlink()
+                    self.mine.discard(name)
                     removed.append(name)
         return removed
 

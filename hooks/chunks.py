@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -38,14 +38,17 @@ class NotAssembled(Exception):
 
 
 @dataclass(frozen=True)
+class Chunk:
+    name: str
+    size: int
+    make: Callable[[], bytes]  # its content, cut from the state when asked (one chunk in memory at a time)
+
+
+@dataclass(frozen=True)
 class Split:
     tail: bytes  # b"" when nothing is chunked: the state is its own tail
-    chunks: list[tuple[str, memoryview]]  # name and content, in position order
+    chunks: list[Chunk]  # in position order; valid while the state's buffer is
     plan: dict[str, Any] | None  # what the manifest keeps to assemble them (with the names); None: not chunked
-
-    @property
-    def chunk_bytes(self) -> int:
-        return sum(len(data) for _, data in self.chunks)
 
 
 def split(data: Buffer, tokens: int, salt: str) -> Split:
@@ -69,11 +72,12 @@ def split(data: Buffer, tokens: int, salt: str) -> Split:
     names = _names(salt, specs, head.tokens, tokens, count)
     plan = {"format": FORMAT, "tokens": tokens, "count": count, "streams": specs, "names": names}
     orders = {(i, s): _order(data, stream) for i, s, stream in chunked}
-    pieces = []
-    for index in range(count):
+    def make(index: int) -> Callable[[], bytes]:
         cut = slice(index * tokens, (index + 1) * tokens)
-        parts = [_fragment(data, stream, orders[(i, s)][cut]) for i, s, stream in chunked]
-        pieces.append((names[index], memoryview(b"".join(parts))))
+        return lambda: b"".join(_fragment(data, stream, orders[(i, s)][cut]) for i, s, stream in chunked)
+
+    size = chunk_size(plan)
+    pieces = [Chunk(names[index], size, make(index)) for index in range(count)]
     tail = bytearray(data[:head.words_end])
     for i, section in enumerate(sections):
         tail += struct.pack("<I", len(section.streams))

@@ -28,7 +28,7 @@ from typing import Any
 
 from hooks import chunks, slotdir, slotfile
 from hooks.chunkdir import ChunkFolder, names_of, size_of
-from hooks.store import Entry, Held, Unreadable, common_prefix, key_of
+from hooks.store import Entry, Held, Unreadable, best_of, common_prefix, key_of
 
 PREFIX = slotdir.ENTRY_PREFIX
 RELIST_S = 30.0
@@ -73,16 +73,7 @@ class DirectoryStore:
         return self._read(sidecar, key) or Entry(key, 0, 0, 0.0, {}, sidecar.name, True, _unreadable(sidecar.name))
 
     def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
-        best: Entry | None = None
-        length = 0
-        for entry in self.entries():
-            try:
-                shared = common_prefix(entry.tokens, tokens)
-            except Unreadable:
-                continue
-            if shared > length or (shared == length and best is not None and entry.n_tokens < best.n_tokens):
-                best, length = entry, shared
-        return best, length
+        return best_of(self.entries(), tokens)
 
     def find(self, tokens: list[int]) -> Entry | None:
         found = self._look().get(key_of(tokens))
@@ -113,13 +104,22 @@ class DirectoryStore:
         with contextlib.suppress(OSError, slotdir.SidecarError):
             previous = self._kv_file(sidecar, slotdir.read_sidecar(sidecar))
         record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k != "chunks"}}
-        with self.part("tail") as tail:
-            state_bytes, wrote, plan = self._cut(written, tail, str((record.get("model") or {}).get("id")))
-            if plan is not None:
-                record["chunks"] = plan
-            final = slotdir.commit_pair(self.directory, f"{PREFIX}{key}", tail if plan else written, record,
-                                        previous, state_bytes if plan else None)
-        if plan is not None:
+        data, size = slotfile.open_map(written)
+        try:
+            cut = chunks.split(data, self.chunk_tokens, str((record.get("model") or {}).get("id"))) \
+                if self.chunk_tokens > 0 else chunks.Split(b"", [], None)
+            with self.part("tail") as tail:
+                wrote = self.chunks.write(cut)
+                if cut.plan is not None:
+                    record["chunks"] = cut.plan
+                    tail.write_bytes(cut.tail)
+                final = slotdir.commit_pair(self.directory, f"{PREFIX}{key}", tail if cut.plan else written,
+                                            record, previous, size if cut.plan else None)
+            wrote += self.chunks.rewrite_missing(cut)  # another host's eviction found them unnamed meanwhile
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
+        if cut.plan is not None:
             with contextlib.suppress(OSError):
                 written.unlink()  # cut: gone before its pages need writing out
         self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
@@ -132,23 +132,6 @@ class DirectoryStore:
                         common_prefix(other.tokens, tokens) == other.n_tokens:
                     self.remove(other)  # a shorter state of the same conversation: the new one holds it all
         return entry
-
-    def _cut(self, written: Path, tail: Path, salt: str) -> tuple[int, int, dict[str, Any] | None]:
-        """Write the chunks of the state in `written` this folder lacks and its tail into `tail`: the state's
-        size, the chunk bytes written, the plan (None when nothing is chunked: `written` is kept whole)."""
-        if self.chunk_tokens <= 0:
-            return written.stat().st_size, 0, None
-        data, size = slotfile.open_map(written)
-        try:
-            cut = chunks.split(data, self.chunk_tokens, salt)
-            if cut.plan is None:
-                return size, 0, None
-            wrote = self.chunks.write(cut)
-            tail.write_bytes(cut.tail)
-            return size, wrote, cut.plan
-        finally:
-            if isinstance(data, mmap.mmap):
-                data.close()
 
     def touch(self, entry: Entry) -> None:
         sidecar, _ = self._files.get(entry.key, (slotdir.entry_sidecar(self.directory, entry.key), None))
@@ -168,7 +151,11 @@ class DirectoryStore:
                 path.unlink()
         self._forget(entry.key)
         if names := names_of(entry.record):  # what another entry names stays
-            freed += len(self.chunks.remove(names, self._named())) * size_of(entry.record)
+            named = self._named()
+            # a chunk another process touched since this entry's last use may be named by its commit in
+            # progress: it goes at the sweep, if nothing names it by then
+            self.chunks.remove(names, named, since=entry.last_used)
+            freed += len(set(names) - named) * size_of(entry.record)
         return freed
 
     def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
@@ -215,6 +202,9 @@ class DirectoryStore:
         return True
 
     # -- making an entry readable by llama-server ------------------------------------------------------------
+
+    async def fetch(self, entry: Entry) -> Entry:
+        return entry  # on local disk (or a mounted share) already
 
     @contextlib.contextmanager
     def local(self, entry: Entry) -> Iterator[Path]:

@@ -6,7 +6,7 @@ change or missing flag is returned as a note for the log.
 
 from __future__ import annotations
 
-from hooks.slots import SLOTS
+from hooks.slotsettings import SLOTS
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.launch import Fitting, Launch

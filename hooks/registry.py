@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks import conversations, media, server_reload, slots, spec
+from hooks import conversations, media, server_reload, slots, slotsettings, spec
 from hooks.cachesettings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
@@ -124,7 +124,7 @@ def ordered(builtins: tuple[Builtin, ...]) -> tuple[Builtin, ...]:
 
 BUILTINS: tuple[Builtin, ...] = ordered((
     Builtin(
-        family=slots.FAMILY, settings=slots.SLOTS,
+        family=slotsettings.FAMILY, settings=slotsettings.SLOTS,
         actions={"slots.save": BuiltinAction(lambda g, _: slots.save(g), doc="save every slot that holds tokens"),
                  "slots.restore": BuiltinAction(lambda g, _: slots.restore(g),
                                                 doc="restore the saved slots the server can use")},
@@ -132,7 +132,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         observer=slots.observer,
         status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},  # where status has had it
         hand_over=slots.save_step, take_over=slots.take_over,
-        reload_report=slots.restore_report, background=slots.warm_after_start,
+        reload_report=slots.restore_report, background=slots.background, metrics=slots.metrics,
     ),
     Builtin(  # on always: without a projector a media request is its 400; the projector on demand
         family=media.FAMILY, settings=MEDIA, in_use=lambda config: True, warnings=media_fit.warnings, fit=media_fit.fit,
@@ -147,7 +147,8 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and
         # after media (a conversation with an image comes back into a server with the projector)
-        family=conversations.FAMILY, after=(slots.FAMILY, media.FAMILY), settings=CACHE, in_use=conversations.in_use,
+        family=conversations.FAMILY, after=(slotsettings.FAMILY, media.FAMILY), settings=CACHE,
+        in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics,
     ),
@@ -158,7 +159,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
     Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence, and counts the projector
         # only while media's fit keeps it
-        family=DEGRADE_FAMILY, after=(slots.FAMILY, media.FAMILY, spec.FAMILY), settings=DEGRADE,
+        family=DEGRADE_FAMILY, after=(slotsettings.FAMILY, media.FAMILY, spec.FAMILY), settings=DEGRADE,
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,

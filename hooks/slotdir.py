@@ -195,6 +195,11 @@ def commit_pair(directory: Path, stem: str, written: Path, record: dict[str, Any
     return final
 
 
+def write_sidecar(target: Path, data: dict[str, Any]) -> None:
+    """Write a sidecar whole (a fetched entry's, whose files are in place already)."""
+    _write_json(target, {"format": SIDECAR_FORMAT, **data})
+
+
 def _write_json(target: Path, data: dict[str, Any]) -> None:
     temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as out:

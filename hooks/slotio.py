@@ -13,12 +13,16 @@ from typing import Any
 
 import structlog
 
-from hooks import kvconvert, slotfile
+from hooks import kvconvert, slotdir, slotfile
+from hooks.bucket import Bucket, BucketError, missing_client
 from hooks.cachesettings import CACHE
 from hooks.compat import WARMABLE, Mismatch, Skip, server_settings, skip_reason
 from hooks.convstore import DirectoryStore
+from hooks.remote import Remote
 from hooks.slotbook import book_of
+from hooks.slotsettings import SLOTS, SlotSettings
 from hooks.store import Entry, Store, Unreadable
+from hooks.tiered import TieredStore
 from wrapper.generation import Generation, ServerLost
 from wrapper.kept import Key
 from wrapper.llama import LlamaError
@@ -32,19 +36,43 @@ _DERIVED = ("format", "slot", "key", "tokens", "file", "bytes", "fingerprint")  
 _LAYOUT = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams", "total_slots",
            "n_ctx", "attn_rot_disable", "build")
 
-_STORES: Key[dict[Path, DirectoryStore]] = Key("slots.stores", dict)  # one per folder, for the wrapper's life
+_STORES: Key[dict[Path, Store]] = Key("slots.stores", dict)  # one per folder, for the wrapper's life
 _SERVER: Key[dict[str, Any]] = Key("slots.server", dict)  # the running server's layout settings
 
 
 def store_of(generation: Generation) -> Store | None:
-    """The store of the generation's slot folder (one per folder for the wrapper's life: listings are kept)."""
+    """The store of the generation's slot folder (one per folder for the wrapper's life: listings are kept), with
+    the object store behind it when `slots.store` names one."""
     directory = generation.launch.fitted.get(FOLDER)
     if not isinstance(directory, Path):
         return None
     stores = generation.shared.get(_STORES)
     if directory not in stores:
-        stores[directory] = DirectoryStore(directory, chunk_tokens=CACHE.of(generation.config).chunk_tokens)
+        folder = DirectoryStore(directory, chunk_tokens=CACHE.of(generation.config).chunk_tokens)
+        stores[directory] = _tiered(folder, SLOTS.of(generation.config)) or folder
     return stores[directory]
+
+
+def _tiered(folder: DirectoryStore, settings: SlotSettings) -> TieredStore | None:
+    """The folder in front of `slots.store`; None (the folder alone, and the log says why) without one or when
+    the store cannot be set up."""
+    if not settings.store:
+        return None
+    problem = missing_client()
+    if problem is None:
+        try:
+            bucket = Bucket(settings.store, endpoint=settings.store_endpoint, region=settings.store_region,
+                            access_key=settings.store_access_key, secret_key=settings.store_secret_key,
+                            timeout_s=settings.store_timeout)
+        except (BucketError, ValueError) as exc:
+            problem = str(exc)
+        else:
+            return TieredStore(folder, Remote(bucket, folder.directory.name), slotdir.host_id(),
+                               settings.store_refresh)
+    else:
+        problem = f"no S3 client is installed: {problem}"
+    log.error("store.unusable", store=settings.store, error=problem, hint="serving from the slot folder alone")
+    return None
 
 
 async def server_settings_of(generation: Generation) -> dict[str, Any]:
@@ -142,6 +170,7 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
     server died under it. A converted state replaces the entry only once the server has restored it."""
     settings = await server_settings_of(generation)
     try:
+        entry = await store.fetch(entry)
         with store.local(entry) as path:
             return await _restore_from(generation, store, entry, slot, path, settings)
     except Unreadable as exc:

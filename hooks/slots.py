@@ -11,17 +11,18 @@ import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from hooks import slotdir, slotfile
-from hooks.cachesettings import CACHE, MOVED
+from hooks.cachesettings import CACHE
 from hooks.reuse import ReuseTracker
 from hooks.slotbook import book_of
 from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
+from hooks.slotsettings import FAMILY, SLOTS
 from hooks.store import Entry, Held, Store, Unreadable
+from hooks.tiered import TieredStore
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, Host, ServerLost
 from wrapper.kept import Key
@@ -29,26 +30,13 @@ from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
 from wrapper.proxy import Observer
-from wrapper.settings import COUNT, PATH, Section, choice, setting
 
 log = structlog.get_logger()
 
-FAMILY = "slots"
 WARM_IDLE_POLL_S = 0.5
+FIRST_LOOK_S = 3.0  # a start waits this long at most for the bucket's manifests (then the sync reads them)
 
 
-@dataclass(frozen=True)
-class SlotSettings:
-    dir: Path = setting(Path("~/.cache/llama-wrapper/slots").expanduser(), PATH,
-                        "where slot files are kept, one folder per model id (also `--slots-dir`)")
-    swa_full: str = setting("auto", choice("auto", "always", "never"),
-                            "add `--swa-full` so that restored slots of sliding-window models are reused")
-    warm: int = setting(16, COUNT, "after a start, prefill at most this many slots `slots.restore` could not use "
-                        "(saved by another build that does not convert, or in other cache types), one at a time "
-                        "while no request is in flight; 0: none (their next turn prefills them)")
-
-
-SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)", moved=MOVED)
 
 
 @dataclass
@@ -58,6 +46,7 @@ class SlotState:
     save: list[dict[str, Any]] = field(default_factory=list)
     restore: list[dict[str, Any]] = field(default_factory=list)
     reuse: ReuseTracker | None = None
+    flush: dict[str, Any] | None = None  # the last save's upload of what only the folder held
     restored: asyncio.Event = field(default_factory=asyncio.Event)  # slots.restore has run for this generation
 
     def tracker(self, rt: Generation) -> ReuseTracker:
@@ -91,7 +80,18 @@ def observer(rt: Generation) -> Observer | None:
 def status(rt: Generation) -> dict[str, Any]:
     directory = rt.launch.fitted.get(FAMILY)
     state = _state(rt)
-    return {"dir": str(directory) if directory else None, "restore": state.restore, "save": state.save}
+    found: dict[str, Any] = {"dir": str(directory) if directory else None, "restore": state.restore,
+                             "save": state.save}
+    store = store_of(rt)
+    if isinstance(store, TieredStore):
+        found["tiers"] = {**store.status(), "flush": state.flush}
+    return found
+
+
+def metrics(rt: Generation) -> None:
+    store = store_of(rt)
+    if isinstance(store, TieredStore):
+        store.metrics()
 
 
 def restore_report(rt: Generation) -> list[dict[str, Any]]:
@@ -162,6 +162,11 @@ async def save(rt: Generation) -> str:
     summary = (f"saved {len(saved)} slot(s), {sum(r['tokens'] for r in saved)} tokens, "
                f"{sum(r['bytes'] for r in saved) / 1e6:.1f} MB in {time.monotonic() - started:.3f}s"
                + (f"; {len(unchanged)} unchanged since their last save or restore" if unchanged else ""))
+    if isinstance(store, TieredStore):  # before the pod goes: what only this folder holds goes to the bucket
+        flushed = await store.flush(SLOTS.of(rt.config).store_flush)
+        _state(rt).flush = flushed
+        summary += f"; uploaded {flushed['uploaded']} to {flushed['store']}" + (
+            f", {flushed['left']} left ({flushed['error']})" if flushed["left"] else "")
     if failed:
         raise ActionError(f"{summary}; {len(failed)} failed: {failed[0]['reason']}")
     return summary
@@ -212,6 +217,8 @@ async def restore(rt: Generation) -> str:
 async def _restore(rt: Generation) -> str:
     store = _store(rt)
     _sweep(store)
+    if isinstance(store, TieredStore):  # what the bucket holds, before the first request looks for it
+        await store.first_look(FIRST_LOOK_S)
     book = book_of(rt)
     book.exact = CACHE.of(rt.config).enabled  # every completion is pinned from now on: the book is exact
     held = store.held(slotdir.host_id())
@@ -317,6 +324,17 @@ async def _prefill(rt: Generation, store: Store, row: dict[str, Any]) -> int:
     log.info("slots.prefilled", slot=row["slot"], tokens=len(tokens), prefill_ms=row["prefill_ms"],
              why=row["reason"])
     return 1
+
+
+async def background(host: Host) -> None:
+    """From ready until the stop: the warm-up after a start, and the object store kept in step."""
+    await asyncio.gather(warm_after_start(host), _sync(host))
+
+
+async def _sync(host: Host) -> None:
+    store = store_of(host.current)
+    if isinstance(store, TieredStore):
+        await store.sync()
 
 
 async def warm_after_start(host: Host) -> None:

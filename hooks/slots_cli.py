@@ -11,23 +11,65 @@ from typing import Any
 import click
 
 from hooks import slotdir, slotfile
+from hooks.bucket import Bucket, BucketError, missing_client
 from hooks.convstore import DirectoryStore
-from hooks.slots import SLOTS
+from hooks.remote import Known, Remote
+from hooks.slotsettings import SLOTS, SlotSettings
+from hooks.store import Entry
 from wrapper.commands import Commands
 from wrapper.config import ConfigError, parse_config
 from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
 
 
-def _slots_dir(directory: str | None, config_path: str | None) -> Path:
-    if directory:
-        return Path(directory).expanduser()
+def _settings(config_path: str | None) -> SlotSettings:
     commands = click.get_current_context().find_object(Commands)
     try:
         config = commands.load(config_path) if commands else parse_config("", "<defaults>", (SLOTS,))
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
-    return SLOTS.of(config).dir
+    return SLOTS.of(config)
+
+
+def _slots_dir(directory: str | None, config_path: str | None) -> Path:
+    if directory:
+        return Path(directory).expanduser()
+    return _settings(config_path).dir
+
+
+def _bucket(config_path: str | None) -> Bucket | None:
+    """The object store `slots.store` of the config names (None without one); exits when it cannot be used."""
+    settings = _settings(config_path) if config_path else None
+    if settings is None or not settings.store:
+        return None
+    problem = missing_client()
+    if problem:
+        click.echo(f"llama-wrapper: slots.store is {settings.store}, and no S3 client is installed: {problem}",
+                   err=True)
+        sys.exit(EXIT_FAILED)
+    try:
+        return Bucket(settings.store, endpoint=settings.store_endpoint, region=settings.store_region,
+                      access_key=settings.store_access_key, secret_key=settings.store_secret_key,
+                      timeout_s=settings.store_timeout)
+    except BucketError as exc:
+        click.echo(f"llama-wrapper: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def _in_bucket(bucket: Bucket | None, root: Path) -> dict[str, dict[str, Known]]:
+    """Per model folder of this host, the manifests the bucket holds (one listing of manifests each)."""
+    found: dict[str, dict[str, Known]] = {}
+    if bucket is None or not root.is_dir():
+        return found
+    try:
+        for name in sorted(p.name for p in root.iterdir() if p.is_dir()):
+            remote = Remote(bucket, name)
+            remote.refresh()
+            found[name] = remote.index
+    except BucketError as exc:
+        click.echo(f"llama-wrapper: cannot list {bucket.describe()}: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    return found
 
 
 _DIR = click.option("--dir", "directory", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
@@ -42,7 +84,7 @@ def slots() -> None:
     """List, inspect and remove saved slot files."""
 
 
-def _rows(root: Path) -> list[dict[str, Any]]:
+def _rows(root: Path, remote: dict[str, dict[str, Known]]) -> list[dict[str, Any]]:
     rows = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         for saved in slotdir.legacy_slots(folder):
@@ -59,13 +101,26 @@ def _rows(root: Path) -> list[dict[str, Any]]:
             rows.append(row)
         store = DirectoryStore(folder)
         held = {h.key: h.slot for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content}
+        bucket = remote.get(folder.name, {})
         for entry in sorted(store.entries(), key=lambda e: (held.get(e.key, 1 << 30), -e.last_used)):
-            rows.append({"model_id": folder.name, "slot": held.get(entry.key, "conv"), "entry": entry.key,
-                         "file": str(folder / entry.name), "bytes": entry.bytes, "tokens": entry.n_tokens,
-                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.last_used)),
-                         "model": entry.record.get("model", {}).get("name"),
-                         "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"})
+            rows.append(_entry_row(folder, entry, held.get(entry.key, "conv"),
+                                   "both" if entry.key in bucket else "local"))
+    here = {row.get("entry") for row in rows}
+    for name, index in remote.items():
+        for known in index.values():
+            if known.key not in here:
+                rows.append(_entry_row(root / name, known.entry(), "conv", "store"))
     return rows
+
+
+def _entry_row(folder: Path, entry: Entry, slot: int | str, where: str) -> dict[str, Any]:
+    chunks = entry.record.get("chunks")
+    return {"model_id": folder.name, "slot": slot, "entry": entry.key, "file": str(folder / entry.name),
+            "bytes": entry.bytes, "tokens": entry.n_tokens, "where": where,
+            "chunks": chunks.get("count") if isinstance(chunks, dict) else 0,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.last_used)),
+            "model": entry.record.get("model", {}).get("name"),
+            "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"}
 
 
 @slots.command("ls")
@@ -74,9 +129,10 @@ def _rows(root: Path) -> list[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per slot file.")
 def list_slots(directory: str | None, config_path: str | None, as_json: bool) -> None:
     """List saved states per model: those this host's slots held at its last stop (SLOT), the other cached
-    conversations (`conv`); tokens, size, when (for entries, SAVED is their last use)."""
+    conversations (`conv`); tokens, size, when (for entries, SAVED is their last use), WHERE they are (`local`,
+    and with a config whose `slots.store` names a bucket: `store` or `both`)."""
     root = _slots_dir(directory, config_path)
-    rows = _rows(root)
+    rows = _rows(root, _in_bucket(_bucket(config_path), root))
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
@@ -84,12 +140,14 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
     if not rows:
         click.echo(f"no saved slots in {root}")
         return
-    click.echo(f"{'MODEL ID':<17} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} {'SAVED':<25} {'FILE':<26} MODEL")
+    click.echo(f"{'MODEL ID':<17} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} {'WHERE':<6} {'SAVED':<25} "
+               f"{'FILE':<26} MODEL")
     for row in rows:
         size = f"{row['bytes'] / 1e6:.1f} MB"
         click.echo(f"{row['model_id']:<17} {row['slot']:>4} {row.get('tokens', '?')!s:>8} {size:>9} "
-                   f"{row.get('cache_types', '?'):<10} {row.get('problem') or row.get('saved_at')!s:<25} "
-                   f"{Path(row['file']).name:<26} {row.get('model', '?')}")
+                   f"{row.get('cache_types', '?'):<10} {row.get('where', 'local'):<6} "
+                   f"{row.get('problem') or row.get('saved_at')!s:<25} {Path(row['file']).name:<26} "
+                   f"{row.get('model', '?')}")
     click.echo(f"\n{root}/<model id>/<file> is what `llama-wrapper slots inspect` reads")
 
 

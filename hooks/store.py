@@ -36,6 +36,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+def best_of(entries: list[Entry], tokens: list[int]) -> tuple[Entry | None, int]:
+    """The entry sharing the longest prefix with `tokens` (the shorter of two that share as much), and how long
+    that prefix is; entries whose tokens cannot be read are passed over."""
+    best: Entry | None = None
+    length = 0
+    for entry in entries:
+        try:
+            shared = common_prefix(entry.tokens, tokens)
+        except Unreadable:
+            continue
+        if shared > length or (shared == length and best is not None and entry.n_tokens < best.n_tokens):
+            best, length = entry, shared
+    return best, length
+
+
 @dataclass
 class Entry:
     key: str
@@ -112,6 +127,11 @@ class Store(Protocol):
 
     def set_aside(self, entry: Entry, reason: str) -> str:
         """Keep an entry that made llama-server fail out of every lookup, with why; says where it went."""
+        ...
+
+    async def fetch(self, entry: Entry) -> Entry:
+        """The entry brought into the local tier, so that `local` can hand it over (itself when it is there);
+        Unreadable when it cannot be fetched."""
         ...
 
     def local(self, entry: Entry) -> AbstractContextManager[Path]:

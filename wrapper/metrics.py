@@ -48,6 +48,21 @@ class Metrics:
                                     registry=r)
         self.conv_bytes_written = Counter("llama_wrapper_conversation_cache_written_bytes",
                                           "Bytes written into the cache", registry=r)
+        self.store_entries = Gauge("llama_wrapper_store_entries", "Conversations each tier holds", ["tier"],
+                                   registry=r)
+        self.store_bytes = Gauge("llama_wrapper_store_bytes", "Bytes each tier holds (the bucket's: the states' "
+                                 "sizes)", ["tier"], registry=r)
+        self.store_pending = Gauge("llama_wrapper_store_uploads_pending", "Conversations committed to the folder "
+                                   "and not yet uploaded", registry=r)
+        self.store_uploaded_bytes = Counter("llama_wrapper_store_uploaded_bytes", "Bytes uploaded to the object "
+                                            "store", registry=r)
+        self.store_fetched_bytes = Counter("llama_wrapper_store_fetched_bytes", "Bytes fetched from the object "
+                                           "store", registry=r)
+        self.store_fetch_rate = Gauge("llama_wrapper_store_fetch_bytes_per_second", "The measured fetch rate",
+                                      registry=r)
+        self.store_errors = Counter("llama_wrapper_store_errors", "Requests to the object store that failed",
+                                    registry=r)
+        self.store_up = Gauge("llama_wrapper_store_up", "1 while the object store answers", registry=r)
         self.degrade_rung = Gauge("llama_wrapper_degrade_rung", "1 for the rung of the ladder that runs",
                                   ["rung"], registry=r)
         self.degrade_context = Gauge("llama_wrapper_degrade_context_tokens", "The context the rung runs with",

@@ -13,7 +13,7 @@ from hooks.cachesettings import CACHE
 from hooks.conversations.report import metrics, observer, status
 from hooks.conversations.state import FAMILY
 from hooks.conversations.step import PATHS, before
-from hooks.slots import FAMILY as SLOTS_FAMILY
+from hooks.slotsettings import FAMILY as SLOTS_FAMILY
 from wrapper.config import Config
 
 __all__ = ["FAMILY", "PATHS", "before", "in_use", "metrics", "observer", "status"]

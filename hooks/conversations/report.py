@@ -40,9 +40,8 @@ def observer(generation: Generation) -> Observer | None:
 def metrics(generation: Generation) -> None:
     store = store_of(generation)
     if enabled(generation) and store is not None:
-        entries = store.entries()
-        METRICS.conv_entries.set(len(entries))
-        METRICS.conv_bytes.set(sum(e.bytes for e in entries))
+        METRICS.conv_entries.set(len(store.entries()))
+        METRICS.conv_bytes.set(store.used_bytes())
 
 
 def status(generation: Generation) -> dict[str, Any]:
@@ -52,7 +51,7 @@ def status(generation: Generation) -> dict[str, Any]:
     conv = state(generation)
     rates = conv.rates_of(generation).rates
     entries = sorted(store.entries(), key=lambda e: e.last_used, reverse=True)
-    total = sum(e.bytes for e in entries)
+    total = store.used_bytes()  # on disk here, each chunk once
     METRICS.conv_entries.set(len(entries))
     METRICS.conv_bytes.set(total)
     return {

@@ -19,7 +19,7 @@ from hooks.degrade.share import ask_now, pool_of
 from hooks.degrade.state import DegradeState, Fitted, state_of
 from hooks.media.settings import on_demand
 from hooks.memory import CELL_PAD, ModelShape, Plan, PlanError, Settings, plan, read_shape
-from hooks.slots import SLOTS
+from hooks.slotsettings import SLOTS
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.kept import Kept

@@ -62,7 +62,7 @@ def roundtrip(data: bytes, per: int) -> tuple[chunks.Split, bytes]:
     out = io.BytesIO()
     if cut.plan is None:
         return cut, data
-    size = chunks.assemble(cut.tail, [c for _, c in cut.chunks], cut.plan, out)
+    size = chunks.assemble(cut.tail, [c.make() for c in cut.chunks], cut.plan, out)
     assert size == len(out.getvalue())
     return cut, out.getvalue()
 
@@ -81,7 +81,7 @@ def test_split_then_assemble_gives_back_the_state(layout: dict[str, object]) -> 
     assert back == data
     assert len(cut.chunks) == 4  # 64 of 70 positions in chunks, 6 in the tail
     assert len(cut.tail) < len(data) / 4
-    assert all(len(c) == chunks.chunk_size(cut.plan or {}) for _, c in cut.chunks)
+    assert all(len(c.make()) == c.size == chunks.chunk_size(cut.plan or {}) for c in cut.chunks)
     head = slotfile.header(cut.tail)
     assert head.tokens == TOKENS
     assert [s.cells for sec in slotfile.walk(cut.tail, head.words_end, head.version) for s in sec.streams if s.cells]
@@ -118,14 +118,14 @@ def test_cells_out_of_position_order_come_back_in_order() -> None:
 def test_a_longer_state_of_the_conversation_names_the_same_chunks() -> None:
     short = chunks.split(state(TOKENS[:40]), 16, "model")
     longer = chunks.split(state(TOKENS, seed=0), 16, "model")
-    assert [n for n, _ in longer.chunks[:2]] == [n for n, _ in short.chunks]
+    assert [n.name for n in longer.chunks[:2]] == [n.name for n in short.chunks]
     other_model = chunks.split(state(TOKENS), 16, "another model")
-    assert not {n for n, _ in other_model.chunks} & {n for n, _ in longer.chunks}
+    assert not {n.name for n in other_model.chunks} & {n.name for n in longer.chunks}
     quantized = chunks.split(state(TOKENS, k_type=8, row=34), 16, "model")
-    assert not {n for n, _ in quantized.chunks} & {n for n, _ in longer.chunks}  # the layout is in the name
+    assert not {n.name for n in quantized.chunks} & {n.name for n in longer.chunks}  # the layout is in the name
     other_turn = chunks.split(state([*TOKENS[:20], 7, *TOKENS[21:]]), 16, "model")
-    assert [n for n, _ in other_turn.chunks][:1] == [n for n, _ in longer.chunks][:1]
-    assert [n for n, _ in other_turn.chunks][1:2] != [n for n, _ in longer.chunks][1:2]
+    assert [n.name for n in other_turn.chunks][:1] == [n.name for n in longer.chunks][:1]
+    assert [n.name for n in other_turn.chunks][1:2] != [n.name for n in longer.chunks][1:2]
 
 
 @pytest.mark.parametrize("data", [
@@ -146,7 +146,7 @@ def test_what_is_not_chunked_is_its_tail_alone(data: bytes) -> None:
 def test_a_damaged_chunk_or_tail_is_refused() -> None:
     cut = chunks.split(state(TOKENS), 16, "model")
     assert cut.plan is not None
-    parts = [bytes(c) for _, c in cut.chunks]
+    parts = [c.make() for c in cut.chunks]
     with pytest.raises(chunks.NotAssembled, match="not 1"):
         chunks.assemble(cut.tail, [parts[0], parts[1][:-1], *parts[2:]], cut.plan, io.BytesIO())
     with pytest.raises(chunks.NotAssembled, match="3 chunks"):

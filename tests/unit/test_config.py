@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hooks.degrade.settings import DEGRADE
-from hooks.slots import SLOTS
+from hooks.slotsettings import SLOTS
 from wrapper import extensions
 from wrapper.config import ConfigError, Listen, parse_listen
 from wrapper.extensions import load as load_config

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hooks.fitting import fit_for_slots
-from hooks.slots import SlotSettings
+from hooks.slotsettings import SlotSettings
 from wrapper import argv as args
 from wrapper.config import Config, Listen
 from wrapper.launch import Launch
