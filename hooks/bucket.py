@@ -17,7 +17,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -97,8 +97,10 @@ class Bucket:
     def describe(self) -> str:
         return f"{self.url} at {self.endpoint}"
 
-    def put(self, name: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
-        """Write `name` and return its new ETag; Conflict when the condition does not hold."""
+    def put(self, name: str, data: bytes | BinaryIO, *, if_none_match: bool = False,
+            if_match: str | None = None) -> str:
+        """Write `name` (bytes, or a file read as it is sent) and return its new ETag; Conflict when the condition
+        does not hold."""
         if if_none_match and if_match is not None:
             raise ValueError("put: if_none_match and if_match exclude each other")
         condition = {"IfNoneMatch": "*"} if if_none_match else {} if if_match is None else {"IfMatch": if_match}

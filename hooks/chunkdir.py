@@ -2,11 +2,12 @@
 manifest names it; read back into the state file llama-server restores from; removed when no manifest names
 them any more.
 
-A chunk is written to `<name>.kv.<pid>.tmp` and renamed into place, so a name is only ever a whole chunk; one that
-exists already is not written again (its mtime is touched: a chunk younger than GRACE_S that this process did not
-write or touch itself is not removed, since another host may be committing a manifest that names it; and a
-commit checks that its chunks are all there once its manifest is, writing again any that went meanwhile). A kill
-between the chunks and the manifest leaves chunks no manifest names: `sweep` removes them once ORPHAN_AGE_S old.
+A chunk is written to `<name>.kv.<host>-<pid>.tmp` and renamed into place, so a name is only ever a whole chunk;
+one that exists already is not written again, only touched. Removing an entry removes the chunks no other
+manifest names unless one was touched after that entry's last use and less than GRACE_S ago: another host may be
+committing a manifest that names it (and a commit checks that its chunks are all there once its manifest is,
+writing again any that went meanwhile). A kill between the chunks and the manifest leaves chunks no manifest
+names: `sweep` removes them once ORPHAN_AGE_S old.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from hooks import chunks, slotdir, slotfile
-from hooks.store import Unreadable
+from hooks.store import Unavailable, Unreadable
 
 FOLDER = "chunks"
-GRACE_S = 5.0
+GRACE_S = 120.0
 ORPHAN_AGE_S = 600.0
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^([0-9a-f]{32})\.kv$")
-_TEMPORARY = re.compile(r"^[0-9a-f]{32}\.kv\.(\d+)\.tmp$")
+_TEMPORARY = re.compile(r"^[0-9a-f]{32}\.kv\.([A-Za-z0-9]+)-(\d+)\.tmp$")  # host, pid
 
 
 def names_of(record: dict[str, Any]) -> list[str]:
@@ -38,6 +39,24 @@ def names_of(record: dict[str, Any]) -> list[str]:
         return []
     names = plan.get("names")
     return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def plan_problem(record: dict[str, Any]) -> str | None:
+    """What makes a sidecar's chunk plan unusable (None when it has none or it is sound): a manifest from another
+    host or version is read as data, never trusted."""
+    plan = record.get("chunks")
+    if plan is None:
+        return None
+    try:
+        names = plan["names"]
+        if not isinstance(names, list) or len(names) != int(plan["count"]) or \
+                not all(isinstance(n, str) and _NAME.match(n) for n in names):
+            return "names that are not chunk names"
+        if chunks.chunk_size(plan) <= 0 or int(record.get("tail_bytes", -1)) < 0:
+            return "no sizes"
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return f"a damaged chunk plan ({exc!r})"
+    return None
 
 
 def size_of(record: dict[str, Any]) -> int:
@@ -52,7 +71,6 @@ def size_of(record: dict[str, Any]) -> int:
 class ChunkFolder:
     def __init__(self, slot_folder: Path) -> None:
         self.directory = slot_folder / FOLDER
-        self.mine: set[str] = set()  # written or touched by this process: its own commits name them
 
     def path(self, name: str) -> Path:
         if not _NAME.match(name):
@@ -73,7 +91,6 @@ class ChunkFolder:
         written = 0
         for chunk in cut.chunks:
             target = self.path(chunk.name)
-            self.mine.add(chunk.name)
             if self.has(chunk.name, chunk.size):
                 with contextlib.suppress(OSError):
                     os.utime(target)  # in use again: not removed while a manifest naming it is committed
@@ -89,33 +106,42 @@ class ChunkFolder:
         """Write one chunk whole under its name."""
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path(name)
-        temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        with open(temporary, "wb") as out:
-            out.write(data)
-        os.replace(temporary, target)
+        temporary = target.with_name(f"{target.name}.{slotdir.host_id()}-{os.getpid()}.tmp")
+        try:
+            with open(temporary, "wb") as out:
+                out.write(data)
+            os.replace(temporary, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temporary.unlink()
         return len(data)
 
     def assemble(self, tail: Path, record: dict[str, Any], into: Path) -> int:
         """Write the state of a chunked entry (its tail and its chunks) to `into`; Unreadable when a chunk is
         missing or damaged."""
         plan = record["chunks"]
+        if problem := plan_problem(record):
+            raise Unreadable(f"its manifest has {problem}")
         maps: list[slotfile.Buffer] = []
         try:
             for name in names_of(record):
                 try:
                     maps.append(slotfile.open_map(self.path(name))[0])
-                except OSError as exc:
-                    raise Unreadable(f"chunk {name} is missing ({exc.strerror})") from exc
+                except FileNotFoundError as exc:
+                    raise Unreadable(f"chunk {name} is missing") from exc
             tail_map, _ = slotfile.open_map(tail)
             maps.append(tail_map)
             with open(into, "wb") as out:
                 return chunks.assemble(tail_map, maps[:-1], plan, out)
-        except (chunks.NotAssembled, OSError, KeyError, TypeError, ValueError) as exc:
+        except (chunks.NotAssembled, KeyError, TypeError, ValueError) as exc:
             raise Unreadable(f"its chunks do not make a state: {exc}") from exc
+        except OSError as exc:  # a full disk, an I/O error: not the entry's fault
+            raise Unavailable(f"its state could not be assembled: {exc}") from exc
         finally:
             for each in maps:
                 if isinstance(each, mmap.mmap):
-                    each.close()
+                    with contextlib.suppress(BufferError):  # views of it may live on in an error's traceback
+                        each.close()
 
     def remove(self, names: Iterable[str], named: set[str], now: float | None = None,
                min_age: float = GRACE_S, since: float | None = None) -> list[str]:
@@ -127,9 +153,8 @@ class ChunkFolder:
             with contextlib.suppress(OSError, Unreadable):
                 path = self.path(name)
                 mtime = path.stat().st_mtime
-                if name in self.mine or now - mtime >= min_age or (since is not None and mtime <= since):
+                if now - mtime >= min_age or (since is not None and mtime <= since):
                     path.unlink()
-                    self.mine.discard(name)
                     removed.append(name)
         return removed
 
@@ -143,8 +168,9 @@ class ChunkFolder:
             if (match := _FILE.match(path.name)) is not None:
                 found.append(match.group(1))
             elif (temporary := _TEMPORARY.match(path.name)) is not None:
-                pid = int(temporary.group(1))
-                if pid != os.getpid() and not slotdir.alive(pid):
+                pid = int(temporary.group(2))
+                ours = temporary.group(1) == slotdir.host_id()
+                if (ours and pid != os.getpid() and not slotdir.alive(pid)) or slotdir.age(path, now) > ORPHAN_AGE_S:
                     with contextlib.suppress(OSError):
                         path.unlink()
                         removed.append(path.name)

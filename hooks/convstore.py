@@ -15,21 +15,26 @@ the entry's last use.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import itertools
+import json
 import mmap
 import os
 import re
 import shutil
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hooks import chunks, slotdir, slotfile
-from hooks.chunkdir import ChunkFolder, names_of, size_of
+from hooks.chunkdir import ChunkFolder, names_of, plan_problem, size_of
 from hooks.store import Entry, Held, Unreadable, best_of, common_prefix, key_of
 
+T = TypeVar("T")
 PREFIX = slotdir.ENTRY_PREFIX
 RELIST_S = 30.0
 PART_AGE_S = 3600.0  # another host's part this old is litter (a writer that died)
@@ -38,6 +43,13 @@ _SIDECAR = re.compile(r"^conv-([0-9a-f]{16})\.json$")
 _KV_FILE = re.compile(r"^conv-([0-9a-f]{16})-[0-9a-f]{12}\.bin$")
 _PART = re.compile(r"^conv-[A-Za-z0-9]+\.bin\.part-([A-Za-z0-9]+)-(\d+)$")  # being written by host, pid
 _parts = itertools.count()
+_OURS = ("chunks", "tail_bytes", "host", "token_ids")  # what a commit writes anew, never copied from a record
+_SALTED = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "attn_rot_disable", "state_version", "build")
+
+
+def _salt(record: dict[str, Any]) -> str:
+    """What a chunk's name is chained over beside its layout: the model and what else decides its KV bytes."""
+    return json.dumps([(record.get("model") or {}).get("id"), *(record.get(k) for k in _SALTED)])
 
 
 def part_name(what: str) -> str:
@@ -46,12 +58,21 @@ def part_name(what: str) -> str:
     return f"{PREFIX}{label}{next(_parts)}.bin.part-{slotdir.host_id()}-{os.getpid()}"
 
 
+def _locked(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def under_lock(self: DirectoryStore, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return under_lock
+
+
 class DirectoryStore:
     def __init__(self, directory: Path, relist_s: float = RELIST_S,
                  clock: Callable[[], float] = time.monotonic, chunk_tokens: int = 0) -> None:
         self.directory = directory
         self.chunk_tokens = chunk_tokens  # 0: each state kept whole
         self.chunks = ChunkFolder(directory)
+        self._lock = threading.RLock()  # the listing, against a commit on a worker thread
         self._relist_s, self._clock = relist_s, clock
         self._index: dict[str, Entry] = {}
         self._files: dict[str, tuple[Path, Path]] = {}  # key -> sidecar, KV file
@@ -60,9 +81,11 @@ class DirectoryStore:
 
     # -- lookups ---------------------------------------------------------------------------------------------
 
+    @_locked
     def entries(self) -> list[Entry]:
         return list(self._look().values())
 
+    @_locked
     def get(self, key: str) -> Entry | None:
         if key in self._legacy_entries:
             return self._legacy_entries[key]
@@ -98,16 +121,17 @@ class DirectoryStore:
                 path.unlink()
 
     def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
+        """Safe on a worker thread: the cutting and writing take no lock, the listing's update does."""
         key = key_of(tokens)
         sidecar = slotdir.entry_sidecar(self.directory, key)
         previous = None
         with contextlib.suppress(OSError, slotdir.SidecarError):
             previous = self._kv_file(sidecar, slotdir.read_sidecar(sidecar))
-        record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k != "chunks"}}
+        record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k not in _OURS}}
         data, size = slotfile.open_map(written)
         try:
-            cut = chunks.split(data, self.chunk_tokens, str((record.get("model") or {}).get("id"))) \
-                if self.chunk_tokens > 0 else chunks.Split(b"", [], None)
+            cut = chunks.split(data, self.chunk_tokens, _salt(record)) if self.chunk_tokens > 0 \
+                else chunks.Split(b"", [], None)
             with self.part("tail") as tail:
                 wrote = self.chunks.write(cut)
                 if cut.plan is not None:
@@ -122,23 +146,26 @@ class DirectoryStore:
         if cut.plan is not None:
             with contextlib.suppress(OSError):
                 written.unlink()  # cut: gone before its pages need writing out
-        self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
-        entry = self._read(sidecar, key, tokens)
-        assert entry is not None
-        entry.written = wrote + final.stat().st_size + sidecar.stat().st_size
-        for other in self.entries():
-            with contextlib.suppress(Unreadable):
-                if other.key != key and other.n_tokens < len(tokens) and \
-                        common_prefix(other.tokens, tokens) == other.n_tokens:
-                    self.remove(other)  # a shorter state of the same conversation: the new one holds it all
+        with self._lock:
+            self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
+            entry = self._read(sidecar, key, tokens)
+            assert entry is not None
+            entry.written = wrote + final.stat().st_size + sidecar.stat().st_size
+            for other in self.entries():
+                with contextlib.suppress(Unreadable):
+                    if other.key != key and other.n_tokens < len(tokens) and \
+                            common_prefix(other.tokens, tokens) == other.n_tokens:
+                        self.remove(other)  # a shorter state of the same conversation: the new one holds it all
         return entry
 
+    @_locked
     def touch(self, entry: Entry) -> None:
         sidecar, _ = self._files.get(entry.key, (slotdir.entry_sidecar(self.directory, entry.key), None))
         with contextlib.suppress(OSError):
             os.utime(sidecar)
             entry.last_used = sidecar.stat().st_mtime
 
+    @_locked
     def remove(self, entry: Entry) -> None:
         self._remove(entry)
 
@@ -151,13 +178,12 @@ class DirectoryStore:
                 path.unlink()
         self._forget(entry.key)
         if names := names_of(entry.record):  # what another entry names stays
-            named = self._named()
             # a chunk another process touched since this entry's last use may be named by its commit in
             # progress: it goes at the sweep, if nothing names it by then
-            self.chunks.remove(names, named, since=entry.last_used)
-            freed += len(set(names) - named) * size_of(entry.record)
+            freed += len(self.chunks.remove(names, self._named(), since=entry.last_used)) * size_of(entry.record)
         return freed
 
+    @_locked
     def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
         if self.used_bytes() <= budget:
             return []
@@ -185,6 +211,7 @@ class DirectoryStore:
         folder = self.chunks.directory
         return [p.name[:-3] for p in folder.glob("*.kv")] if folder.is_dir() else []
 
+    @_locked
     def set_aside(self, entry: Entry, reason: str) -> str:
         sidecar, kv_file = self._where(entry)
         folder = slotdir.set_aside(sidecar, kv_file, reason)
@@ -206,8 +233,8 @@ class DirectoryStore:
     async def fetch(self, entry: Entry) -> Entry:
         return entry  # on local disk (or a mounted share) already
 
-    @contextlib.contextmanager
-    def local(self, entry: Entry) -> Iterator[Path]:
+    @contextlib.asynccontextmanager
+    async def local(self, entry: Entry) -> AsyncIterator[Path]:
         sidecar, kv_file = self._where(entry)
         try:
             record = slotdir.read_sidecar(sidecar)
@@ -217,8 +244,8 @@ class DirectoryStore:
         if not names_of(record):
             yield kv_file
             return
-        with self.part("restore") as state:
-            self.chunks.assemble(kv_file, record, state)  # in the page cache: removed once restored
+        with self.part("restore") as state:  # in the page cache: removed once restored
+            await asyncio.to_thread(self.chunks.assemble, kv_file, record, state)
             yield state
 
     def fetch_seconds(self, entry: Entry) -> float:
@@ -230,6 +257,7 @@ class DirectoryStore:
         except OSError:
             return 0
 
+    @_locked
     def sweep(self, now: float | None = None) -> list[str]:
         """Parts of dead writers on this host (or of any host, once an hour old), KV files no sidecar names,
         and what dead saves of the earlier layout left."""
@@ -256,6 +284,7 @@ class DirectoryStore:
 
     # -- the listing -----------------------------------------------------------------------------------------
 
+    @_locked
     def _look(self) -> dict[str, Entry]:
         try:
             mtime = self.directory.stat().st_mtime
@@ -287,8 +316,13 @@ class DirectoryStore:
             return None
         if tokens is None and known is not None and self._files[key][1] == kv_file:
             tokens = known._tokens  # the same file: its tokens are known
-        entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), mtime, record,
-                      kv_file.name, True, _tokens_of(kv_file), tokens)
+        try:
+            if plan_problem(record) is not None:
+                return None  # a manifest this reader cannot use (damaged, or of another version): never offered
+            entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), mtime, record,
+                          kv_file.name, True, _tokens_of(kv_file), tokens)
+        except (TypeError, ValueError):
+            return None
         self._index[key], self._files[key] = entry, (sidecar, kv_file)
         return entry
 

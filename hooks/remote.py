@@ -27,7 +27,7 @@ import numpy as np
 
 from hooks import slotdir
 from hooks.bucket import Bucket, Conflict, NotFound
-from hooks.chunkdir import ChunkFolder, names_of, size_of
+from hooks.chunkdir import ChunkFolder, names_of, plan_problem, size_of
 from hooks.store import Entry, Unreadable
 
 _MANIFEST = re.compile(r"^conv-([0-9a-f]{16})\.json$")
@@ -56,8 +56,10 @@ class Remote:
         self.bucket = bucket
         self.folder = folder.strip("/") + "/"  # the model's folder name under the prefix
         self.index: dict[str, Known] = {}
-        self.chunks: set[str] = set()  # chunk names known to be whole in the bucket
-        self._threads = ThreadPoolExecutor(PARALLEL, thread_name_prefix="store")
+        self.chunks: set[str] = set()  # chunks this wrapper put, or saw whole there: not sent again
+        self.named: set[str] = set()  # chunks other hosts' manifests name: checked (HEAD) before being trusted
+        self._up = ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-up")  # uploads and listings
+        self._down = ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-fetch")  # a restore never waits on them
 
     def describe(self) -> str:
         return f"{self.bucket.url}{self.folder}"
@@ -70,10 +72,10 @@ class Remote:
                   if (m := _MANIFEST.match(o.name[len(self.folder):]))}
         index = {key: known for key, known in self.index.items() if key in listed}  # a new one, swapped in whole:
         changed = [o for key, o in listed.items() if key not in index or index[key].etag != o.etag]  # lookups
-        for known in self._threads.map(self._read, changed):  # read the old one meanwhile, on another thread
+        for known in self._up.map(self._read, changed):  # read the old one meanwhile, on another thread
             if known is not None:
                 index[known.key] = known
-                self.chunks.update(names_of(known.record))
+                self.named.update(names_of(known.record))
         self.index = index
         return len(listed), len(changed)
 
@@ -83,7 +85,8 @@ class Remote:
             key = _MANIFEST.match(listed.name[len(self.folder):])
             tokens = np.frombuffer(base64.b64decode(data.pop("token_ids")), dtype="<i4").tolist()
             if key is None or data.get("key") != key.group(1) or len(tokens) != data.get("tokens") or \
-                    not _TAIL.match(str(data.get("file"))):
+                    not _TAIL.match(str(data.get("file"))) or plan_problem(data) is not None or \
+                    int(data.get("bytes")) < 0 or not isinstance(data.get("model"), dict):
                 return None
         except NotFound:
             return None
@@ -93,19 +96,21 @@ class Remote:
 
     # -- upload -------------------------------------------------------------------------------------------------
 
-    def upload(self, directory: Path, entry: Entry, host: str) -> int:
-        """Put the entry's chunks, tail and manifest; the bytes sent (0 when the bucket held it already)."""
+    def upload(self, directory: Path, entry: Entry, host: str) -> int | None:
+        """Put the entry's chunks, tail and manifest; the bytes sent (0 when the bucket held it already), None when
+        the folder no longer holds it."""
         sidecar = slotdir.entry_sidecar(directory, entry.key)
         try:
             record = slotdir.read_sidecar(sidecar)
         except slotdir.SidecarError:
-            return 0  # gone meanwhile (replaced by a longer state, evicted): nothing to upload
+            return None  # gone meanwhile (replaced by a longer state, evicted): nothing to upload
         known = self.index.get(entry.key)
         if known is not None and known.record.get("file") == record.get("file"):
             return 0
         folder = ChunkFolder(directory)
+        size = size_of(record)
         missing = [n for n in names_of(record) if n not in self.chunks]
-        sent = sum(self._threads.map(lambda n: self._put_file(f"chunks/{n}.kv", folder.path(n)), missing))
+        sent = sum(self._up.map(lambda n: self._put_chunk(n, folder.path(n), size), missing))
         self.chunks.update(missing)
         sent += self._put_file(str(record["file"]), directory / str(record["file"]))
         manifest = {**record, "host": host,
@@ -119,16 +124,26 @@ class Remote:
         self.index[entry.key] = Known(entry.key, etag, record, list(entry.tokens), entry.last_used)
         return sent + len(body)
 
-    def _put_file(self, name: str, path: Path) -> int:
+    def _put_chunk(self, name: str, path: Path, size: int) -> int:
+        """A chunk another manifest names is only skipped once the bucket is seen to hold it whole."""
+        if name in self.named:
+            there = self.bucket.head(f"{self.folder}chunks/{name}.kv")
+            if there is not None and there.size == size:
+                return 0
+            if there is not None:  # cut short: ours replaces it
+                return self._put_file(f"chunks/{name}.kv", path, only_new=False)
+        return self._put_file(f"chunks/{name}.kv", path)
+
+    def _put_file(self, name: str, path: Path, only_new: bool = True) -> int:
         try:
-            data = path.read_bytes()
+            size = path.stat().st_size
+            with path.open("rb") as data:  # streamed: never a whole state in memory
+                self.bucket.put(self.folder + name, data, if_none_match=only_new)
         except FileNotFoundError as exc:
             raise Unreadable(f"{path.name} is gone") from exc
-        try:
-            self.bucket.put(self.folder + name, data, if_none_match=True)
         except Conflict:
             return 0  # there already: a chunk or tail is named by what it holds
-        return len(data)
+        return size
 
     def forget_shorter(self, entry: Entry) -> int:
         """Remove the manifests (and tails) of shorter states of the entry's conversation, as a commit does in a
@@ -160,13 +175,13 @@ class Remote:
         record = known.record
         wanted = self.missing(directory, record)
         (directory / "chunks").mkdir(parents=True, exist_ok=True)
-        got = sum(self._threads.map(lambda name: self._get_file(directory, name), wanted))
+        got = sum(self._down.map(lambda name: self._get_file(directory, name), wanted))
         slotdir.write_sidecar(slotdir.entry_sidecar(directory, known.key), record)
         return got
 
     def _get_file(self, directory: Path, name: str) -> int:
         target = directory / name
-        temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # swept if this process dies
+        temporary = target.with_name(f"{target.name}.{slotdir.host_id()}-{os.getpid()}.tmp")  # swept if it dies
         try:
             size = self.bucket.get_to(self.folder + name, temporary)
             os.replace(temporary, target)

@@ -31,6 +31,7 @@ SIDECAR_FORMAT = 1
 _SIDECAR = re.compile(r"^slot(\d+)\.json$")
 _KV_FILE = re.compile(r"^slot(\d+)(?:-[0-9a-f]{12})?\.bin$")
 _TEMPORARY = re.compile(r"\.(\d+)\.(?:tmp|bin)$")  # `<name>.<pid>.tmp`, and the version probe `.<pid>.bin`
+_FETCHED = re.compile(r"\.bin\.([A-Za-z0-9]+)-(\d+)\.tmp$")  # a tail being fetched: `<name>.<host>-<pid>.tmp`
 ORPHAN_AGE_S = 60.0  # a KV file no sidecar names is litter once this old (younger: a save may be committing it)
 
 
@@ -188,6 +189,8 @@ def commit_pair(directory: Path, stem: str, written: Path, record: dict[str, Any
     data = {"format": SIDECAR_FORMAT, **record, "file": final.name, "bytes": size, "fingerprint": file_fingerprint}
     if state_bytes is not None:
         data.update(bytes=state_bytes, tail_bytes=size)
+    else:
+        data.pop("tail_bytes", None)  # kept whole: the file is the state
     _write_json(directory / f"{stem}.json", data)  # the commit: from here on the new pair is the current one
     if previous is not None and previous != final:
         with contextlib.suppress(OSError):
@@ -252,8 +255,13 @@ def sweep(directory: Path, now: float | None = None) -> list[str]:
     removed = []
     for path in directory.iterdir():
         temporary = _TEMPORARY.search(path.name)
+        fetched = _FETCHED.search(path.name)
         if temporary and int(temporary.group(1)) != os.getpid() and not alive(int(temporary.group(1))):
             litter = True
+        elif fetched:  # another host's only once an hour old: it may be fetching into a shared folder
+            pid = int(fetched.group(2))
+            litter = (fetched.group(1) == host_id() and pid != os.getpid() and not alive(pid)) or \
+                age(path, now) > 3600
         elif _KV_FILE.match(path.name) and path.name not in current:
             litter = age(path, now) > ORPHAN_AGE_S
         else:

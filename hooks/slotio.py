@@ -21,7 +21,7 @@ from hooks.convstore import DirectoryStore
 from hooks.remote import Remote
 from hooks.slotbook import book_of
 from hooks.slotsettings import SLOTS, SlotSettings
-from hooks.store import Entry, Store, Unreadable
+from hooks.store import Entry, Store, Unavailable, Unreadable
 from hooks.tiered import TieredStore
 from wrapper.generation import Generation, ServerLost
 from wrapper.kept import Key
@@ -32,7 +32,8 @@ log = structlog.get_logger()
 
 FOLDER = "slots"  # the slot built-ins' key in a launch's `fitted`: the model's slot folder (hooks/fitting.py)
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
-_DERIVED = ("format", "slot", "key", "tokens", "file", "bytes", "fingerprint")  # a commit writes these anew
+_DERIVED = ("format", "slot", "key", "tokens", "file", "bytes", "fingerprint", "tail_bytes", "chunks", "host")
+# a commit writes these anew
 _LAYOUT = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams", "total_slots",
            "n_ctx", "attn_rot_disable", "build")
 
@@ -129,7 +130,7 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             if max_bytes is not None and header.bytes > max_bytes:
                 raise NotSaved(f"{header.bytes >> 20} MiB is more than cache.entry_max or cache.budget")
             record = {**record_for(await server_settings_of(generation), header, generation), "save_ms": server_ms}
-            entry = store.commit(part, header.tokens, record)
+            entry = await asyncio.to_thread(store.commit, part, header.tokens, record)  # cut off the loop
         except (LlamaError, slotfile.SlotFileError, Unreadable, OSError) as exc:
             raise NotSaved(f"save failed: {exc}", failed=True) from exc
     book.saved(slot, header.tokens, entry.key)
@@ -171,10 +172,12 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
     settings = await server_settings_of(generation)
     try:
         entry = await store.fetch(entry)
-        with store.local(entry) as path:
+        async with store.local(entry) as path:
             return await _restore_from(generation, store, entry, slot, path, settings)
     except Unreadable as exc:
         raise NotRestored(str(exc), damaged=True) from exc
+    except Unavailable as exc:  # not the entry's fault: it stays
+        raise NotRestored(str(exc)) from exc
 
 
 async def _restore_from(generation: Generation, store: Store, entry: Entry, slot: int, path: Path,
@@ -199,7 +202,8 @@ async def _restore_from(generation: Generation, store: Store, entry: Entry, slot
                 skip = skip_reason(slot, described, converted, model, settings, book.state_version)
                 if skip is None:
                     done = await _restore_file(generation, store, entry, slot, part, converted, conversion)
-                    fresh = store.commit(part, converted.tokens, record)  # the server took it: it replaces the old
+                    # the server took it: it replaces the old
+                    fresh = await asyncio.to_thread(store.commit, part, converted.tokens, record)
                     if not entry.by_content:
                         store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens
                     log.info("slots.converted", entry=fresh.key, **conversion)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +21,10 @@ import numpy as np
 
 class Unreadable(Exception):
     """An entry the store cannot hand over whole (damaged, half-written, gone)."""
+
+
+class Unavailable(Exception):
+    """An entry the store cannot hand over now (a full disk, the bucket down or slow): not the entry's fault."""
 
 
 def key_of(tokens: list[int]) -> str:
@@ -134,7 +138,7 @@ class Store(Protocol):
         Unreadable when it cannot be fetched."""
         ...
 
-    def local(self, entry: Entry) -> AbstractContextManager[Path]:
+    def local(self, entry: Entry) -> AbstractAsyncContextManager[Path]:
         """The entry, whole, as a file in llama-server's slot folder (its name for the restore action) for the
         block's length; Unreadable when it cannot be."""
         ...

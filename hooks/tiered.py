@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +29,14 @@ import structlog
 from hooks.bucket import BucketError, NotFound
 from hooks.convstore import DirectoryStore
 from hooks.remote import PARALLEL, Remote
-from hooks.store import Entry, Held, Unreadable, best_of, key_of
+from hooks.store import Entry, Held, Unavailable, Unreadable, best_of, key_of
 from wrapper.metrics import METRICS
 
 log = structlog.get_logger()
 
 ASSUMED_FETCH_BPS = 50e6  # until a fetch is measured
 ASSUMED_OBJECT_S = 0.02  # a request's round trip, until measured
+FETCH_MIN_S, FETCH_MARGIN = 10.0, 4.0  # a fetch is given this long at least, or this many times its prediction
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 HOUR_S = 3600.0
 
@@ -68,6 +69,7 @@ class TieredStore:
         self.looked_at: float | None = None  # when the manifests were last read (monotonic)
         self._wake: asyncio.Event | None = None
         self._reconciled = False
+        self._busy: asyncio.Lock | None = None  # one listing or upload round at a time (the sync, a flush)
 
     # -- lookups ---------------------------------------------------------------------------------------------
 
@@ -95,7 +97,9 @@ class TieredStore:
         return known.entry() if known is not None and len(known.tokens) == len(tokens) else None
 
     def held(self, host: str) -> list[Held]:
-        return self.folder.held(host)
+        """The host's note, its keys resolved in both tiers (a save may have found a state in the bucket only)."""
+        return [h if h.entry is not None else Held(h.slot, h.key, h.n_tokens, self.get(h.key))
+                for h in self.folder.held(host)]
 
     def where(self, entry: Entry) -> str:
         """`local`, `store` or `both`: which tiers hold the entry."""
@@ -122,7 +126,10 @@ class TieredStore:
             self.folder.touch(entry)
 
     def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
-        return self.folder.evict(budget, (keep or set()) | set(self.pending))  # the only copy is never evicted
+        kept = (keep or set()) | set(self.pending)  # the only copy is never evicted
+        if not self._reconciled:  # the bucket not read yet: what it lacks is not known either
+            kept |= {e.key for e in self.folder.entries() if e.key not in self.remote.index}
+        return self.folder.evict(budget, kept)
 
     def remove(self, entry: Entry) -> None:
         if self.folder.get(entry.key) is not None:
@@ -160,14 +167,19 @@ class TieredStore:
                 raise Unreadable(f"{entry.key} is in neither tier any more")
             return here
         began = time.monotonic()
+        deadline = max(FETCH_MIN_S, FETCH_MARGIN * self.fetch_seconds(entry))
         try:
-            got = await asyncio.to_thread(self.remote.fetch, self.folder.directory, known)
+            got = await asyncio.wait_for(asyncio.to_thread(self.remote.fetch, self.folder.directory, known),
+                                         timeout=deadline)
         except NotFound as exc:  # a manifest naming what the bucket lacks: that entry is damaged, not the bucket
             self.refused.add(entry.key)
             raise Unreadable(f"the store lacks part of it: {exc}") from exc
+        except TimeoutError as exc:  # a trickling bucket: this turn is prefilled (the fetch goes on meanwhile)
+            self._failed(TimeoutError(f"a fetch took more than {deadline:.1f}s"))
+            raise Unavailable(f"the store did not hand it over within {deadline:.1f}s") from exc
         except (BucketError, OSError) as exc:
             self._failed(exc)
-            raise Unreadable(f"the store could not hand it over: {exc}") from exc
+            raise Unavailable(f"the store could not hand it over: {exc}") from exc
         took = time.monotonic() - began
         self._up()
         self.counters.fetches += 1
@@ -192,7 +204,7 @@ class TieredStore:
                     self.folder.remove(other)
         return fetched
 
-    def local(self, entry: Entry) -> AbstractContextManager[Path]:
+    def local(self, entry: Entry) -> AbstractAsyncContextManager[Path]:
         return self.folder.local(entry)
 
     def fetch_seconds(self, entry: Entry) -> float:
@@ -222,17 +234,27 @@ class TieredStore:
         failures = 0
         while True:
             try:
-                await self.look()
-                await self.upload_pending()
+                async with self._lock():
+                    await self.look()
+                    await self.upload_pending()
                 failures = 0
                 delay = self.refresh_s
             except (BucketError, OSError) as exc:
                 self._failed(exc)
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
+            except Exception as exc:  # a bug here must not end the sync for the wrapper's life
+                log.exception("store.sync_failed", store=self.remote.describe())
+                self._failed(exc)
+                delay = BACKOFF_S[-1]
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=delay)
+
+    def _lock(self) -> asyncio.Lock:
+        if self._busy is None:
+            self._busy = asyncio.Lock()
+        return self._busy
 
     async def first_look(self, within: float) -> None:
         """At a start: read the manifests if the bucket answers within `within` seconds (else the sync will)."""
@@ -266,11 +288,19 @@ class TieredStore:
             try:
                 sent = await asyncio.to_thread(self.remote.upload, self.folder.directory, entry, self.host)
             except Unreadable:
-                sent = 0  # gone from the folder meanwhile (replaced by a longer state): nothing to upload
+                sent = None  # gone from the folder meanwhile (replaced by a longer state): nothing to upload
+            except BucketError as exc:
+                if exc.transient:
+                    raise
+                self.pending.pop(key, None)  # refused for good (too large, forbidden): the others go first
+                self.pending[key] = entry
+                raise
             if self.pending.get(key) is entry:
                 del self.pending[key]
             done += 1
             self._up()
+            if sent is None:
+                continue
             if sent:
                 self.counters.uploads += 1
                 self.counters.uploaded += sent
@@ -278,8 +308,9 @@ class TieredStore:
                 METRICS.store_uploaded_bytes.inc(sent)
                 log.info("store.uploaded", entry=key, tokens=entry.n_tokens, bytes=sent,
                          ms=round((time.monotonic() - began) * 1000, 1))
-            with contextlib.suppress(BucketError):
-                await asyncio.to_thread(self.remote.forget_shorter, entry)
+            if key in self.remote.index:  # the bucket holds it: its shorter states there are of no more use
+                with contextlib.suppress(BucketError):
+                    await asyncio.to_thread(self.remote.forget_shorter, entry)
         return done
 
     async def flush(self, budget_s: float) -> dict[str, Any]:
@@ -305,9 +336,10 @@ class TieredStore:
         return report
 
     async def _flush(self, deadline: float) -> None:
-        if not self._reconciled:
-            await self.look(force=True)
-        await self.upload_pending(deadline)
+        async with self._lock():  # after the sync's round in flight, never beside it
+            if not self._reconciled:
+                await self.look(force=True)
+            await self.upload_pending(deadline)
 
     def _failed(self, exc: Exception) -> None:
         self.counters.errors += 1

