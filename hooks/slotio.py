@@ -14,13 +14,13 @@ from typing import Any
 import structlog
 
 from hooks import kvconvert, slotdir, slotfile
-from hooks.bucket import Bucket, BucketError, missing_client
+from hooks.bucket import BucketError, missing_client
 from hooks.cachesettings import CACHE
 from hooks.compat import WARMABLE, Mismatch, Skip, server_settings, skip_reason
 from hooks.convstore import DirectoryStore
 from hooks.remote import Remote
 from hooks.slotbook import book_of
-from hooks.slotsettings import SLOTS, SlotSettings
+from hooks.slotsettings import SLOTS, SlotSettings, bucket_for
 from hooks.store import Entry, Store, Unavailable, Unreadable
 from hooks.tiered import TieredStore
 from wrapper.generation import Generation, ServerLost
@@ -62,9 +62,7 @@ def _tiered(folder: DirectoryStore, settings: SlotSettings) -> TieredStore | Non
     problem = missing_client()
     if problem is None:
         try:
-            bucket = Bucket(settings.store, endpoint=settings.store_endpoint, region=settings.store_region,
-                            access_key=settings.store_access_key, secret_key=settings.store_secret_key,
-                            timeout_s=settings.store_timeout)
+            bucket = bucket_for(settings)
         except (BucketError, ValueError) as exc:
             problem = str(exc)
         else:

@@ -14,7 +14,7 @@ from hooks import slotdir, slotfile
 from hooks.bucket import Bucket, BucketError, missing_client
 from hooks.convstore import DirectoryStore
 from hooks.remote import Known, Remote
-from hooks.slotsettings import SLOTS, SlotSettings
+from hooks.slotsettings import SLOTS, SlotSettings, bucket_for
 from hooks.store import Entry
 from wrapper.commands import Commands
 from wrapper.config import ConfigError, parse_config
@@ -48,10 +48,8 @@ def _bucket(config_path: str | None) -> Bucket | None:
                    err=True)
         sys.exit(EXIT_FAILED)
     try:
-        return Bucket(settings.store, endpoint=settings.store_endpoint, region=settings.store_region,
-                      access_key=settings.store_access_key, secret_key=settings.store_secret_key,
-                      timeout_s=settings.store_timeout)
-    except BucketError as exc:
+        return bucket_for(settings)
+    except (BucketError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_FAILED)
 

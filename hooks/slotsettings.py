@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from hooks.bucket import parse_url
+from hooks.bucket import Bucket, parse_url
 from hooks.cachesettings import MOVED
 from wrapper.settings import COUNT, DURATION, PATH, Kind, Section, choice, setting
 from wrapper.yamlread import Reader
@@ -60,3 +60,12 @@ class SlotSettings:
 
 
 SLOTS = Section(FAMILY, SlotSettings, "slot persistence (`slots.save`, `slots.restore`)", moved=MOVED)
+
+
+def bucket_for(settings: SlotSettings) -> Bucket:
+    """The bucket `slots.store` names, with the config's endpoint and credentials (else boto3's usual chain);
+    BucketError or ValueError when it cannot be set up."""
+    assert settings.store
+    return Bucket(settings.store, endpoint=settings.store_endpoint, region=settings.store_region,
+                  access_key=settings.store_access_key, secret_key=settings.store_secret_key,
+                  timeout_s=settings.store_timeout)
