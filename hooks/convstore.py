@@ -73,6 +73,7 @@ class DirectoryStore:
         self.chunk_tokens = chunk_tokens  # 0: each state kept whole
         self.chunks = ChunkFolder(directory)
         self._lock = threading.RLock()  # the listing, against a commit on a worker thread
+        self._foreign: dict[str, set[str]] = {}  # chunks named by manifests this reader cannot use
         self._relist_s, self._clock = relist_s, clock
         self._index: dict[str, Entry] = {}
         self._files: dict[str, tuple[Path, Path]] = {}  # key -> sidecar, KV file
@@ -205,7 +206,8 @@ class DirectoryStore:
         return sum(int(e.record.get("tail_bytes", e.bytes)) for e in self.entries()) + self.chunks.bytes()
 
     def _named(self) -> set[str]:
-        return {name for e in self.entries() for name in names_of(e.record)}
+        named = {name for e in self.entries() for name in names_of(e.record)}
+        return named.union(*self._foreign.values())
 
     def _on_disk(self) -> list[str]:
         folder = self.chunks.directory
@@ -294,6 +296,7 @@ class DirectoryStore:
         if self._seen is not None and self._seen[0] == mtime and now - self._seen[1] < self._relist_s:
             return self._index
         self._seen = (mtime, now)  # taken before the listing: a change during it is seen at the next look
+        self._foreign = {}
         found = {}
         for path in self.directory.glob(f"{PREFIX}*.json"):
             match = _SIDECAR.match(path.name)
@@ -317,8 +320,10 @@ class DirectoryStore:
         if tokens is None and known is not None and self._files[key][1] == kv_file:
             tokens = known._tokens  # the same file: its tokens are known
         try:
-            if plan_problem(record) is not None:
-                return None  # a manifest this reader cannot use (damaged, or of another version): never offered
+            if plan_problem(record) is not None:  # damaged, or of another version: never offered, but what it
+                names = (record.get("chunks") or {}).get("names") if isinstance(record.get("chunks"), dict) else []
+                self._foreign[key] = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+                return None  # names is not removed under it
             entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), mtime, record,
                           kv_file.name, True, _tokens_of(kv_file), tokens)
         except (TypeError, ValueError):
