@@ -4,6 +4,7 @@ a restore reads back the very state, a manifest never names a chunk that is not 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -127,7 +128,6 @@ def test_a_hostile_manifest_cannot_name_a_file_outside_the_chunks(tmp_path: Path
     (entry,) = store.entries()
     entry.record["chunks"]["names"][0] = "../../etc/passwd"
     sidecar = tmp_path / f"conv-{entry.key}.json"
-    import json
     data = json.loads(sidecar.read_text())
     data["chunks"]["names"][0] = "../../etc/passwd"
     sidecar.write_text(json.dumps(data))
@@ -183,3 +183,17 @@ store.commit(part, tokens, {{"model": {{"id": "m1", "name": "m"}}, "cache_type_k
     removed = fresh.sweep(later)
     assert len([r for r in removed if r.startswith("chunks/")]) == 2
     assert restored(fresh, conversation(70)) == data
+
+
+def test_the_chunks_of_a_manifest_this_reader_cannot_use_are_kept(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, chunk_tokens=CHUNK)
+    save(store, conversation(70))
+    (entry,) = store.entries()
+    sidecar = tmp_path / f"conv-{entry.key}.json"
+    data = json.loads(sidecar.read_text())
+    data["chunks"]["format"], data["chunks"]["count"] = 2, "a newer layout"  # a newer wrapper's manifest
+    sidecar.write_text(json.dumps(data))
+    fresh = DirectoryStore(tmp_path, chunk_tokens=CHUNK)
+    assert fresh.entries() == []
+    fresh.sweep(time.time() + chunkdir.ORPHAN_AGE_S + 1)
+    assert len(list((tmp_path / "chunks").glob("*.kv"))) == 4
