@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+POOL = 24  # connections kept: 8 objects moved at once each way, and listings
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
 
 
@@ -58,7 +59,10 @@ class Where:
 def parse_url(url: str) -> Where:
     """`s3://BUCKET` or `s3://BUCKET/PREFIX`; a ValueError that says why for anything else."""
     if not url.startswith("s3://"):
-        raise ValueError(f"not an s3:// URL: {url!r} (expected s3://BUCKET/PREFIX)")
+        raise ValueError("not an s3:// URL (expected s3://BUCKET/PREFIX)")
+    if any(c in url for c in "@?#"):  # never echoed: user:password@ would be a credential
+        raise ValueError("an s3:// URL has no '@', '?' or '#': credentials go in slots.store_access_key and "
+                         "slots.store_secret_key (or AWS_ACCESS_KEY_ID ...), the endpoint in slots.store_endpoint")
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket:
         raise ValueError(f"{url!r}: {bucket!r} is not a bucket name (3-63 of a-z, 0-9, '.', '-')")
@@ -69,8 +73,26 @@ def parse_url(url: str) -> Where:
 
 
 def missing_client() -> str | None:
-    """None when boto3 can be imported, else what to install."""
-    return None if importlib.util.find_spec("boto3") else "pip install 'llama-wrapper[s3]'"
+    """None when boto3 can be imported, else what to install (or why it does not import)."""
+    if not importlib.util.find_spec("boto3"):
+        return "pip install 'llama-wrapper[s3]'"
+    try:
+        import boto3  # noqa: F401
+    except Exception as exc:  # installed and broken (a botocore of another version, ...)
+        return f"boto3 is installed but does not import ({type(exc).__name__}: {exc}); reinstall it: " \
+               "pip install --force-reinstall 'llama-wrapper[s3]'"
+    return None
+
+
+def check_endpoint(endpoint: str) -> str:
+    """An endpoint URL as the store needs it (http(s)://host[:port][/path], no credentials); ValueError else."""
+    split = urlsplit(endpoint)
+    if split.scheme not in ("http", "https") or not split.hostname:
+        raise ValueError("an endpoint is http://HOST[:PORT] or https://HOST[:PORT]")
+    if split.username or split.password:
+        raise ValueError("an endpoint has no user:password@: credentials go in slots.store_access_key and "
+                         "slots.store_secret_key (or AWS_ACCESS_KEY_ID ...)")
+    return endpoint
 
 
 class Bucket:
@@ -79,12 +101,20 @@ class Bucket:
         self.where = parse_url(url)
         self.url = f"s3://{self.where.bucket}/{self.where.prefix}"
         self._timeout_s = timeout_s
+        if problem := missing_client():
+            raise BucketError(f"{self.url}: no S3 client: {problem}")
+        if endpoint is not None:
+            try:
+                check_endpoint(endpoint)
+            except ValueError as exc:
+                raise BucketError(f"{self.url}: slots.store_endpoint: {exc}") from None
         import boto3
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError
 
         config = Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1, "mode": "standard"},
-                        connect_timeout=timeout_s, read_timeout=timeout_s)
+                        connect_timeout=timeout_s, read_timeout=timeout_s,
+                        max_pool_connections=POOL)  # uploads, fetches and a listing at once
         try:
             session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key,
                                             region_name=region)

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 from hooks import slotdir
 from hooks.bucket import Bucket, Conflict, NotFound
 from hooks.chunkdir import ChunkFolder, names_of, plan_problem, size_of
+from hooks.daemons import map_on
 from hooks.store import Entry, Unreadable
 
 _MANIFEST = re.compile(r"^conv-([0-9a-f]{16})\.json$")
@@ -58,11 +58,9 @@ class Remote:
         self.index: dict[str, Known] = {}
         self.chunks: set[str] = set()  # chunks this wrapper put, or saw whole there: not sent again
         self.named: set[str] = set()  # chunks other hosts' manifests name: checked (HEAD) before being trusted
-        self._up = ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-up")  # uploads and listings
-        self._down = ThreadPoolExecutor(PARALLEL, thread_name_prefix="store-fetch")  # a restore never waits on them
 
     def describe(self) -> str:
-        return f"{self.bucket.url}{self.folder}"
+        return f"{self.bucket.url}{self.folder} at {self.bucket.endpoint}"
 
     # -- the index ----------------------------------------------------------------------------------------------
 
@@ -72,7 +70,7 @@ class Remote:
                   if (m := _MANIFEST.match(o.name[len(self.folder):]))}
         index = {key: known for key, known in self.index.items() if key in listed}  # a new one, swapped in whole:
         changed = [o for key, o in listed.items() if key not in index or index[key].etag != o.etag]  # lookups
-        for known in self._up.map(self._read, changed):  # read the old one meanwhile, on another thread
+        for known in map_on(PARALLEL, self._read, changed):  # read the old one meanwhile, on another thread
             if known is not None:
                 index[known.key] = known
                 self.named.update(names_of(known.record))
@@ -110,7 +108,7 @@ class Remote:
         folder = ChunkFolder(directory)
         size = size_of(record)
         missing = [n for n in names_of(record) if n not in self.chunks]
-        sent = sum(self._up.map(lambda n: self._put_chunk(n, folder.path(n), size), missing))
+        sent = sum(map_on(PARALLEL, lambda n: self._put_chunk(n, folder.path(n), size), missing))
         self.chunks.update(missing)
         sent += self._put_file(str(record["file"]), directory / str(record["file"]))
         manifest = {**record, "host": host,
@@ -175,7 +173,7 @@ class Remote:
         record = known.record
         wanted = self.missing(directory, record)
         (directory / "chunks").mkdir(parents=True, exist_ok=True)
-        got = sum(self._down.map(lambda name: self._get_file(directory, name), wanted))
+        got = sum(map_on(PARALLEL, lambda name: self._get_file(directory, name), wanted))
         slotdir.write_sidecar(slotdir.entry_sidecar(directory, known.key), record)
         return got
 

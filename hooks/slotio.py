@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from hooks import kvconvert, slotdir, slotfile
-from hooks.bucket import BucketError, missing_client
+from hooks.bucket import BucketError
 from hooks.cachesettings import CACHE
 from hooks.compat import WARMABLE, Mismatch, Skip, server_settings, skip_reason
 from hooks.convstore import DirectoryStore
@@ -59,17 +59,12 @@ def _tiered(folder: DirectoryStore, settings: SlotSettings) -> TieredStore | Non
     the store cannot be set up."""
     if not settings.store:
         return None
-    problem = missing_client()
-    if problem is None:
-        try:
-            bucket = bucket_for(settings)
-        except (BucketError, ValueError) as exc:
-            problem = str(exc)
-        else:
-            return TieredStore(folder, Remote(bucket, folder.directory.name), slotdir.host_id(),
-                               settings.store_refresh)
+    try:
+        bucket = bucket_for(settings)
+    except (BucketError, ValueError) as exc:
+        problem = str(exc)
     else:
-        problem = f"no S3 client is installed: {problem}"
+        return TieredStore(folder, Remote(bucket, folder.directory.name), slotdir.host_id(), settings.store_refresh)
     log.error("store.unusable", store=settings.store, error=problem, hint="serving from the slot folder alone")
     return None
 

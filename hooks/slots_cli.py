@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from hooks import slotdir, slotfile
-from hooks.bucket import Bucket, BucketError, missing_client
+from hooks.bucket import Bucket, BucketError
 from hooks.convstore import DirectoryStore
 from hooks.remote import Known, Remote
 from hooks.slotsettings import SLOTS, SlotSettings, bucket_for
@@ -42,16 +42,11 @@ def _bucket(config_path: str | None) -> Bucket | None:
     settings = _settings(config_path) if config_path else None
     if settings is None or not settings.store:
         return None
-    problem = missing_client()
-    if problem:
-        click.echo(f"llama-wrapper: slots.store is {settings.store}, and no S3 client is installed: {problem}",
-                   err=True)
-        sys.exit(EXIT_FAILED)
     try:
         return bucket_for(settings)
-    except (BucketError, ValueError) as exc:
-        click.echo(f"llama-wrapper: {exc}", err=True)
-        sys.exit(EXIT_FAILED)
+    except (BucketError, ValueError) as exc:  # the folder is still listed: WHERE says `local` only
+        click.echo(f"llama-wrapper: the store is not listed: {exc}", err=True)
+        return None
 
 
 def _in_bucket(bucket: Bucket | None, root: Path) -> dict[str, dict[str, Known]]:
@@ -65,8 +60,8 @@ def _in_bucket(bucket: Bucket | None, root: Path) -> dict[str, dict[str, Known]]
             remote.refresh()
             found[name] = remote.index
     except BucketError as exc:
-        click.echo(f"llama-wrapper: cannot list {bucket.describe()}: {exc}", err=True)
-        sys.exit(EXIT_FAILED)
+        click.echo(f"llama-wrapper: the store is not listed: {exc}", err=True)
+        return {}
     return found
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from hooks.bucket import Bucket, parse_url
+from hooks.bucket import Bucket, check_endpoint, parse_url
 from hooks.cachesettings import MOVED
 from wrapper.settings import COUNT, DURATION, PATH, Kind, Section, choice, setting
 from wrapper.yamlread import Reader
@@ -31,7 +31,15 @@ def _store_url(r: Reader, node: yaml.Node, what: str) -> str | None:
     return str(value) if value is not None else None
 
 
+def _endpoint(r: Reader, node: yaml.Node, what: str) -> str | None:
+    if not r.value(node):
+        return None
+    value = r.converted(node, what, lambda v: check_endpoint(str(v)))
+    return str(value) if value is not None else None
+
+
 TEXT = Kind("text", _text)
+ENDPOINT = Kind("http(s) URL", _endpoint)
 SECRET = Kind("text (secret)", _text, lambda v: "(set)" if v else None)
 STORE_URL = Kind("s3://BUCKET/PREFIX", _store_url)
 
@@ -47,7 +55,8 @@ class SlotSettings:
                         "while no request is in flight; 0: none (their next turn prefills them)")
     store: str | None = setting(None, STORE_URL, "an S3-compatible object store behind the folder: every saved "
                                 "conversation is uploaded there in the background and found by any wrapper on it")
-    store_endpoint: str | None = setting(None, TEXT, "the store's endpoint URL (else `AWS_ENDPOINT_URL`, else AWS)")
+    store_endpoint: str | None = setting(None, ENDPOINT, "the store's endpoint URL (else `AWS_ENDPOINT_URL`, else "
+                                         "AWS)")
     store_region: str | None = setting(None, TEXT, "its region (else `AWS_REGION` / `AWS_DEFAULT_REGION`)")
     store_access_key: str | None = setting(None, SECRET, "its access key id (else `AWS_ACCESS_KEY_ID`, ~/.aws, "
                                            "a role); never shown")
@@ -55,7 +64,8 @@ class SlotSettings:
                                            "never shown")
     store_refresh: float = setting(5.0, DURATION, "how often the store's list of conversations is read again "
                                    "(what other wrappers uploaded is found this soon)")
-    store_flush: float = setting(30.0, DURATION, "at a drain or a stop, upload what is left for at most this long")
+    store_flush: float = setting(5.0, DURATION, "at a drain or a stop, upload what is left for at most this long "
+                                 "(it counts in the stop's time: raise it with the drain's budget)")
     store_timeout: float = setting(10.0, DURATION, "one request to the store gives up after this long")
 
 

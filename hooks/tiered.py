@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from hooks import daemons
 from hooks.bucket import BucketError, NotFound
 from hooks.convstore import DirectoryStore
 from hooks.remote import PARALLEL, Remote
@@ -169,13 +170,15 @@ class TieredStore:
         began = time.monotonic()
         deadline = max(FETCH_MIN_S, FETCH_MARGIN * self.fetch_seconds(entry))
         try:
-            got = await asyncio.wait_for(asyncio.to_thread(self.remote.fetch, self.folder.directory, known),
+            got = await asyncio.wait_for(daemons.run(self.remote.fetch, self.folder.directory, known),
                                          timeout=deadline)
         except NotFound as exc:  # a manifest naming what the bucket lacks: that entry is damaged, not the bucket
             self.refused.add(entry.key)
             raise Unreadable(f"the store lacks part of it: {exc}") from exc
         except TimeoutError as exc:  # a trickling bucket: this turn is prefilled (the fetch goes on meanwhile)
-            self._failed(TimeoutError(f"a fetch took more than {deadline:.1f}s"))
+            self.counters.errors += 1
+            log.warning("store.fetch_slow", entry=entry.key, deadline_s=round(deadline, 1),
+                        store=self.remote.describe())
             raise Unavailable(f"the store did not hand it over within {deadline:.1f}s") from exc
         except (BucketError, OSError) as exc:
             self._failed(exc)
@@ -193,7 +196,8 @@ class TieredStore:
         self.counters.object_s = per_object if self.counters.object_s is None else min(self.counters.object_s,
                                                                                         per_object)
         METRICS.store_fetched_bytes.inc(got)
-        log.info("store.fetched", entry=entry.key, bytes=got, objects=objects, ms=round(took * 1000, 1))
+        log.info("store.fetched", entry=entry.key, tokens=entry.n_tokens, bytes=got, objects=objects,
+                 ms=round(took * 1000, 1))
         fetched = self.folder.get(entry.key)
         if fetched is None:
             raise Unreadable(f"{entry.key} was fetched but its sidecar cannot be read")
@@ -270,7 +274,7 @@ class TieredStore:
         now = time.monotonic()
         if not force and self.looked_at is not None and now - self.looked_at < self.refresh_s:
             return
-        await asyncio.to_thread(self.remote.refresh)
+        await daemons.run(self.remote.refresh)
         self.looked_at = time.monotonic()
         self._up()
         if not self._reconciled:  # what the folder holds and the bucket does not: committed before a stop
@@ -286,7 +290,7 @@ class TieredStore:
             key, entry = next(iter(self.pending.items()))
             began = time.monotonic()
             try:
-                sent = await asyncio.to_thread(self.remote.upload, self.folder.directory, entry, self.host)
+                sent = await daemons.run(self.remote.upload, self.folder.directory, entry, self.host)
             except Unreadable:
                 sent = None  # gone from the folder meanwhile (replaced by a longer state): nothing to upload
             except BucketError as exc:
@@ -310,7 +314,7 @@ class TieredStore:
                          ms=round((time.monotonic() - began) * 1000, 1))
             if key in self.remote.index:  # the bucket holds it: its shorter states there are of no more use
                 with contextlib.suppress(BucketError):
-                    await asyncio.to_thread(self.remote.forget_shorter, entry)
+                    await daemons.run(self.remote.forget_shorter, entry)
         return done
 
     async def flush(self, budget_s: float) -> dict[str, Any]:
