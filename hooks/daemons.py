@@ -5,6 +5,7 @@ would wait, then SIGKILL)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -29,11 +30,11 @@ async def run(work: Callable[..., T], *args: Any) -> T:
 
     def body() -> None:
         try:
-            result = work(*args)
+            result, error = work(*args), None
         except BaseException as exc:  # handed to the awaiting coroutine, as to_thread would
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for it any more
+            loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=body, daemon=True, name=getattr(work, "__name__", "store")).start()
     return await done
