@@ -107,7 +107,7 @@ def restored_tokens(rt: Generation) -> list[int]:
 async def save_step(rt: Generation) -> str:
     """The save before a reload: its failure is reported, never the end of the reload."""
     try:
-        return await save(rt)
+        return await save(rt, flush=False)  # the next generation reads the same folder: no upload to wait for
     except ActionError as exc:
         log.warning("reload.step_failed", step="slots.save", error=str(exc))
         return f"slots.save failed: {exc}"
@@ -127,9 +127,9 @@ async def take_over(rt: Generation) -> str:
 # -- save -------------------------------------------------------------------------------------------------
 
 
-async def save(rt: Generation) -> str:
+async def save(rt: Generation, flush: bool = True) -> str:
     """Save every slot that holds tokens, then note which entry each holds; a slot whose save is empty or
-    fails keeps what the note said."""
+    fails keeps what the note said. With an object store, then upload what only the folder holds (`flush`)."""
     store = _store(rt)
     started = time.monotonic()
     _sweep(store)
@@ -162,7 +162,7 @@ async def save(rt: Generation) -> str:
     summary = (f"saved {len(saved)} slot(s), {sum(r['tokens'] for r in saved)} tokens, "
                f"{sum(r['bytes'] for r in saved) / 1e6:.1f} MB in {time.monotonic() - started:.3f}s"
                + (f"; {len(unchanged)} unchanged since their last save or restore" if unchanged else ""))
-    if isinstance(store, TieredStore):  # before the pod goes: what only this folder holds goes to the bucket
+    if flush and isinstance(store, TieredStore):  # before the pod goes: what only this folder holds goes up
         flushed = await store.flush(SLOTS.of(rt.config).store_flush)
         _state(rt).flush = flushed
         summary += f"; uploaded {flushed['uploaded']} to {flushed['store']}" + (
