@@ -69,6 +69,7 @@ class TieredStore:
         self.error: str | None = None
         self.looked_at: float | None = None  # when the manifests were last read (monotonic)
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._reconciled = False
         self._busy: asyncio.Lock | None = None  # one listing or upload round at a time (the sync, a flush)
 
@@ -228,13 +229,15 @@ class TieredStore:
     # -- keeping the tiers in step ---------------------------------------------------------------------------
 
     def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        """Wake the sync (from any thread: a commit runs on a worker)."""
+        if self._wake is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
+                self._loop.call_soon_threadsafe(self._wake.set)
 
     async def sync(self) -> None:
         """From ready until the stop: read the manifests every `refresh_s`, upload what is pending, back off
         while the bucket fails."""
-        self._wake = asyncio.Event()
+        self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
         failures = 0
         while True:
             try:
