@@ -5,11 +5,13 @@ noticed there: the entry is set aside (it would kill the next start too) and Ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -29,6 +31,7 @@ from wrapper.llama import LlamaError
 from wrapper.progress import PROGRESS
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 FOLDER = "slots"  # the slot built-ins' key in a launch's `fitted`: the model's slot folder (hooks/fitting.py)
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
@@ -123,7 +126,7 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             if max_bytes is not None and header.bytes > max_bytes:
                 raise NotSaved(f"{header.bytes >> 20} MiB is more than cache.entry_max or cache.budget")
             record = {**record_for(await server_settings_of(generation), header, generation), "save_ms": server_ms}
-            entry = await asyncio.to_thread(store.commit, part, header.tokens, record)  # cut off the loop
+            entry = await _uncancelled(asyncio.to_thread(store.commit, part, header.tokens, record))
         except (LlamaError, slotfile.SlotFileError, Unreadable, OSError) as exc:
             raise NotSaved(f"save failed: {exc}", failed=True) from exc
     book.saved(slot, header.tokens, entry.key)
@@ -196,7 +199,7 @@ async def _restore_from(generation: Generation, store: Store, entry: Entry, slot
                 if skip is None:
                     done = await _restore_file(generation, store, entry, slot, part, converted, conversion)
                     # the server took it: it replaces the old
-                    fresh = await asyncio.to_thread(store.commit, part, converted.tokens, record)
+                    fresh = await _uncancelled(asyncio.to_thread(store.commit, part, converted.tokens, record))
                     if not entry.by_content:
                         store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens
                     log.info("slots.converted", entry=fresh.key, **conversion)
@@ -302,6 +305,18 @@ def convert_for(generation: Generation, source: Path, target: Path, settings: di
     return kvconvert.convert(source, target, settings["cache_type_k"], settings["cache_type_v"], rot_k, rot_v,
                              lambda read, size: PROGRESS.update(conversion_mb=f"{read / 1e6:.1f} of {size / 1e6:.1f}"),
                              implied)
+
+
+async def _uncancelled(work: Awaitable[T]) -> T:
+    """A commit on a worker thread, seen through: a cancel (a stop during a reload's save) waits for it to end
+    before it goes on, so that the part it reads is not removed under it and what it committed is known."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
 
 
 def _ms(began: float) -> float:

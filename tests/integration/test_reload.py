@@ -169,7 +169,9 @@ def test_sigterm_during_a_reload_stops_with_the_slots_saved(tmp_path: Path, serv
         wrapper.signal_group(signal.SIGTERM)
         assert wrapper.wait(60) == 0
         thread.join(60)
-    assert [e for e in wrapper.events("slots.saved") if e["tokens"] > 100]
+    # saved by the stop, or by the reload's hand-over the SIGTERM cut short after its commit (the stop then finds
+    # the store holds that state: `slots.unchanged`)
+    assert [e for e in wrapper.events() if e.get("event") in ("slots.saved", "slots.unchanged") and e["tokens"] > 100]
     assert not [e for e in wrapper.events("child.exited") if e["killed_after_timeout"]]
     with running(tmp_path, argv, config(tmp_path, "never")) as again:
         assert again.status()["slots"]["restore"][0]["outcome"] == "restored"
