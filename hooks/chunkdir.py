@@ -2,7 +2,7 @@
 manifest names it; read back into the state file llama-server restores from; removed when no manifest names
 them any more.
 
-A chunk is written to `<name>.kv.<host>-<pid>.tmp` and renamed into place, so a name is only ever a whole chunk;
+A chunk is written to `<name>.kv.<host>-<pid>-<n>.tmp` and renamed into place, so a name is only ever a whole chunk;
 one that exists already is not written again, only touched. Removing an entry removes the chunks no other
 manifest names unless one was touched after that entry's last use and less than GRACE_S ago: another host may be
 committing a manifest that names it (and a commit checks that its chunks are all there once its manifest is,
@@ -29,7 +29,7 @@ GRACE_S = 120.0
 ORPHAN_AGE_S = 600.0
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^([0-9a-f]{32})\.kv$")
-_TEMPORARY = re.compile(r"^[0-9a-f]{32}\.kv\.([A-Za-z0-9]+)-(\d+)\.tmp$")  # host, pid
+_TEMPORARY = re.compile(r"^[0-9a-f]{32}\.kv\.([A-Za-z0-9]+)-(\d+)-\d+\.tmp$")  # host, pid, a count
 
 
 def names_of(record: dict[str, Any]) -> list[str]:
@@ -106,7 +106,7 @@ class ChunkFolder:
         """Write one chunk whole under its name."""
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path(name)
-        temporary = target.with_name(f"{target.name}.{slotdir.host_id()}-{os.getpid()}.tmp")
+        temporary = target.with_name(f"{target.name}.{slotdir.temporary_tag()}.tmp")
         try:
             with open(temporary, "wb") as out:
                 out.write(data)

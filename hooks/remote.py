@@ -179,7 +179,7 @@ class Remote:
 
     def _get_file(self, directory: Path, name: str) -> int:
         target = directory / name
-        temporary = target.with_name(f"{target.name}.{slotdir.host_id()}-{os.getpid()}.tmp")  # swept if it dies
+        temporary = target.with_name(f"{target.name}.{slotdir.temporary_tag()}.tmp")  # swept if it dies
         try:
             size = self.bucket.get_to(self.folder + name, temporary)
             os.replace(temporary, target)

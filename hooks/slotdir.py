@@ -16,6 +16,7 @@ until a save of that slot replaces it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -31,7 +32,8 @@ SIDECAR_FORMAT = 1
 _SIDECAR = re.compile(r"^slot(\d+)\.json$")
 _KV_FILE = re.compile(r"^slot(\d+)(?:-[0-9a-f]{12})?\.bin$")
 _TEMPORARY = re.compile(r"\.(\d+)\.(?:tmp|bin)$")  # `<name>.<pid>.tmp`, and the version probe `.<pid>.bin`
-_FETCHED = re.compile(r"\.bin\.([A-Za-z0-9]+)-(\d+)\.tmp$")  # a tail being fetched: `<name>.<host>-<pid>.tmp`
+_FETCHED = re.compile(r"\.bin\.([A-Za-z0-9]+)-(\d+)-\d+\.tmp$")  # a tail being fetched: `<name>.<tag>.tmp`
+_TAGS = itertools.count()
 ORPHAN_AGE_S = 60.0  # a KV file no sidecar names is litter once this old (younger: a save may be committing it)
 
 
@@ -64,6 +66,12 @@ class Noted:
 def host_id() -> str:
     """This host's name in its note (two wrappers of one model on one host share it: the last stop wins)."""
     return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname()) or "host"
+
+
+def temporary_tag() -> str:
+    """`<host>-<pid>-<n>`: a temporary of its own for every writer, threads of one process included (two slots
+    saving one shared beginning write the same chunk at once)."""
+    return f"{host_id()}-{os.getpid()}-{next(_TAGS)}"
 
 
 def entry_sidecar(directory: Path, key: str) -> Path:

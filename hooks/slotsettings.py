@@ -3,6 +3,7 @@ start, and the object-store tier behind the folder (`slots.store`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,27 +22,20 @@ def _text(r: Reader, node: yaml.Node, what: str) -> str | None:
     return str(value) if value else None
 
 
-def _store_url(r: Reader, node: yaml.Node, what: str) -> str | None:
-    def check(value: object) -> str:
-        parse_url(str(value))
-        return str(value)
-    if not r.value(node):
-        return None
-    value = r.converted(node, what, check)
-    return str(value) if value is not None else None
-
-
-def _endpoint(r: Reader, node: yaml.Node, what: str) -> str | None:
-    if not r.value(node):
-        return None
-    value = r.converted(node, what, lambda v: check_endpoint(str(v)))
-    return str(value) if value is not None else None
+def _checked(check: Callable[[str], object]) -> Callable[[Reader, yaml.Node, str], str | None]:
+    """A text the `check` accepts (its ValueError is the load's error, with file, line and key)."""
+    def read(r: Reader, node: yaml.Node, what: str) -> str | None:
+        if not r.value(node):
+            return None
+        value = r.converted(node, what, lambda v: (check(str(v)), str(v))[1])
+        return str(value) if value is not None else None
+    return read
 
 
 TEXT = Kind("text", _text)
-ENDPOINT = Kind("http(s) URL", _endpoint)
+ENDPOINT = Kind("http(s) URL", _checked(check_endpoint))
 SECRET = Kind("text (secret)", _text, lambda v: "(set)" if v else None)
-STORE_URL = Kind("s3://BUCKET/PREFIX", _store_url)
+STORE_URL = Kind("s3://BUCKET/PREFIX", _checked(parse_url))
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests import models
-from tests.helpers import Wrapper, running, wait_for
+from tests.helpers import running, wait_for
 from tests.integration.test_conversations import Chat
 from tests.s3server import S3Server, weed_binary
 
@@ -32,10 +31,6 @@ hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
 """
-
-
-def events(wrapper: Wrapper, name: str) -> list[dict[str, Any]]:
-    return wrapper.events(name)
 
 
 def main() -> None:
@@ -53,7 +48,7 @@ def main() -> None:
                     chat.turn(a.url)
             assert a.stop() == 0
         saved = [e for e in a.events() if e.get("event") in ("conversations.saved", "slots.saved")]
-        uploaded = sum(int(e.get("bytes") or 0) for e in events(a, "store.uploaded"))
+        uploaded = sum(int(e.get("bytes") or 0) for e in a.events("store.uploaded"))
         states = sum(int(e.get("bytes") or 0) for e in saved)
         with running(tmp, argv, CONFIG.format(dir=tmp / "b", store=store, cache="true"), env=s3.env()) as b:
             wait_for(lambda: b.status()["slots"]["tiers"]["store"]["entries"] >= 4, 30, "b to see the bucket")
@@ -61,7 +56,7 @@ def main() -> None:
             began = time.monotonic()
             reused = [chat.turn(b.url) for chat in moved]
             on_b = time.monotonic() - began
-            fetched = events(b, "store.fetched")
+            fetched = b.events("store.fetched")
         with running(tmp, argv, CONFIG.format(dir=tmp / "c", store=store, cache="false"), env=s3.env()) as c:
             cold = [_copy(chat) for chat in chats]
             began = time.monotonic()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -197,3 +198,27 @@ def test_the_chunks_of_a_manifest_this_reader_cannot_use_are_kept(tmp_path: Path
     assert fresh.entries() == []
     fresh.sweep(time.time() + chunkdir.ORPHAN_AGE_S + 1)
     assert len(list((tmp_path / "chunks").glob("*.kv"))) == 4
+
+
+def test_threads_committing_one_shared_beginning_at_once_leave_every_entry_whole(tmp_path: Path) -> None:
+    """Two slots saving conversations with one system prompt write its chunks at the same moment (each commit
+    runs on a worker thread): each writes a temporary of its own."""
+    store = DirectoryStore(tmp_path, chunk_tokens=CHUNK)
+    system = conversation(64)
+    tails = [conversation(20, 5000 + 100 * n) for n in range(8)]
+    datas = {n: state([*system, *tail]) for n, tail in enumerate(tails)}
+
+    def commit(n: int) -> None:
+        part = tmp_path / part_name(f"t{n}")
+        part.write_bytes(datas[n])
+        store.commit(part, [*system, *tails[n]], RECORD)
+
+    threads = [threading.Thread(target=commit, args=(n,)) for n in range(8)]
+    for each in threads:
+        each.start()
+    for each in threads:
+        each.join()
+    assert len(store.entries()) == 8
+    for n, tail in enumerate(tails):
+        assert restored(store, [*system, *tail]) == datas[n]
+    assert not list((tmp_path / "chunks").glob("*.tmp"))

@@ -148,3 +148,18 @@ async def test_the_bucket_going_away_keeps_the_folder_serving_and_the_uploads_re
     b = host(server, tmp_path / "b", prefix, "b")
     await b.look(force=True)
     assert await restored(b, TOKENS) == data
+
+
+async def test_what_a_killed_wrapper_had_not_uploaded_goes_up_after_its_restart(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    killed = host(server, tmp_path / "a", prefix, "a")
+    data = save(killed, TOKENS)  # committed to the folder; the process dies before its sync uploads it
+    assert list(killed.pending)
+    again = host(server, tmp_path / "a", prefix, "a")  # the same folder, a new process
+    assert again.evict(0) == []  # the bucket not listed yet: nothing it may lack is evicted
+    await again.look(force=True)
+    assert list(again.pending) == list(killed.pending)
+    await again.upload_pending()
+    b = host(server, tmp_path / "b", prefix, "b")
+    await b.look(force=True)
+    assert await restored(b, TOKENS) == data
