@@ -1,6 +1,6 @@
 """The conversation cache's section of the config (`cache:`), on with the slot built-ins. Its keys were
 `slots.cache*`, `slots.min_tokens`, `slots.restore_margin` and `slots.restore_rate`: those now fail with the
-name of the new key (hooks/slots.py's MOVED)."""
+name of the new key (hooks/slots/actions.py's MOVED)."""
 
 from __future__ import annotations
 

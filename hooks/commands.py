@@ -4,6 +4,6 @@ that runs (the built-ins' modules load numpy and gguf)."""
 from __future__ import annotations
 
 BUILTIN_COMMANDS = {
-    "slots": "hooks.slots_cli:slots",  # list, inspect and remove saved slot files
+    "slots": "hooks.slots.cli:slots",  # list, inspect and remove saved slot files
     "plan": "hooks.degrade.plan_cli:plan",  # the memory plan and the degradation ladder, no server started
 }

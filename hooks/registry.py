@@ -12,23 +12,27 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks import conversations, media, server_reload, slots, slotsettings, spec
+from hooks import conversations, media
+from hooks import speculative as spec
 from hooks.cachesettings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
 from hooks.degrade.settings import DEGRADE
-from hooks.fitting import fit_for_slots
 from hooks.media import fit as media_fit
 from hooks.media import idle as media_idle
 from hooks.media import report as media_report
 from hooks.media import step as media_step
 from hooks.media.settings import MEDIA
-from hooks.spec import control as spec_control
-from hooks.spec import fit as spec_fit
-from hooks.spec import report as spec_report
-from hooks.spec import settings as spec_settings
-from hooks.spec import track as spec_track
-from hooks.spec.settings import SPEC
+from hooks.server import reload as server_reload
+from hooks.slots import actions as slots
+from hooks.slots import settings as slotsettings
+from hooks.slots.fit import fit_for_slots
+from hooks.speculative import control as spec_control
+from hooks.speculative import fit as spec_fit
+from hooks.speculative import report as spec_report
+from hooks.speculative import settings as spec_settings
+from hooks.speculative import track as spec_track
+from hooks.speculative.settings import SPEC
 from wrapper import paths
 from wrapper.config import Config
 from wrapper.generation import Generation, Host

@@ -5,8 +5,8 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from hooks import slotdir
-from hooks.slotfile import MAGIC
+from hooks.kvfile.format import MAGIC
+from hooks.store import layout as slotdir
 
 
 def slot_bytes(tokens: list[int], n_layer: int = 2, cells: int = 3, row: int = 8, k_type: int = 1,

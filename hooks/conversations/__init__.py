@@ -1,7 +1,7 @@
 """The conversation cache: every conversation comes back, not only the last one of each slot.
 
 Before each completion request (hooks/conversations/step.py) the wrapper learns the request's tokens, chooses
-its slot and pins it there; what leaves that slot is saved into the store first (hooks/store.py), and the
+its slot and pins it there; what leaves that slot is saved into the store first (hooks/store/interface.py), and the
 cached conversation sharing the longest prefix with the request is restored there when that pays
 (hooks/conversations/policy.py: the rule, with the rates of hooks/conversations/rates.py). Each decision is
 logged with both predictions (`conversations.decision`); hooks/conversations/report.py says what it holds.
@@ -13,7 +13,7 @@ from hooks.cachesettings import CACHE
 from hooks.conversations.report import metrics, observer, status
 from hooks.conversations.state import FAMILY
 from hooks.conversations.step import PATHS, before
-from hooks.slotsettings import FAMILY as SLOTS_FAMILY
+from hooks.slots.settings import FAMILY as SLOTS_FAMILY
 from wrapper.config import Config
 
 __all__ = ["FAMILY", "PATHS", "before", "in_use", "metrics", "observer", "status"]

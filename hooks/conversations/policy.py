@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hooks.conversations.rates import Rates
-from hooks.store import common_prefix
+from hooks.store.interface import common_prefix
 
 ASSUMED_RESTORE_BPS = 1e9  # until a restore is measured
 ASSUMED_CONVERT_BPS = 2e8  # until a conversion is measured

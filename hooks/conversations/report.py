@@ -8,8 +8,8 @@ from typing import Any
 
 from hooks.cachesettings import CACHE
 from hooks.conversations.state import enabled, state
-from hooks.slotbook import book_of
-from hooks.slotio import store_of
+from hooks.slots.book import book_of
+from hooks.slots.transfer import store_of
 from wrapper import paths
 from wrapper.generation import Generation
 from wrapper.metrics import METRICS

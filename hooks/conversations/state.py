@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hooks.cachesettings import CACHE
 from hooks.conversations.rates import KeptRates
 from hooks.decisions import Decisions
-from hooks.slotio import store_of
+from hooks.slots.transfer import store_of
 from wrapper.generation import Generation
 from wrapper.kept import Key
 from wrapper.metrics import METRICS

@@ -13,9 +13,9 @@ import structlog
 from hooks.cachesettings import CACHE
 from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
 from hooks.conversations.state import Conversations, enabled, state
-from hooks.slotbook import book_of
-from hooks.slotio import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
-from hooks.store import Entry, Store, common_prefix
+from hooks.slots.book import book_of
+from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
+from hooks.store.interface import Entry, Store, common_prefix
 from wrapper import paths
 from wrapper.generation import Generation, Host, ServerLost
 from wrapper.llama import LlamaError

@@ -1,7 +1,7 @@
 """Built-in degradation under a memory budget (`degrade:` in the config).
 
 At every start and reload the child's argv is fitted to the budget (`fit`): the ladder's rungs are planned
-(`ladder`, hooks/memory.py, calibrated by `calibration`) and the chosen rung runs with the largest context that
+(`ladder`, hooks/degrade/memory.py, calibrated by `calibration`) and the chosen rung runs with the largest context that
 fits. The chosen rung is the best one, unless a growth, a relax or a budget change asked for another
 (`control`): a request that overflows the context makes the wrapper reload to the first rung whose context
 holds it, then send the same request again; idle long enough, it relaxes back up to the best rung that holds

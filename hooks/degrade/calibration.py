@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from hooks.memory import MiB, Plan, Settings
+from hooks.degrade.memory import MiB, Plan, Settings
 from wrapper.server_help import cache_dir
 
 log = structlog.get_logger()

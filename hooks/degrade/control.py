@@ -11,14 +11,17 @@ from typing import Any
 
 import structlog
 
-from hooks.degrade import FAMILY, TURN_ON, poolmoves, share
-from hooks.degrade.fit import MIN_START_CTX, Ask, auto_budget, ladder_for
+from hooks.degrade import FAMILY, TURN_ON
 from hooks.degrade.ladder import RungPlan, choose
+from hooks.degrade.memory import PlanError
 from hooks.degrade.move import move
+from hooks.degrade.planning import MIN_START_CTX, auto_budget, ladder_for
+from hooks.degrade.pool import member as share
+from hooks.degrade.pool import moves as poolmoves
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
-from hooks.memory import PlanError
-from hooks.slots import restored_tokens
+from hooks.degrade.wanted import Wanted
+from hooks.slots.actions import restored_tokens
 from wrapper.config import ConfigError
 from wrapper.generation import Generation, Host
 from wrapper.proxy import error_body
@@ -68,7 +71,7 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
                     "degrade.budget or shorten the conversation")
             why = (f"grow to {target.name}, n_ctx {target.max_ctx}, for {len(state.waiting)} request(s) of up to "
                    f"{max(state.waiting)} tokens ({wanted} in all)")
-            problem = await move(host, state, Ask(rung=target.name), why)
+            problem = await move(host, state, Wanted(rung=target.name), why)
             return Grown() if problem is None else CannotGrow(problem)
     finally:
         state.waiting.remove(needed)
@@ -124,7 +127,7 @@ async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, 
     if target is None or (fit.rungs.index(target) >= fit.index and target.max_ctx <= fit.n_ctx):
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
         return None
-    return await move(host, state, Ask(rung=target.name, up=True),
+    return await move(host, state, Wanted(rung=target.name, up=True),
                       f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
 
 
@@ -167,7 +170,7 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
     if target is None:
         return 400, error_body(400, f"no rung fits {format_size(budget[0])} with the conversations held now "
                                     f"({needed} tokens): the budget is unchanged", "invalid_request_error")
-    ask = Ask(rung=target.name, budget=budget)
+    ask = Wanted(rung=target.name, budget=budget)
     problem = await move(host, state, ask, f"budget {format_size(budget[0])}: {target.name}, n_ctx {target.max_ctx}")
     now = fitted(host.current.launch)
     reloaded = now is not fit

@@ -1,53 +1,33 @@
 """Fitting the child's argv to the memory budget at every start and reload: the chosen rung at its largest
-context. What to fit for comes as a parameter (`Ask`): a growth, relax or budget change asks for a rung and
+context. What to fit for comes as a parameter (`Wanted`): a growth, relax or budget change asks for a rung and
 a budget; without one the rung and budget in force are kept."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-from hooks import slotdir
-from hooks.degrade import FAMILY, calibration
-from hooks.degrade.ladder import Planner, RungPlan, build, choose
-from hooks.degrade.pool import Member, Pool
+from hooks.degrade import FAMILY
+from hooks.degrade.ladder import Planner, RungPlan, choose
+from hooks.degrade.memory import PlanError
+from hooks.degrade.planning import MIN_START_CTX, cells, ladder_for, pool_device, resolve_budget
+from hooks.degrade.pool.folder import Member, Pool
+from hooks.degrade.pool.member import ask_now, pool_of
 from hooks.degrade.settings import DEGRADE, DegradeSettings
-from hooks.degrade.share import ask_now, pool_of
 from hooks.degrade.state import DegradeState, Fitted, state_of
+from hooks.degrade.wanted import Wanted
 from hooks.media.settings import on_demand
-from hooks.memory import CELL_PAD, ModelShape, Plan, PlanError, Settings, plan, read_shape
-from hooks.slotsettings import SLOTS
+from hooks.slots.settings import SLOTS
+from hooks.store import layout as slotdir
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.kept import Kept
 from wrapper.launch import Fitting, Launch
-from wrapper.server_help import devices, flag_arity
-from wrapper.sysinfo import gpu_free, mem_available
+from wrapper.server_help import flag_arity
 from wrapper.units import format_size
 
-MIN_START_CTX = 1024  # the first rung whose context reaches this (or the ceiling) is where a start begins
 VERBOSITY = ("-lv", "--verbosity", "--log-verbosity")
-GPU_BACKENDS = ("cuda", "vulkan", "metal")
-BACKENDS = ("cpu", *GPU_BACKENDS)  # what `plan --backend` plans for instead of this build's devices
-
-
-@dataclass(frozen=True)
-class Ask:
-    """What a move asks the next fit for."""
-
-    rung: str | None = None
-    budget: tuple[int, str] | None = None  # bytes and where they come from
-    backend: str | None = None  # plan for this backend (BACKENDS), not for this build's devices: `plan --backend`
-    ctx: int | None = None  # with a pool: the context to take (a member takes what it needs, not all it could)
-    limit: int | None = None  # with a pool: take at most these bytes (a member giving some back)
-    up: bool = False  # a move up (a relax): nothing is given up for it
-    projector: bool = False  # a move up that takes back the projector given up for memory (hooks/media)
-
-    def as_mapping(self) -> dict[str, Any]:
-        return {FAMILY: self}
 
 
 class NoRungFits(ConfigError):
@@ -58,68 +38,13 @@ class NoRungFits(ConfigError):
         self.rungs, self.budget, self.budget_source = rungs, budget, source
 
 
-def offloads(binary: str, backend: str | None = None) -> bool:
-    """Whether `-ngl` puts layers on a GPU: one of the GPU backends when a plan names one, else whether this
-    llama-server build lists a GPU (`--list-devices`; a CPU-only build, or one that does not say, offloads
-    nothing)."""
-    return backend in GPU_BACKENDS if backend is not None else bool(devices(binary))
-
-
-def planner_for(argv: Sequence[str], model_path: str, model_id: str, config: Config, state: DegradeState,
-                budget: int, backend: str | None = None) -> Planner:
-    """`backend`: plan for it instead of this build's devices; the figures measured here are then not used."""
-    if state.shape is None:
-        state.shape = read_shape(model_path)
-    shape = state.shape
-    gpu = offloads(argv[0], backend)
-    runs = calibration.load(model_id) if backend is None else []
-    user_ctx = _int(args.get(config.argv, args.CTX_SIZE))
-    ceiling = min(shape.n_ctx_train or 1 << 20, user_ctx or 1 << 20)
-
-    def predict(s: Settings) -> Plan:
-        return plan(shape, s, _file_size(s.mmproj), _draft(s))
-
-    def calibrate(predicted: Plan, s: Settings) -> Plan:
-        return calibration.calibrated(predicted, s, runs, predict)
-
-    return Planner(shape, gpu, budget, ceiling, lambda s: _file_size(s.mmproj), _draft, calibrate)
-
-
-def resolve_budget(settings: DegradeSettings, argv: Sequence[str]) -> tuple[int, str]:
-    """The configured budget, or `auto`: free memory of the first GPU (nvidia-smi) when layers are offloaded
-    to one, else MemAvailable minus `degrade.reserve`."""
-    if settings.budget is not None:
-        return settings.budget, "degrade.budget"
-    return auto_budget(settings.reserve, argv)
-
-
-def auto_budget(reserve: int, argv: Sequence[str]) -> tuple[int, str]:
-    if args.offloaded(argv) and (free := gpu_free()) is not None:
-        return free, "auto: free GPU memory (nvidia-smi)"
-    available = mem_available()
-    if available is None:
-        raise ConfigError("degrade.budget is auto, and neither nvidia-smi nor /proc/meminfo says how much memory "
-                          "is free: give degrade.budget a size")
-    return max(0, available - reserve), f"auto: MemAvailable minus {format_size(reserve)}"
-
-
-def ladder_for(argv: Sequence[str], launch: Launch, config: Config, state: DegradeState,
-               budget: int, backend: str | None = None) -> tuple[Planner, list[RungPlan]]:
-    settings = DEGRADE.of(config)
-    assert launch.model.path is not None
-    planner = planner_for(argv, launch.model.path, launch.model.id, config, state, budget, backend)
-    rungs = build(argv, settings.ladder, planner, flag_arity(argv[0]), config.argv,
-                  planner.shape.swa_window is not None)
-    return planner, rungs
-
-
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
         asks: Mapping[str, Any]) -> Fitting:
     """The child's argv for the chosen rung at its largest context under the budget."""
     settings = DEGRADE.of(config)
     state = state_of(shared)
     found = asks.get(FAMILY)
-    ask = found if isinstance(found, Ask) else Ask()
+    ask = found if isinstance(found, Wanted) else Wanted()
     out = Fitting(list(argv))
     if launch.model.path is None:
         out.note("degrade: off", "no -m model file to plan with (-hf and URLs are not planned)")
@@ -183,7 +108,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
 Pooled = tuple[RungPlan, int, Planner, list[RungPlan], int, str, int, int]
 
 
-def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, state: DegradeState, ask: Ask,
+def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, state: DegradeState, ask: Wanted,
                  settings: DegradeSettings) -> Pooled:
     """The rung and context this member needs now (not all it could take), planned with what the pool has free
     and taken from it under its lock: two members fitting at once never both count the same bytes. A start
@@ -220,11 +145,6 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
     raise AssertionError("the second pass always returns")
 
 
-def pool_device(argv: Sequence[str], backend: str | None = None) -> str:
-    """The device a pool member's memory is on: the GPU when `-ngl` puts layers on one, else the host."""
-    return "GPU" if offloads(argv[0], backend) and args.offloaded(argv) else "CPU"
-
-
 def _floor(planner: Planner, rungs: list[RungPlan], config: Config, settings: DegradeSettings) -> int:
     """The least this member could run with: its cheapest rung at its smallest context, without a projector
     that media would give up."""
@@ -237,10 +157,6 @@ def _floor(planner: Planner, rungs: list[RungPlan], config: Config, settings: De
         argv = args.remove(argv, args.MMPROJ)
     found = planner.plan(argv, smallest)
     return found.total(found.budget_device)
-
-
-def cells(tokens: int) -> int:
-    return -(-tokens // CELL_PAD) * CELL_PAD
 
 
 def _fitting(chosen: RungPlan | None, rungs: list[RungPlan], budget: int, source: str) -> RungPlan:
@@ -278,24 +194,3 @@ def _saved_tokens(launch: Launch, config: Config, settings: DegradeSettings) -> 
     return max(tokens) + settings.headroom if tokens else 0
 
 
-def _int(text: str | None) -> int | None:
-    try:
-        return int(text) if text is not None and int(text) > 0 else None
-    except ValueError:
-        return None
-
-
-def _file_size(path: str | None) -> int:
-    try:
-        return Path(path).stat().st_size if path else 0
-    except OSError:
-        return 0
-
-
-def _draft(s: Settings) -> ModelShape | None:
-    if not s.draft:
-        return None
-    try:
-        return read_shape(s.draft)
-    except PlanError:
-        return None

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hooks.degrade.memory import ModelShape, Plan, Settings, largest_ctx, plan, settings_from_argv
 from hooks.degrade.settings import Rung
-from hooks.memory import ModelShape, Plan, Settings, largest_ctx, plan, settings_from_argv
 from wrapper import argv as args
 from wrapper.reload_plan import ReloadRefused
 from wrapper.reload_plan import plan as edit_argv

@@ -7,15 +7,15 @@ import time
 
 import structlog
 
-from hooks.degrade.fit import Ask
 from hooks.degrade.state import DegradeState, fitted
+from hooks.degrade.wanted import Wanted
 from wrapper.generation import Host
 from wrapper.reload_ask import NotReloaded, Unchanged, ask_reload
 
 log = structlog.get_logger()
 
 
-async def move(host: Host, state: DegradeState, ask: Ask, why: str) -> str | None:
+async def move(host: Host, state: DegradeState, ask: Wanted, why: str) -> str | None:
     """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
     budget in force change only when the reload succeeds."""
     began = time.monotonic()
@@ -38,7 +38,7 @@ async def move(host: Host, state: DegradeState, ask: Ask, why: str) -> str | Non
     return None
 
 
-def commit(state: DegradeState, ask: Ask) -> None:
+def commit(state: DegradeState, ask: Wanted) -> None:
     if ask.rung is not None:
         state.held_rung = ask.rung
     if ask.budget is not None:

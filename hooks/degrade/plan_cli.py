@@ -12,21 +12,14 @@ from typing import Any
 
 import click
 
-from hooks.degrade.fit import (
-    BACKENDS,
-    GPU_BACKENDS,
-    MIN_START_CTX,
-    Ask,
-    NoRungFits,
-    auto_budget,
-    planner_for,
-    pool_device,
-)
+from hooks.degrade.fit import NoRungFits
 from hooks.degrade.ladder import Planner, RungPlan
-from hooks.degrade.pool import Pool, agree
+from hooks.degrade.memory import DEVICE, GPU_CONTEXT
+from hooks.degrade.planning import BACKENDS, GPU_BACKENDS, MIN_START_CTX, auto_budget, planner_for, pool_device
+from hooks.degrade.pool.folder import Pool, agree
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, fitted, state_of
-from hooks.memory import DEVICE, GPU_CONTEXT
+from hooks.degrade.wanted import Wanted
 from wrapper import argv as args
 from wrapper.commands import Commands
 from wrapper.config import Config, ConfigError
@@ -98,7 +91,7 @@ def _plan(commands: Commands, budget: str | None, backend: str | None, config_pa
             given = (max(0, int(pooled["free"])), f"free in the pool {pooled['dir']}")
         if budget == "auto":
             given = auto_budget(DEGRADE.of(config).reserve, config.argv)
-        asks = Ask(budget=given, backend=backend).as_mapping()
+        asks = Wanted(budget=given, backend=backend).as_mapping()
         shared = Kept()
         launch: Launch | None = None
         problem: NoRungFits | None = None

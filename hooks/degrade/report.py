@@ -9,7 +9,8 @@ from typing import Any
 
 import structlog
 
-from hooks.degrade import calibration, share
+from hooks.degrade import calibration
+from hooks.degrade.pool import member as share
 from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS

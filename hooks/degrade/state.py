@@ -12,7 +12,7 @@ from typing import Any
 
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
-from hooks.memory import ModelShape, Settings
+from hooks.degrade.memory import ModelShape, Settings
 from wrapper import argv as args
 from wrapper.generation import Generation
 from wrapper.kept import Kept, Key

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hooks.memory import MiB, ModelShape, Settings, largest_ctx, plan, read_shape
+from hooks.degrade.memory import MiB, ModelShape, Settings, largest_ctx, plan, read_shape
 from tests import models
 from tests.helpers import Wrapper, http
-from tests.unit.test_memory import h200_model
+from tests.unit.degrade.test_memory import h200_model
 
 CONFIG = """
 slots: {{dir: {dir}}}

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hooks import kvconvert
+from hooks.kvfile import convert as kvconvert
 from tests.slotfiles import slot_bytes
 
 

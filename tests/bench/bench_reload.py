@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hooks.kvconvert import convert, target_rotation
+from hooks.kvfile.convert import convert, target_rotation
 from tests import models
 from tests.helpers import Wrapper, http, wait_for
 

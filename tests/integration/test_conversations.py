@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hooks.memory import MiB, Settings, plan, read_shape
+from hooks.degrade.memory import MiB, Settings, plan, read_shape
 from tests.helpers import Wrapper, http, running
 
 TOKEN = "conversations-token"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hooks.degrade.calibration import Measured
-from hooks.memory import MiB, Settings, largest_ctx, plan, read_shape
+from hooks.degrade.memory import MiB, Settings, largest_ctx, plan, read_shape
 from tests.helpers import ROOT, Wrapper, http, running, wait_for
 
 TOKEN = "degrade-token-1c9e"

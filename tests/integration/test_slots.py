@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from hooks import slotdir, slotfile
+from hooks.kvfile import format as slotfile
+from hooks.store import layout as slotdir
 from tests.helpers import Wrapper, http, running, wait_for
 from wrapper.model import fingerprint
 
@@ -25,7 +26,7 @@ hooks:
     - builtin: slots.save
 """
 WHOLE = "cache: {chunk_tokens: 0}\n"  # the tests that damage a state file in place keep it as llama-server wrote it
-# (chunked entries' damage: tests/unit/test_chunkstore.py and test_conversations.py)
+# (chunked entries' damage: tests/unit/store/test_chunked_folder.py and test_conversations.py)
 SAVE_ONLY = """
 slots: {{dir: {dir}}}
 hooks:

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hooks import slotdir
+from hooks.store import layout as slotdir
 from tests.helpers import Wrapper, http, pid_alive, running, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.test_plan_cli import gemma3_27b
+from tests.unit.degrade.test_plan_cli import gemma3_27b
 from wrapper.units import parse_duration
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,1 @@
+"""A memory pool shared by the wrappers of one device: the folder, a member, its moves."""

@@ -1,0 +1,199 @@
+"""`llama-wrapper slots ls|inspect|rm`: the slot folder, without a server."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hooks.kvfile import format as slotfile
+from hooks.slots.settings import SLOTS, SlotSettings, bucket_for
+from hooks.store import layout as slotdir
+from hooks.store.bucket import Bucket, BucketError
+from hooks.store.folder import DirectoryStore
+from hooks.store.interface import Entry
+from hooks.store.remote import Known, Remote
+from wrapper.commands import Commands
+from wrapper.config import ConfigError, parse_config
+from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
+
+
+def _settings(config_path: str | None) -> SlotSettings:
+    commands = click.get_current_context().find_object(Commands)
+    try:
+        config = commands.load(config_path) if commands else parse_config("", "<defaults>", (SLOTS,))
+    except ConfigError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_CONFIG)
+    return SLOTS.of(config)
+
+
+def _slots_dir(directory: str | None, config_path: str | None) -> Path:
+    if directory:
+        return Path(directory).expanduser()
+    return _settings(config_path).dir
+
+
+def _bucket(config_path: str | None) -> Bucket | None:
+    """The object store `slots.store` of the config names (None without one); exits when it cannot be used."""
+    settings = _settings(config_path) if config_path else None
+    if settings is None or not settings.store:
+        return None
+    try:
+        return bucket_for(settings)
+    except (BucketError, ValueError) as exc:  # the folder is still listed: WHERE says `local` only
+        click.echo(f"llama-wrapper: the store is not listed: {exc}", err=True)
+        return None
+
+
+def _in_bucket(bucket: Bucket | None, root: Path) -> dict[str, dict[str, Known]]:
+    """Per model folder of this host, the manifests the bucket holds (one listing of manifests each)."""
+    found: dict[str, dict[str, Known]] = {}
+    if bucket is None or not root.is_dir():
+        return found
+    try:
+        for name in sorted(p.name for p in root.iterdir() if p.is_dir()):
+            remote = Remote(bucket, name)
+            remote.refresh()
+            found[name] = remote.index
+    except BucketError as exc:
+        click.echo(f"llama-wrapper: the store is not listed: {exc}", err=True)
+        return {}
+    return found
+
+
+_DIR = click.option("--dir", "directory", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
+                    show_envvar=True, help="The slot folder [default: slots.dir of --config, else "
+                                           "~/.cache/llama-wrapper/slots].")
+_CONFIG = click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
+                       show_envvar=True, help="Read slots.dir from this config.")
+
+
+@click.group()
+def slots() -> None:
+    """List, inspect and remove saved slot files."""
+
+
+def _rows(root: Path, remote: dict[str, dict[str, Known]]) -> list[dict[str, Any]]:
+    rows = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        for saved in slotdir.legacy_slots(folder):
+            row: dict[str, Any] = {"model_id": folder.name, "slot": saved.slot, "file": str(saved.kv_file),
+                                   "bytes": saved.kv_file.stat().st_size if saved.kv_file.exists() else 0}
+            try:
+                sidecar = slotdir.read_sidecar(saved.sidecar)
+                row.update(model=sidecar["model"].get("name"), tokens=sidecar.get("tokens"),
+                           saved_at=sidecar.get("saved_at"), build=sidecar.get("build"),
+                           cache_types=f"{sidecar.get('cache_type_k')}/{sidecar.get('cache_type_v')}")
+                slotdir.check_pair(sidecar, saved.kv_file)
+            except (slotdir.SidecarError, KeyError, AttributeError) as exc:
+                row["problem"] = f"sidecar: {exc}"
+            rows.append(row)
+        store = DirectoryStore(folder)
+        held = {h.key: h.slot for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content}
+        bucket = remote.get(folder.name, {})
+        for entry in sorted(store.entries(), key=lambda e: (held.get(e.key, 1 << 30), -e.last_used)):
+            rows.append(_entry_row(folder, entry, held.get(entry.key, "conv"),
+                                   "both" if entry.key in bucket else "local"))
+    here = {row.get("entry") for row in rows}
+    for name, index in remote.items():
+        for known in index.values():
+            if known.key not in here:
+                rows.append(_entry_row(root / name, known.entry(), "conv", "store"))
+    return rows
+
+
+def _entry_row(folder: Path, entry: Entry, slot: int | str, where: str) -> dict[str, Any]:
+    chunks = entry.record.get("chunks")
+    return {"model_id": folder.name, "slot": slot, "entry": entry.key, "file": str(folder / entry.name),
+            "bytes": entry.bytes, "tokens": entry.n_tokens, "where": where,
+            "chunks": chunks.get("count") if isinstance(chunks, dict) else 0,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.last_used)),
+            "model": entry.record.get("model", {}).get("name"),
+            "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"}
+
+
+@slots.command("ls")
+@_DIR
+@_CONFIG
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per slot file.")
+def list_slots(directory: str | None, config_path: str | None, as_json: bool) -> None:
+    """List saved states per model: those this host's slots held at its last stop (SLOT), the other cached
+    conversations (`conv`); tokens, size, when (for entries, SAVED is their last use), WHERE they are (`local`,
+    and with a config whose `slots.store` names a bucket: `store` or `both`)."""
+    root = _slots_dir(directory, config_path)
+    rows = _rows(root, _in_bucket(_bucket(config_path), root))
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    if not rows:
+        click.echo(f"no saved slots in {root}")
+        return
+    click.echo(f"{'MODEL ID':<17} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} {'WHERE':<6} {'SAVED':<25} "
+               f"{'FILE':<26} MODEL")
+    for row in rows:
+        size = f"{row['bytes'] / 1e6:.1f} MB"
+        click.echo(f"{row['model_id']:<17} {row['slot']:>4} {row.get('tokens', '?')!s:>8} {size:>9} "
+                   f"{row.get('cache_types', '?'):<10} {row.get('where', 'local'):<6} "
+                   f"{row.get('problem') or row.get('saved_at')!s:<25} {Path(row['file']).name:<26} "
+                   f"{row.get('model', '?')}")
+    click.echo(f"\n{root}/<model id>/<file> is what `llama-wrapper slots inspect` reads")
+
+
+@slots.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+def inspect(path: str) -> None:
+    """Read a slot file's header (tokens, cells, layers, K/V types, streams) and its sidecar. Exit 1 when there is
+    no such file or it is not a slot file."""
+    if not Path(path).is_file():
+        click.echo(f"llama-wrapper: no such slot file: {path} (`llama-wrapper slots ls` lists them)", err=True)
+        sys.exit(EXIT_FAILED)
+    try:
+        summary = slotfile.read(path).summary()
+    except slotfile.SlotFileError as exc:
+        click.echo(f"llama-wrapper: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    for saved in slotdir.legacy_slots(Path(path).parent):
+        if saved.kv_file.name == Path(path).name:
+            try:
+                summary["sidecar"] = slotdir.read_sidecar(saved.sidecar)
+            except slotdir.SidecarError as exc:
+                summary["sidecar"] = f"unreadable: {exc}"
+    for entry in DirectoryStore(Path(path).parent).entries():
+        if entry.name == Path(path).name:
+            summary["sidecar"] = entry.record
+    click.echo(json.dumps(summary, indent=2))
+
+
+@slots.command("rm")
+@_DIR
+@_CONFIG
+@click.argument("model_id")
+@click.option("--slot", type=int, help="Only this slot [default: every slot of the model].")
+def remove(directory: str | None, config_path: str | None, model_id: str, slot: int | None) -> None:
+    """Remove the saved slots of MODEL_ID (as `slots ls` shows it)."""
+    folder = _slots_dir(directory, config_path) / model_id
+    if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
+        click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
+        sys.exit(EXIT_FAILED)
+    legacy = [saved for saved in slotdir.legacy_slots(folder) if slot is None or saved.slot == slot]
+    store = DirectoryStore(folder)
+    noted = [h for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content
+             and (slot is None or h.slot == slot)]
+    if not legacy and not noted:
+        click.echo(f"llama-wrapper: model {model_id} has no saved slot {slot}" if slot is not None
+                   else f"llama-wrapper: model {model_id} has no saved slots", err=True)
+        sys.exit(EXIT_FAILED)
+    for saved in legacy:
+        for file in slotdir.remove(saved):
+            click.echo(f"removed {file}")
+    for held in noted:
+        assert held.entry is not None
+        store.remove(held.entry)
+        click.echo(f"removed {folder / held.entry.name} (slot {held.slot})")
+    slotdir.drop_from_notes(folder, {h.key for h in noted})

@@ -1,0 +1,1 @@
+"""Where saved states are kept: the interface, the slot folder, chunks, the bucket, the two tiers."""

@@ -1,0 +1,383 @@
+"""The store as a folder: the model's slot folder (llama-server's --slot-save-path, so that it restores an entry
+by its plain name), shared by every host pointed at it (NFS, a ReadWriteMany volume).
+
+An entry is a pair committed as hooks/store/layout.py commits one: `conv-<key>-<fingerprint>.bin`, the state
+llama-server wrote (its token ids first), and the sidecar `conv-<key>.json` that names it, written last. With
+`chunk_tokens`, the state is cut into chunks (hooks/store/chunks.py) written once into `chunks/`
+(hooks/store/chunk_folder.py) before the sidecar — the manifest — names them, and the pair's file is only the tail;
+a restore assembles the state into a part file in the slot folder, which is removed once llama-server has read it.
+The key is a hash of the entry's tokens: two hosts that save the same state write the same key, each its own KV
+file, and the last sidecar wins; a reader only ever follows a committed sidecar to a whole file, and a half-written
+part has a name no reader looks at. The listing is kept and done again when the folder's mtime changes (a commit or
+a removal by any host) or once it is RELIST_S old (NFS caches attributes). The sidecar's mtime is the entry's last
+use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import mmap
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hooks.kvfile import format as slotfile
+from hooks.store import chunks
+from hooks.store import layout as slotdir
+from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
+from hooks.store.interface import Entry, Held, Unreadable, best_of, common_prefix, key_of
+
+T = TypeVar("T")
+PREFIX = slotdir.ENTRY_PREFIX
+RELIST_S = 30.0
+PART_AGE_S = 3600.0  # another host's part this old is litter (a writer that died)
+ORPHAN_AGE_S = 60.0
+_SIDECAR = re.compile(r"^conv-([0-9a-f]{16})\.json$")
+_KV_FILE = re.compile(r"^conv-([0-9a-f]{16})-[0-9a-f]{12}\.bin$")
+_PART = re.compile(r"^conv-[A-Za-z0-9]+\.bin\.part-([A-Za-z0-9]+)-(\d+)$")  # being written by host, pid
+_parts = itertools.count()
+_OURS = ("chunks", "tail_bytes", "host", "token_ids")  # what a commit writes anew, never copied from a record
+_SALTED = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "attn_rot_disable", "state_version", "build")
+
+
+def _salt(record: dict[str, Any]) -> str:
+    """What a chunk's name is chained over beside its layout: the model and what else decides its KV bytes."""
+    return json.dumps([(record.get("model") or {}).get("id"), *(record.get(k) for k in _SALTED)])
+
+
+def part_name(what: str) -> str:
+    """Where llama-server writes a state before it is committed: host, pid and a count keep writers apart."""
+    label = re.sub(r"[^A-Za-z0-9]", "", what)[:24] or "state"
+    return f"{PREFIX}{label}{next(_parts)}.bin.part-{slotdir.host_id()}-{os.getpid()}"
+
+
+def _locked(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def under_lock(self: DirectoryStore, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return under_lock
+
+
+class DirectoryStore:
+    def __init__(self, directory: Path, relist_s: float = RELIST_S,
+                 clock: Callable[[], float] = time.monotonic, chunk_tokens: int = 0) -> None:
+        self.directory = directory
+        self.chunk_tokens = chunk_tokens  # 0: each state kept whole
+        self.chunks = ChunkFolder(directory)
+        self._lock = threading.RLock()  # the listing, against a commit on a worker thread
+        self._foreign: dict[str, set[str]] = {}  # chunks named by manifests this reader cannot use
+        self._relist_s, self._clock = relist_s, clock
+        self._index: dict[str, Entry] = {}
+        self._files: dict[str, tuple[Path, Path]] = {}  # key -> sidecar, KV file
+        self._legacy_entries: dict[str, Entry] = {}  # pairs of the earlier layout, by `slot<N>`: not in lookups
+        self._seen: tuple[float, float] | None = None  # the folder's mtime and when it was listed
+
+    # -- lookups ---------------------------------------------------------------------------------------------
+
+    @_locked
+    def entries(self) -> list[Entry]:
+        return list(self._look().values())
+
+    @_locked
+    def get(self, key: str) -> Entry | None:
+        if key in self._legacy_entries:
+            return self._legacy_entries[key]
+        sidecar = slotdir.entry_sidecar(self.directory, key)
+        if not sidecar.exists():
+            self._forget(key)
+            return None
+        return self._read(sidecar, key) or Entry(key, 0, 0, 0.0, {}, sidecar.name, True, _unreadable(sidecar.name))
+
+    def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
+        return best_of(self.entries(), tokens)
+
+    def find(self, tokens: list[int]) -> Entry | None:
+        found = self._look().get(key_of(tokens))
+        return found if found is not None and found.n_tokens == len(tokens) else None
+
+    def held(self, host: str) -> list[Held]:
+        found = {saved.slot: self._legacy(saved) for saved in slotdir.legacy_slots(self.directory)}
+        _, noted = slotdir.note_of(self.directory, host)
+        for slot, each in noted.items():
+            found[slot] = Held(slot, each.key, each.n_tokens, self.get(each.key))
+        return [found[slot] for slot in sorted(found)]
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def part(self, what: str) -> Iterator[Path]:
+        path = self.directory / part_name(what)
+        try:
+            yield path
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
+        """Safe on a worker thread: the cutting and writing take no lock, the listing's update does."""
+        key = key_of(tokens)
+        sidecar = slotdir.entry_sidecar(self.directory, key)
+        previous = None
+        with contextlib.suppress(OSError, slotdir.SidecarError):
+            previous = self._kv_file(sidecar, slotdir.read_sidecar(sidecar))
+        record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k not in _OURS}}
+        data, size = slotfile.open_map(written)
+        try:
+            cut = chunks.split(data, self.chunk_tokens, _salt(record)) if self.chunk_tokens > 0 \
+                else chunks.Split(b"", [], None)
+            with self.part("tail") as tail:
+                wrote = self.chunks.write(cut)
+                if cut.plan is not None:
+                    record["chunks"] = cut.plan
+                    tail.write_bytes(cut.tail)
+                final = slotdir.commit_pair(self.directory, f"{PREFIX}{key}", tail if cut.plan else written,
+                                            record, previous, size if cut.plan else None)
+            wrote += self.chunks.rewrite_missing(cut)  # another host's eviction found them unnamed meanwhile
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
+        if cut.plan is not None:
+            with contextlib.suppress(OSError):
+                written.unlink()  # cut: gone before its pages need writing out
+        with self._lock:
+            self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
+            entry = self._read(sidecar, key, tokens)
+            assert entry is not None
+            entry.written = wrote + final.stat().st_size + sidecar.stat().st_size
+            for other in self.entries():
+                with contextlib.suppress(Unreadable):
+                    if other.key != key and other.n_tokens < len(tokens) and \
+                            common_prefix(other.tokens, tokens) == other.n_tokens:
+                        self.remove(other)  # a shorter state of the same conversation: the new one holds it all
+        return entry
+
+    @_locked
+    def touch(self, entry: Entry) -> None:
+        sidecar, _ = self._files.get(entry.key, (slotdir.entry_sidecar(self.directory, entry.key), None))
+        with contextlib.suppress(OSError):
+            os.utime(sidecar)
+            entry.last_used = sidecar.stat().st_mtime
+
+    @_locked
+    def remove(self, entry: Entry) -> None:
+        self._remove(entry)
+
+    def _remove(self, entry: Entry) -> int:
+        """Remove the entry and the chunks no other entry names; the bytes that freed."""
+        sidecar, kv_file = self._where(entry)
+        freed = int(entry.record.get("tail_bytes", entry.bytes))
+        for path in (sidecar, kv_file):  # the sidecar first: nothing names a half-removed pair
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._forget(entry.key)
+        if names := names_of(entry.record):  # what another entry names stays
+            # a chunk another process touched since this entry's last use may be named by its commit in
+            # progress: it goes at the sweep, if nothing names it by then
+            freed += len(self.chunks.remove(names, self._named(), since=entry.last_used)) * size_of(entry.record)
+        return freed
+
+    @_locked
+    def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
+        if self.used_bytes() <= budget:
+            return []
+        self._seen = None  # other hosts' hits moved their last use: look again before removing anything
+        self.chunks.remove(self._on_disk(), self._named())  # chunks no manifest names go first
+        used = self.used_bytes()
+        removed = []
+        for entry in sorted(self.entries(), key=lambda e: e.last_used):
+            if used <= budget:
+                break
+            if keep and entry.key in keep:
+                continue
+            used -= self._remove(entry)
+            removed.append(entry)
+        return removed
+
+    def used_bytes(self) -> int:
+        """What the entries take on disk: their files, and each chunk once."""
+        return sum(int(e.record.get("tail_bytes", e.bytes)) for e in self.entries()) + self.chunks.bytes()
+
+    def _named(self) -> set[str]:
+        named = {name for e in self.entries() for name in names_of(e.record)}
+        return named.union(*self._foreign.values())
+
+    def _on_disk(self) -> list[str]:
+        folder = self.chunks.directory
+        return [p.name[:-3] for p in folder.glob("*.kv")] if folder.is_dir() else []
+
+    @_locked
+    def set_aside(self, entry: Entry, reason: str) -> str:
+        sidecar, kv_file = self._where(entry)
+        folder = slotdir.set_aside(sidecar, kv_file, reason)
+        self._forget(entry.key)
+        return str(folder)
+
+    def note(self, host: str, slots: dict[int, Entry]) -> bool:
+        path, noted = slotdir.note_of(self.directory, host)
+        merged = {**noted, **{slot: slotdir.Noted(slot, e.key, e.n_tokens) for slot, e in slots.items()}}
+        superseded = {slot for slot in slots if slot in {s.slot for s in slotdir.legacy_slots(self.directory)}}
+        if merged == noted and path is not None and path.name == f"held-{host}.json" and not superseded:
+            return False
+        slotdir.write_note(self.directory, host, merged)
+        slotdir.remove_legacy(self.directory, superseded)  # after the note: the slot's state is named there
+        return True
+
+    # -- making an entry readable by llama-server ------------------------------------------------------------
+
+    async def fetch(self, entry: Entry) -> Entry:
+        return entry  # on local disk (or a mounted share) already
+
+    @contextlib.asynccontextmanager
+    async def local(self, entry: Entry) -> AsyncIterator[Path]:
+        sidecar, kv_file = self._where(entry)
+        try:
+            record = slotdir.read_sidecar(sidecar)
+            slotdir.check_pair(record, kv_file)
+        except slotdir.SidecarError as exc:
+            raise Unreadable(f"no usable sidecar: {exc}") from exc
+        if not names_of(record):
+            yield kv_file
+            return
+        with self.part("restore") as state:  # in the page cache: removed once restored
+            await asyncio.to_thread(self.chunks.assemble, kv_file, record, state)
+            yield state
+
+    def fetch_seconds(self, entry: Entry) -> float:
+        return 0.0  # on local disk (or a mounted share) already
+
+    def free_bytes(self) -> int:
+        try:
+            return shutil.disk_usage(self.directory).free
+        except OSError:
+            return 0
+
+    @_locked
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Parts of dead writers on this host (or of any host, once an hour old), KV files no sidecar names,
+        and what dead saves of the earlier layout left."""
+        if not self.directory.is_dir():
+            return []
+        now = time.time() if now is None else now
+        self._seen = None
+        named = {self._where(e)[1].name for e in self.entries()}
+        host = slotdir.host_id()
+        removed = slotdir.sweep(self.directory, now) + self.chunks.sweep(self._named(), now)
+        for path in self.directory.iterdir():
+            part = _PART.match(path.name)
+            age = slotdir.age(path, now)
+            if part:
+                pid = int(part.group(2))
+                litter = (part.group(1) == host and pid != os.getpid() and not slotdir.alive(pid)) or age > PART_AGE_S
+            else:
+                litter = bool(_KV_FILE.match(path.name)) and path.name not in named and age > ORPHAN_AGE_S
+            if litter:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed.append(path.name)
+        return removed
+
+    # -- the listing -----------------------------------------------------------------------------------------
+
+    @_locked
+    def _look(self) -> dict[str, Entry]:
+        try:
+            mtime = self.directory.stat().st_mtime
+        except OSError:
+            return {}
+        now = self._clock()
+        if self._seen is not None and self._seen[0] == mtime and now - self._seen[1] < self._relist_s:
+            return self._index
+        self._seen = (mtime, now)  # taken before the listing: a change during it is seen at the next look
+        self._foreign = {}
+        found = {}
+        for path in self.directory.glob(f"{PREFIX}*.json"):
+            match = _SIDECAR.match(path.name)
+            if match and (entry := self._read(path, match.group(1))) is not None:
+                found[entry.key] = entry
+        for key in set(self._index) - set(found):
+            self._forget(key)  # removed by another host
+        return self._index
+
+    def _read(self, sidecar: Path, key: str, tokens: list[int] | None = None) -> Entry | None:
+        """The entry a sidecar describes, kept from the last look when neither it nor its KV file changed."""
+        try:
+            mtime = sidecar.stat().st_mtime
+            known = self._index.get(key)
+            if known is not None and known.last_used == mtime and self._files[key][0] == sidecar:
+                return known
+            record = slotdir.read_sidecar(sidecar)
+            kv_file = self._kv_file(sidecar, record)
+        except (OSError, slotdir.SidecarError, ValueError, TypeError):
+            return None
+        if tokens is None and known is not None and self._files[key][1] == kv_file:
+            tokens = known._tokens  # the same file: its tokens are known
+        try:
+            if plan_problem(record) is not None:  # damaged, or of another version: never offered, but what it
+                names = (record.get("chunks") or {}).get("names") if isinstance(record.get("chunks"), dict) else []
+                self._foreign[key] = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+                return None  # names is not removed under it
+            entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), mtime, record,
+                          kv_file.name, True, _tokens_of(kv_file), tokens)
+        except (TypeError, ValueError):
+            return None
+        self._index[key], self._files[key] = entry, (sidecar, kv_file)
+        return entry
+
+    def _legacy(self, saved: slotdir.SavedSlot) -> Held:
+        """A slot's pair of the earlier layout, as an entry of its own (named by its slot: it is not in lookups)."""
+        key = f"slot{saved.slot}"
+        try:
+            record = slotdir.read_sidecar(saved.sidecar)
+        except slotdir.SidecarError:
+            record = {}
+        entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), 0.0, record,
+                      saved.kv_file.name, False, _tokens_of(saved.kv_file))
+        self._files[key], self._legacy_entries[key] = (saved.sidecar, saved.kv_file), entry
+        return Held(saved.slot, key, entry.n_tokens, entry)
+
+    def _where(self, entry: Entry) -> tuple[Path, Path]:
+        if entry.key in self._files:
+            return self._files[entry.key]
+        sidecar = slotdir.entry_sidecar(self.directory, entry.key)
+        return sidecar, self.directory / entry.name
+
+    def _forget(self, key: str) -> None:
+        self._index.pop(key, None)
+        self._files.pop(key, None)
+        self._legacy_entries.pop(key, None)
+
+    def _kv_file(self, sidecar: Path, record: dict[str, Any]) -> Path:
+        name = record.get("file")
+        if not isinstance(name, str) or not _KV_FILE.match(name):
+            raise slotdir.SidecarError(f"{sidecar.name} names an odd file: {name!r}")
+        return sidecar.parent / name
+
+
+def _tokens_of(kv_file: Path) -> Callable[[], list[int]]:
+    def load() -> list[int]:
+        try:
+            data, _ = slotfile.open_map(kv_file)
+            try:
+                return slotfile.header(data, str(kv_file)).tokens
+            finally:
+                if isinstance(data, mmap.mmap):
+                    data.close()
+        except (OSError, slotfile.SlotFileError) as exc:
+            raise Unreadable(f"{kv_file.name}: {exc}") from exc
+    return load
+
+
+def _unreadable(name: str) -> Callable[[], list[int]]:
+    def load() -> list[int]:
+        raise Unreadable(f"{name} cannot be read")
+    return load

@@ -1,0 +1,167 @@
+"""Where saved slot states are kept: the interface (a folder today, hooks/store/folder.py; an object-store tier
+must fit behind it too).
+
+Every saved state is an entry named by what it holds (a hash of its tokens), whoever saved it and why (a
+conversation that left its slot, a slot saved at a stop or before a reload). What each slot of a host held at
+its last stop is that host's note: slot -> entry key. Nothing outside a store names a file of it: llama-server
+writes a state into a part the store hands out, and restores from a local path the store makes readable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Unreadable(Exception):
+    """An entry the store cannot hand over whole (damaged, half-written, gone)."""
+
+
+class Unavailable(Exception):
+    """An entry the store cannot hand over now (a full disk, the bucket down or slow): not the entry's fault."""
+
+
+def key_of(tokens: list[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()[:16]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    differ = np.flatnonzero(x != y)
+    return int(differ[0]) if len(differ) else n
+
+
+def best_of(entries: list[Entry], tokens: list[int]) -> tuple[Entry | None, int]:
+    """The entry sharing the longest prefix with `tokens` (the shorter of two that share as much), and how long
+    that prefix is; entries whose tokens cannot be read are passed over."""
+    best: Entry | None = None
+    length = 0
+    for entry in entries:
+        try:
+            shared = common_prefix(entry.tokens, tokens)
+        except Unreadable:
+            continue
+        if shared > length or (shared == length and best is not None and entry.n_tokens < best.n_tokens):
+            best, length = entry, shared
+    return best, length
+
+
+@dataclass
+class Entry:
+    key: str
+    n_tokens: int
+    bytes: int
+    last_used: float  # seconds since the epoch
+    record: dict[str, Any]  # what the saver knew: model, cache types, state version, ...
+    name: str  # what status and `slots ls` show
+    by_content: bool = True  # False: a pair of the earlier layout, named by its slot (never found by a lookup)
+    load_tokens: Callable[[], list[int]] = field(repr=False, default=list)
+    _tokens: list[int] | None = field(default=None, repr=False)
+    written: int = 0  # the bytes its commit wrote (only what the store did not hold: new chunks, tail, manifest)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Its token ids, read once (Unreadable when they cannot be)."""
+        if self._tokens is None:
+            self._tokens = self.load_tokens()
+        return self._tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "tokens": self.n_tokens, "bytes": self.bytes, "file": self.name,
+                "last_used": round(self.last_used, 3)}
+
+
+@dataclass(frozen=True)
+class Held:
+    """One slot of a host's note: the entry it held at that host's last stop (None: that entry is gone)."""
+
+    slot: int
+    key: str
+    n_tokens: int
+    entry: Entry | None
+
+
+class Store(Protocol):
+    """Lookups answer from what the store last saw; a store looks again on its own terms (a changed folder,
+    a maximum age), never once per request."""
+
+    def entries(self) -> list[Entry]:
+        """Every committed entry (other hosts' too, as of the last look)."""
+        ...
+
+    def get(self, key: str) -> Entry | None:
+        """The entry of that key if it is still there (checked now, not from the last look)."""
+        ...
+
+    def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and how long that prefix is."""
+        ...
+
+    def find(self, tokens: list[int]) -> Entry | None:
+        """The entry holding exactly these tokens."""
+        ...
+
+    def part(self, what: str) -> AbstractContextManager[Path]:
+        """A path in the slot folder for llama-server to write a state into (its name for the save action);
+        no reader looks at it, and it is removed when the block ends unless committed."""
+        ...
+
+    def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
+        """Make a verified part an entry; the entries it extends (shorter states of it) go."""
+        ...
+
+    def touch(self, entry: Entry) -> None:
+        """A hit: its last use is now."""
+        ...
+
+    def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
+        """Remove the least recently used entries until the rest fit `budget` bytes."""
+        ...
+
+    def remove(self, entry: Entry) -> None: ...
+
+    def set_aside(self, entry: Entry, reason: str) -> str:
+        """Keep an entry that made llama-server fail out of every lookup, with why; says where it went."""
+        ...
+
+    async def fetch(self, entry: Entry) -> Entry:
+        """The entry brought into the local tier, so that `local` can hand it over (itself when it is there);
+        Unreadable when it cannot be fetched."""
+        ...
+
+    def local(self, entry: Entry) -> AbstractAsyncContextManager[Path]:
+        """The entry, whole, as a file in llama-server's slot folder (its name for the restore action) for the
+        block's length; Unreadable when it cannot be."""
+        ...
+
+    def fetch_seconds(self, entry: Entry) -> float:
+        """The predicted time `local` takes before a restore can begin (0 for an entry on local disk)."""
+        ...
+
+    def free_bytes(self) -> int: ...
+
+    def used_bytes(self) -> int:
+        """What the entries take (each chunk counted once)."""
+        ...
+
+    def sweep(self) -> list[str]:
+        """Remove what dead writers left; says what went."""
+        ...
+
+    def held(self, host: str) -> list[Held]:
+        """What each slot held at that host's last stop (another host's latest when it has none)."""
+        ...
+
+    def note(self, host: str, slots: dict[int, Entry]) -> bool:
+        """Record what each slot of `host` holds now (slots not given keep what the note said); False when the
+        note already says so."""
+        ...

@@ -1,0 +1,189 @@
+"""A model's slot folder in an object store (`slots.store`): the same names under `<prefix><model folder>/` —
+manifests `conv-<key>.json`, tails `conv-<key>-<fingerprint>.bin`, chunks `chunks/<name>.kv` — so that an entry
+is uploaded and fetched file by file and the local folder (hooks/store/folder.py) reads what was fetched as its own.
+
+An upload writes the chunks and the tail first, each only if absent (`If-None-Match: *`: a 412 means another host
+wrote it, which is as good), the manifest last: a manifest never names an object that is not whole. The manifest
+is written with a condition too — absent, or the version this host last saw — so two hosts committing one
+conversation never overwrite each other: the loser keeps the winner's, which holds the same tokens. A remote
+manifest carries its tokens (the local one finds them in its tail), so that a lookup needs no other object.
+
+Every call is blocking (hooks/store/bucket.py); the tiered store runs them in threads.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hooks.store import layout as slotdir
+from hooks.store.bucket import Bucket, Conflict, NotFound
+from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
+from hooks.store.interface import Entry, Unreadable
+from hooks.store.threads import map_on
+
+_MANIFEST = re.compile(r"^conv-([0-9a-f]{16})\.json$")
+_TAIL = re.compile(r"^conv-[0-9a-f]{16}-[0-9a-f]{12}\.bin$")
+PARALLEL = 8  # objects moved at once
+
+
+@dataclass
+class Known:
+    """A manifest the bucket holds, as of the last look."""
+
+    key: str
+    etag: str
+    record: dict[str, Any]
+    tokens: list[int]
+    modified: float
+
+    def entry(self) -> Entry:
+        tokens = self.tokens
+        return Entry(self.key, len(tokens), int(self.record.get("bytes") or 0), self.modified, self.record,
+                     str(self.record.get("file")), True, lambda: tokens, tokens)
+
+
+class Remote:
+    def __init__(self, bucket: Bucket, folder: str) -> None:
+        self.bucket = bucket
+        self.folder = folder.strip("/") + "/"  # the model's folder name under the prefix
+        self.index: dict[str, Known] = {}
+        self.chunks: set[str] = set()  # chunks this wrapper put, or saw whole there: not sent again
+        self.named: set[str] = set()  # chunks other hosts' manifests name: checked (HEAD) before being trusted
+
+    def describe(self) -> str:
+        return f"{self.bucket.url}{self.folder} at {self.bucket.endpoint}"
+
+    # -- the index ----------------------------------------------------------------------------------------------
+
+    def refresh(self) -> tuple[int, int]:
+        """List the manifests and read those that are new or changed: (manifests, read now)."""
+        listed = {m.group(1): o for o in self.bucket.list(self.folder + "conv-")
+                  if (m := _MANIFEST.match(o.name[len(self.folder):]))}
+        index = {key: known for key, known in self.index.items() if key in listed}  # a new one, swapped in whole:
+        changed = [o for key, o in listed.items() if key not in index or index[key].etag != o.etag]  # lookups
+        for known in map_on(PARALLEL, self._read, changed):  # read the old one meanwhile, on another thread
+            if known is not None:
+                index[known.key] = known
+                self.named.update(names_of(known.record))
+        self.index = index
+        return len(listed), len(changed)
+
+    def _read(self, listed: Any) -> Known | None:
+        try:
+            data = json.loads(self.bucket.get(listed.name))
+            key = _MANIFEST.match(listed.name[len(self.folder):])
+            tokens = np.frombuffer(base64.b64decode(data.pop("token_ids")), dtype="<i4").tolist()
+            if key is None or data.get("key") != key.group(1) or len(tokens) != data.get("tokens") or \
+                    not _TAIL.match(str(data.get("file"))) or plan_problem(data) is not None or \
+                    int(data.get("bytes")) < 0 or not isinstance(data.get("model"), dict):
+                return None
+        except NotFound:
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None  # not a manifest of ours (or damaged): never offered
+        return Known(key.group(1), listed.etag, data, tokens, listed.modified)
+
+    # -- upload -------------------------------------------------------------------------------------------------
+
+    def upload(self, directory: Path, entry: Entry, host: str) -> int | None:
+        """Put the entry's chunks, tail and manifest; the bytes sent (0 when the bucket held it already), None when
+        the folder no longer holds it."""
+        sidecar = slotdir.entry_sidecar(directory, entry.key)
+        try:
+            record = slotdir.read_sidecar(sidecar)
+        except slotdir.SidecarError:
+            return None  # gone meanwhile (replaced by a longer state, evicted): nothing to upload
+        known = self.index.get(entry.key)
+        if known is not None and known.record.get("file") == record.get("file"):
+            return 0
+        folder = ChunkFolder(directory)
+        size = size_of(record)
+        missing = [n for n in names_of(record) if n not in self.chunks]
+        sent = sum(map_on(PARALLEL, lambda n: self._put_chunk(n, folder.path(n), size), missing))
+        self.chunks.update(missing)
+        sent += self._put_file(str(record["file"]), directory / str(record["file"]))
+        manifest = {**record, "host": host,
+                    "token_ids": base64.b64encode(np.asarray(entry.tokens, dtype="<i4").tobytes()).decode()}
+        body = json.dumps(manifest).encode()
+        try:
+            etag = self.bucket.put(self.folder + sidecar.name, body, if_none_match=known is None,
+                                   if_match=known.etag if known is not None else None)
+        except Conflict:
+            return sent  # another host committed this conversation meanwhile: theirs stays (the next look reads it)
+        self.index[entry.key] = Known(entry.key, etag, record, list(entry.tokens), entry.last_used)
+        return sent + len(body)
+
+    def _put_chunk(self, name: str, path: Path, size: int) -> int:
+        """A chunk another manifest names is only skipped once the bucket is seen to hold it whole."""
+        if name in self.named:
+            there = self.bucket.head(f"{self.folder}chunks/{name}.kv")
+            if there is not None and there.size == size:
+                return 0
+            if there is not None:  # cut short: ours replaces it
+                return self._put_file(f"chunks/{name}.kv", path, only_new=False)
+        return self._put_file(f"chunks/{name}.kv", path)
+
+    def _put_file(self, name: str, path: Path, only_new: bool = True) -> int:
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as data:  # streamed: never a whole state in memory
+                self.bucket.put(self.folder + name, data, if_none_match=only_new)
+        except FileNotFoundError as exc:
+            raise Unreadable(f"{path.name} is gone") from exc
+        except Conflict:
+            return 0  # there already: a chunk or tail is named by what it holds
+        return size
+
+    def forget_shorter(self, entry: Entry) -> int:
+        """Remove the manifests (and tails) of shorter states of the entry's conversation, as a commit does in a
+        folder: the longer one holds all they hold and names their chunks; how many went."""
+        gone = 0
+        for known in list(self.index.values()):
+            if known.key != entry.key and len(known.tokens) < entry.n_tokens \
+                    and entry.tokens[:len(known.tokens)] == known.tokens:
+                self.bucket.delete(f"{self.folder}conv-{known.key}.json")
+                self.bucket.delete(self.folder + str(known.record.get("file")))
+                self.index.pop(known.key, None)
+                gone += 1
+        return gone
+
+    # -- fetch --------------------------------------------------------------------------------------------------
+
+    def missing(self, directory: Path, record: dict[str, Any]) -> list[str]:
+        """The entry's objects the local folder lacks (by their names in the bucket)."""
+        folder = ChunkFolder(directory)
+        size = size_of(record)
+        names = [f"chunks/{n}.kv" for n in names_of(record) if not folder.has(n, size)]
+        tail = directory / str(record.get("file"))
+        if not tail.exists():
+            names.append(str(record.get("file")))
+        return names
+
+    def fetch(self, directory: Path, known: Known) -> int:
+        """Bring the entry's objects into the local folder and commit its sidecar there; the bytes fetched."""
+        record = known.record
+        wanted = self.missing(directory, record)
+        (directory / "chunks").mkdir(parents=True, exist_ok=True)
+        got = sum(map_on(PARALLEL, lambda name: self._get_file(directory, name), wanted))
+        slotdir.write_sidecar(slotdir.entry_sidecar(directory, known.key), record)
+        return got
+
+    def _get_file(self, directory: Path, name: str) -> int:
+        target = directory / name
+        temporary = target.with_name(f"{target.name}.{slotdir.temporary_tag()}.tmp")  # swept if it dies
+        try:
+            size = self.bucket.get_to(self.folder + name, temporary)
+            os.replace(temporary, target)
+        finally:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+        return size

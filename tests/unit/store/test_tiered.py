@@ -1,0 +1,165 @@
+"""The folder in front of a bucket (hooks/store/tiered.py) against a real S3 server (SeaweedFS): an entry committed on
+one host is found and fetched whole by another, two hosts committing one conversation never clobber each other,
+each turn uploads only what it adds, damaged or missing objects are refused without failing anything, the bucket
+going away and coming back."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hooks.store.bucket import Bucket
+from hooks.store.folder import DirectoryStore, part_name
+from hooks.store.interface import Unreadable
+from hooks.store.remote import Remote
+from hooks.store.tiered import TieredStore
+from tests.s3server import S3Server, skip_without_weed
+from tests.unit.store.test_chunks import state
+
+RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    skip_without_weed()
+    with S3Server(tmp_path_factory.mktemp("s3")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def host(server: S3Server, folder: Path, prefix: str, name: str = "h") -> TieredStore:
+    bucket = Bucket(server.store(prefix), endpoint=server.endpoint, access_key=server.access_key,
+                    secret_key=server.secret_key, region="us-east-1", timeout_s=3)
+    return TieredStore(DirectoryStore(folder / "model", chunk_tokens=16), Remote(bucket, "model"), name, 0.0)
+
+
+def save(store: TieredStore, tokens: list[int]) -> bytes:
+    data = state(tokens)
+    store.folder.directory.mkdir(parents=True, exist_ok=True)
+    part = store.folder.directory / part_name("test")
+    part.write_bytes(data)
+    store.commit(part, tokens, RECORD)
+    return data
+
+
+async def restored(store: TieredStore, tokens: list[int]) -> bytes:
+    entry, shared = store.best(tokens)
+    assert entry is not None and shared == len(tokens)
+    entry = await store.fetch(entry)
+    async with store.local(entry) as path:
+        return path.read_bytes()
+
+
+TOKENS = list(range(1000, 1090))
+
+
+async def test_a_conversation_committed_on_one_host_is_fetched_whole_by_another(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    a, b = host(server, tmp_path / "a", prefix, "a"), host(server, tmp_path / "b", prefix, "b")
+    data = save(a, TOKENS[:70])
+    await a.upload_pending()
+    assert a.pending == {} and a.counters.uploaded > len(data)
+    await b.look(force=True)
+    assert b.where(b.entries()[0]) == "store" and b.fetch_seconds(b.entries()[0]) > 0
+    assert await restored(b, TOKENS[:70]) == data
+    assert b.where(b.entries()[0]) == "both" and b.fetch_seconds(b.entries()[0]) == 0  # in b's folder now
+    assert b.counters.fetched >= len(data) - 2000
+    # the next turn, on b: only what it adds goes up
+    longer = save(b, TOKENS)
+    await b.upload_pending()
+    assert b.counters.uploaded < len(longer) / 2
+    await a.look(force=True)
+    assert await restored(a, TOKENS) == longer
+    assert [e.n_tokens for e in a.entries() if a.where(e) != "gone"] == [90]  # a's shorter one is gone too
+
+
+async def test_two_hosts_committing_one_conversation_never_clobber_each_other(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    a, b = host(server, tmp_path / "a", prefix, "a"), host(server, tmp_path / "b", prefix, "b")
+    save(a, TOKENS)
+    save(b, TOKENS)
+    await asyncio.gather(a.upload_pending(), b.upload_pending())
+    c = host(server, tmp_path / "c", prefix, "c")
+    await c.look(force=True)
+    (entry,) = c.entries()
+    assert entry.record["host"] in ("a", "b")
+    assert await restored(c, TOKENS) == state(TOKENS)
+
+
+async def test_a_missing_or_cut_object_is_refused_and_nothing_fails(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    a = host(server, tmp_path / "a", prefix, "a")
+    save(a, TOKENS)
+    await a.upload_pending()
+    (entry,) = a.folder.entries()
+    names = entry.record["chunks"]["names"]
+    bucket = a.remote.bucket
+    bucket.put(f"model/chunks/{names[0]}.kv", b"cut short")  # a half-uploaded object
+    bucket.delete(f"model/chunks/{names[1]}.kv")
+    b = host(server, tmp_path / "b", prefix, "b")
+    await b.look(force=True)
+    (remote,) = b.entries()
+    with pytest.raises(Unreadable, match="lacks"):
+        await b.fetch(remote)
+    assert b.state == "up" and b.entries() == []  # refused: not offered again, the bucket is not "down"
+    c = host(server, tmp_path / "c", prefix, "c")
+    bucket.put(f"model/chunks/{names[1]}.kv", b"x" * 10)
+    await c.look(force=True)
+    fetched = await c.fetch(c.entries()[0])
+    with pytest.raises(Unreadable, match=r"damaged|do not make"):
+        async with c.local(fetched):
+            pass
+
+
+async def test_the_bucket_going_away_keeps_the_folder_serving_and_the_uploads_resume(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    a = host(server, tmp_path / "a", prefix, "a")
+    await a.look(force=True)
+    server.stop()
+    try:
+        data = save(a, TOKENS)
+        sync = asyncio.ensure_future(a.sync())
+        for _ in range(100):
+            if a.state == "down":
+                break
+            await asyncio.sleep(0.1)
+        assert a.state == "down" and a.error and server.secret_key not in a.error
+        assert list(a.pending) and await restored(a, TOKENS) == data  # from the folder
+        assert a.evict(0) == []  # the only copy is never evicted
+        report = await a.flush(2.0)
+        assert report["left"] == 1 and report["error"]
+    finally:
+        server.start()
+    a._poke()
+    for _ in range(300):
+        if not a.pending and a.state == "up":
+            break
+        await asyncio.sleep(0.1)
+    sync.cancel()
+    assert not a.pending and a.state == "up"
+    b = host(server, tmp_path / "b", prefix, "b")
+    await b.look(force=True)
+    assert await restored(b, TOKENS) == data
+
+
+async def test_what_a_killed_wrapper_had_not_uploaded_goes_up_after_its_restart(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    killed = host(server, tmp_path / "a", prefix, "a")
+    data = save(killed, TOKENS)  # committed to the folder; the process dies before its sync uploads it
+    assert list(killed.pending)
+    again = host(server, tmp_path / "a", prefix, "a")  # the same folder, a new process
+    assert again.evict(0) == []  # the bucket not listed yet: nothing it may lack is evicted
+    await again.look(force=True)
+    assert list(again.pending) == list(killed.pending)
+    await again.upload_pending()
+    b = host(server, tmp_path / "b", prefix, "b")
+    await b.look(force=True)
+    assert await restored(b, TOKENS) == data
