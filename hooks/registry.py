@@ -14,7 +14,7 @@ from typing import Any
 
 from hooks import conversations, media
 from hooks import speculative as spec
-from hooks.cachesettings import CACHE
+from hooks.conversations.settings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
 from hooks.degrade.settings import DEGRADE
@@ -33,6 +33,7 @@ from hooks.speculative import report as spec_report
 from hooks.speculative import settings as spec_settings
 from hooks.speculative import track as spec_track
 from hooks.speculative.settings import SPEC
+from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
@@ -73,7 +74,7 @@ class Builtin:
     """One built-in: its family and the hook points it fills, each by name (every one but `family` optional).
 
     When each runs, written once (wrapper/extensions.py asks only the built-ins in use):
-      at load         `settings` read and checked; `actions` named by hooks checked with their `with:` options
+      at load         `sections` read and checked; `actions` named by hooks checked with their `with:` options
       in use          `in_use(config)`, else a hook names one of its actions; settled once per generation;
                       `warnings(config)` printed by `check` and logged at a start (`config.warning`)
       before a start  `fit`: the child's argv, after the fits of the families named in `after`
@@ -88,7 +89,7 @@ class Builtin:
 
     family: str  # actions are named `<family>.<verb>`
     after: tuple[str, ...] = ()  # families whose fit and steps run before this one's (the only order there is)
-    settings: Section[Any] | None = None  # its section of the config, declared in its own module
+    sections: tuple[Section[Any], ...] = ()  # its sections of the config, each declared in its own module
     actions: Mapping[str, BuiltinAction] = field(default_factory=dict)
     in_use: Callable[[Config], bool] | None = None
     warnings: Callable[[Config], list[str]] | None = None  # what works but is probably not meant
@@ -128,30 +129,32 @@ def ordered(builtins: tuple[Builtin, ...]) -> tuple[Builtin, ...]:
 
 BUILTINS: tuple[Builtin, ...] = ordered((
     Builtin(
-        family=slotsettings.FAMILY, settings=slotsettings.SLOTS,
+        family=slotsettings.FAMILY, sections=(slotsettings.SLOTS, STORE),
         actions={"slots.save": BuiltinAction(lambda g, _: slots.save(g), doc="save every slot that holds tokens"),
-                 "slots.restore": BuiltinAction(lambda g, _: slots.restore(g),
+                 "slots.restore": BuiltinAction(lambda g, _: slots.restore(g, conversations.in_use(g.config)),
                                                 doc="restore the saved slots the server can use")},
-        fit=lambda argv, launch, config, _, __: fit_for_slots(argv, launch, config),
+        fit=lambda argv, launch, config, shared, _: fit_for_slots(argv, launch, config, shared),
         observer=slots.observer,
         status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},  # where status has had it
-        hand_over=slots.save_step, take_over=slots.take_over,
+        hand_over=slots.save_step, take_over=lambda g: slots.take_over(g, conversations.in_use(g.config)),
         reload_report=slots.restore_report, background=slots.background, metrics=slots.metrics,
     ),
     Builtin(  # on always: without a projector a media request is its 400; the projector on demand
-        family=media.FAMILY, settings=MEDIA, in_use=lambda config: True, warnings=media_fit.warnings, fit=media_fit.fit,
+        family=media.FAMILY, sections=(MEDIA,), in_use=lambda config: True, warnings=media_fit.warnings,
+        fit=media_fit.fit,
         before=(Before(paths.CARRYING_MEDIA, media_step.before),),
         shown=Shown(paths.DESCRIBING, media_report.applies, media_report.shown),
         status=media_report.status, metrics=media_report.metrics, background=media_idle.drop_when_idle,
     ),
     Builtin(  # with spec.when: alone
-        family=spec.FAMILY, settings=SPEC, in_use=spec_settings.switching, warnings=spec_fit.warnings, fit=spec_fit.fit,
+        family=spec.FAMILY, sections=(SPEC,), in_use=spec_settings.switching, warnings=spec_fit.warnings,
+        fit=spec_fit.fit,
         before=(Before(paths.DECODING, spec_track.before),), observer=spec_track.observer,
         status=spec_report.status, metrics=spec_report.metrics, background=spec_control.switch_when_calm,
     ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and
         # after media (a conversation with an image comes back into a server with the projector)
-        family=conversations.FAMILY, after=(slotsettings.FAMILY, media.FAMILY), settings=CACHE,
+        family=conversations.FAMILY, after=(slotsettings.FAMILY, media.FAMILY), sections=(CACHE,),
         in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics,
@@ -163,7 +166,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
     Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence, and counts the projector
         # only while media's fit keeps it
-        family=DEGRADE_FAMILY, after=(slotsettings.FAMILY, media.FAMILY, spec.FAMILY), settings=DEGRADE,
+        family=DEGRADE_FAMILY, after=(slotsettings.FAMILY, media.FAMILY, spec.FAMILY), sections=(DEGRADE,),
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,
@@ -175,4 +178,4 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
 ))
 ACTIONS: dict[str, BuiltinAction] = {name: action for b in BUILTINS for name, action in b.actions.items()}
-SECTIONS: tuple[Section[Any], ...] = tuple(b.settings for b in BUILTINS if b.settings is not None)
+SECTIONS: tuple[Section[Any], ...] = tuple(section for b in BUILTINS for section in b.sections)

@@ -9,8 +9,8 @@ logged with both predictions (`conversations.decision`); hooks/conversations/rep
 
 from __future__ import annotations
 
-from hooks.cachesettings import CACHE
 from hooks.conversations.report import metrics, observer, status
+from hooks.conversations.settings import CACHE
 from hooks.conversations.state import FAMILY
 from hooks.conversations.step import PATHS, before
 from hooks.slots.settings import FAMILY as SLOTS_FAMILY

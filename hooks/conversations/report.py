@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.cachesettings import CACHE
 from hooks.conversations.state import enabled, state
 from hooks.slots.book import book_of
-from hooks.slots.transfer import store_of
+from hooks.slots.stores import store_of
+from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.generation import Generation
 from wrapper.metrics import METRICS
@@ -57,7 +57,7 @@ def status(generation: Generation) -> dict[str, Any]:
     return {
         "on": True, "entries": [{**e.as_dict(), "hits": conv.hits_by_entry.get(e.key, 0)} for e in entries[:50]],
         "count": len(entries), "bytes": total,
-        "budget": CACHE.of(generation.config).budget,
+        "budget": STORE.of(generation.config).budget,
         "rates": {"prefill_tokens_per_s": rates.prefill_tps, "restore_bytes_per_s": rates.restore_bps,
                   "convert_bytes_per_s": rates.convert_bps},
         "hits": conv.hits, "misses": dict(conv.misses), "decisions": list(conv.decisions),

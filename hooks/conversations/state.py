@@ -7,10 +7,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from hooks.cachesettings import CACHE
 from hooks.conversations.rates import KeptRates
+from hooks.conversations.settings import CACHE
 from hooks.decisions import Decisions
-from hooks.slots.transfer import store_of
+from hooks.slots.stores import store_of
 from wrapper.generation import Generation
 from wrapper.kept import Key
 from wrapper.metrics import METRICS

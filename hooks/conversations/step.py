@@ -10,12 +10,14 @@ import time
 
 import structlog
 
-from hooks.cachesettings import CACHE
 from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
+from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.slots.book import book_of
-from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
-from hooks.store.interface import Entry, Store, common_prefix
+from hooks.slots.stores import store_of
+from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
+from hooks.store import Entry, Store, common_prefix
+from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.generation import Generation, Host, ServerLost
 from wrapper.llama import LlamaError
@@ -40,11 +42,11 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         log.debug("conversations.no_tokens", path=out.path, error=str(exc))
         book.forgotten()
         return out  # the server tokenizes it its own way; this request is not pinned
-    book.exact = True  # every completion is pinned (or makes the book forget): it says what the slots hold
+    book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     conv = state(generation)
     if not book.total:
         with contextlib.suppress(LlamaError):
-            book.total = int((await generation.props()).get("total_slots") or 1)
+            book.learnt_total(int((await generation.props()).get("total_slots") or 1))
     asked = out.payload.get("id_slot")
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself
@@ -142,14 +144,14 @@ async def _make_room(generation: Generation, conv: Conversations, store: Store, 
 
 async def save_slot(generation: Generation, conv: Conversations, store: Store, slot: int, why: str) -> Entry | None:
     """Save what a slot holds into the cache (unless it is there already); None when nothing was written."""
-    settings = CACHE.of(generation.config)
+    limits = STORE.of(generation.config)
     store.sweep()
-    if store.free_bytes() < settings.min_free:
-        _skip(slot, f"less than cache.min_free ({settings.min_free >> 20} MiB) is free on disk")
+    if store.free_bytes() < limits.min_free:
+        _skip(slot, f"less than store.min_free ({limits.min_free >> 20} MiB) is free on disk")
         return None
     try:
-        saved = await save_into(generation, store, slot, settings.min_tokens,
-                                min(settings.entry_max, settings.budget))
+        saved = await save_into(generation, store, slot, CACHE.of(generation.config).min_tokens,
+                                min(limits.entry_max, limits.budget))
     except NotSaved as exc:
         if exc.failed:
             log.warning("conversations.save_failed", slot=slot, error=exc.reason)
@@ -161,7 +163,7 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     entry = saved.entry
     conv.written.append((time.time(), entry.written))
     METRICS.conv_bytes_written.inc(entry.written)
-    evicted = store.evict(settings.budget, keep={entry.key})
+    evicted = store.evict(limits.budget, keep={entry.key})
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
              written=entry.written, ms=saved.total_ms, evicted=[e.key for e in evicted])
     return entry
@@ -181,10 +183,8 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
     in_slot = common_prefix(book_of(generation).holds(slot), tokens)
     candidate = None
     if entry is not None:
-        server = await server_settings_of(generation)
-        convert = (entry.record.get("cache_type_k"), entry.record.get("cache_type_v")) != \
-            (server["cache_type_k"], server["cache_type_v"])
-        candidate = Candidate(shared, in_slot, entry.bytes, convert, store.fetch_seconds(entry))
+        cost = await cost_of(generation, store, entry)
+        candidate = Candidate(shared, in_slot, cost.bytes, cost.converts, cost.fetch_s)
     kept = conv.rates_of(generation)
     decision = decide(candidate, kept.rates, Rule(settings.min_tokens, settings.restore_margin, settings.restore_rate))
     if entry is not None and decision.gain > 0:

@@ -15,11 +15,10 @@ from hooks.degrade.planning import MIN_START_CTX, cells, ladder_for, pool_device
 from hooks.degrade.pool.folder import Member, Pool
 from hooks.degrade.pool.member import ask_now, pool_of
 from hooks.degrade.settings import DEGRADE, DegradeSettings
-from hooks.degrade.state import DegradeState, Fitted, state_of
+from hooks.degrade.state import Fitted, state_of
 from hooks.degrade.wanted import Wanted
 from hooks.media.settings import on_demand
-from hooks.slots.settings import SLOTS
-from hooks.store import layout as slotdir
+from hooks.slots import noted_tokens
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.kept import Kept
@@ -52,7 +51,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
     pool = pool_of(settings)
     if pool is not None:
         try:
-            pooled = _fit_in_pool(pool, argv, launch, config, state, ask, settings)
+            pooled = _fit_in_pool(pool, argv, launch, config, shared, ask, settings)
         except PlanError as exc:
             out.note("degrade: off", f"cannot plan this model: {exc}")
             return out
@@ -70,7 +69,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
         except PlanError as exc:
             out.note("degrade: off", f"cannot plan this model: {exc}")
             return out
-        wanted = max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, config, settings))
+        wanted = max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, shared, settings))
         chosen = _fitting(_chosen(rungs, ask.rung or state.held_rung, wanted), rungs, budget, source)
         n_ctx = chosen.max_ctx
     before = args.get(argv, args.CTX_SIZE)
@@ -108,11 +107,12 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
 Pooled = tuple[RungPlan, int, Planner, list[RungPlan], int, str, int, int]
 
 
-def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, state: DegradeState, ask: Wanted,
+def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, shared: Kept, ask: Wanted,
                  settings: DegradeSettings) -> Pooled:
     """The rung and context this member needs now (not all it could take), planned with what the pool has free
     and taken from it under its lock: two members fitting at once never both count the same bytes. A start
     that does not fit asks the others first (and waits for them here: nothing is served yet)."""
+    state = state_of(shared)
     device = pool_device(argv, ask.backend)
     for last in (False, True):
         with pool.locked() as held:
@@ -124,7 +124,7 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, st
             budget = max(0, min(free, ask.limit) if ask.limit is not None else free)
             planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
             rest = min(planner.ceiling, settings.context or MIN_START_CTX)
-            saved = _saved_tokens(launch, config, settings) if not state.started else 0  # a start restores them
+            saved = _saved_tokens(launch, shared, settings) if not state.started else 0  # a start restores them
             kept = state.held_ctx if ask.ctx is None else 0  # a reload degrade did not ask for keeps the context
             wanted = min(planner.ceiling, cells(max(ask.ctx or 0, rest, saved, kept)))
             chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
@@ -180,17 +180,10 @@ def _chosen(rungs: list[RungPlan], named: str | None, wanted: int) -> RungPlan |
     return choose(rungs, wanted) or (max(usable, key=lambda r: r.max_ctx) if usable else None)
 
 
-def _saved_tokens(launch: Launch, config: Config, settings: DegradeSettings) -> int:
-    """The longest conversation saved for this model, plus headroom: a start should be able to restore it."""
-    if not config.uses(SLOTS.name):
-        return 0
-    directory = SLOTS.of(config).dir / launch.model.id
-    tokens = []
-    for saved in slotdir.saved_slots(directory):
-        try:
-            tokens.append(int(slotdir.read_sidecar(saved.sidecar).get("tokens") or 0))
-        except (slotdir.SidecarError, ValueError, TypeError):
-            continue  # slots.restore reports it
+def _saved_tokens(launch: Launch, shared: Kept, settings: DegradeSettings) -> int:
+    """The longest conversation this host's slots held at its last stop, plus headroom: a start should be able to
+    restore it (one only the bucket holds too: `slots.restore` fetches it)."""
+    tokens = noted_tokens(launch, shared)
     return max(tokens) + settings.headroom if tokens else 0
 
 

@@ -1,1 +1,9 @@
-"""The slot built-ins: slots.save and slots.restore, the slot book, the transfer between a slot and the store."""
+"""The slot built-ins: `slots.save` and `slots.restore` (actions), the slot book (what each slot holds), the
+transfer between a slot and the store, the store of each slot folder, the argv they need (fit), the `slots:`
+section, `llama-wrapper slots`. The other built-ins see them through this face only: what each slot holds
+(read-only) and the tokens this host's slots held at its last stop."""
+
+from hooks.slots.book import SlotsHeld, held_of
+from hooks.slots.stores import noted_tokens
+
+__all__ = ["SlotsHeld", "held_of", "noted_tokens"]

@@ -15,15 +15,15 @@ from typing import Any
 
 import structlog
 
-from hooks.cachesettings import CACHE
 from hooks.kvfile import format as slotfile
 from hooks.slots.book import book_of
 from hooks.slots.reuse import ReuseTracker
 from hooks.slots.settings import FAMILY, SLOTS
-from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_settings_of, store_of
+from hooks.slots.stores import store_of
+from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_settings_of
+from hooks.store import Entry, Held, Store, Unreadable
 from hooks.store import layout as slotdir
-from hooks.store.interface import Entry, Held, Store, Unreadable
-from hooks.store.tiered import TieredStore
+from hooks.store.settings import STORE
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, Host, ServerLost
 from wrapper.kept import Key
@@ -38,8 +38,6 @@ WARM_IDLE_POLL_S = 0.5
 FIRST_LOOK_S = 3.0  # a start waits this long at most for the bucket's manifests (then the sync reads them)
 
 
-
-
 @dataclass
 class SlotState:
     """What the slot built-ins report of one generation: the last save and restore, and the reuse watch."""
@@ -50,21 +48,21 @@ class SlotState:
     flush: dict[str, Any] | None = None  # the last save's upload of what only the folder held
     restored: asyncio.Event = field(default_factory=asyncio.Event)  # slots.restore has run for this generation
 
-    def tracker(self, rt: Generation) -> ReuseTracker:
+    def tracker(self, generation: Generation) -> ReuseTracker:
         if self.reuse is None:
-            self.reuse = ReuseTracker(rt.client)
+            self.reuse = ReuseTracker(generation.client)
         return self.reuse
 
 
 _STATE = Key("slots", SlotState)
 
 
-def _state(rt: Generation) -> SlotState:
-    return rt.state.get(_STATE)
+def _state(generation: Generation) -> SlotState:
+    return generation.state.get(_STATE)
 
 
-def _store(rt: Generation) -> Store:
-    store = store_of(rt)
+def _store(generation: Generation) -> Store:
+    store = store_of(generation)
     if store is None:
         raise ActionError("slot persistence is off: the wrapper did not prepare a slot folder")
     return store
@@ -73,99 +71,95 @@ def _store(rt: Generation) -> Store:
 # -- what the registry declares (hooks/registry.py) -------------------------------------------------------
 
 
-def observer(rt: Generation) -> Observer | None:
-    reuse = _state(rt).reuse
+def observer(generation: Generation) -> Observer | None:
+    reuse = _state(generation).reuse
     return reuse.observer() if reuse is not None else None
 
 
-def status(rt: Generation) -> dict[str, Any]:
-    directory = rt.launch.fitted.get(FAMILY)
-    state = _state(rt)
+def status(generation: Generation) -> dict[str, Any]:
+    directory = generation.launch.fitted.get(FAMILY)
+    state = _state(generation)
     found: dict[str, Any] = {"dir": str(directory) if directory else None, "restore": state.restore,
                              "save": state.save}
-    store = store_of(rt)
-    if isinstance(store, TieredStore):
-        found["tiers"] = {**store.status(), "flush": state.flush}
+    store = store_of(generation)
+    tiers = store.status() if store is not None else None
+    if tiers is not None:
+        found["tiers"] = {**tiers, "flush": state.flush}
     return found
 
 
-def metrics(rt: Generation) -> None:
-    store = store_of(rt)
-    if isinstance(store, TieredStore):
+def metrics(generation: Generation) -> None:
+    store = store_of(generation)
+    if store is not None:
         store.metrics()
 
 
-def restore_report(rt: Generation) -> list[dict[str, Any]]:
+def restore_report(generation: Generation) -> list[dict[str, Any]]:
     """The last restore into this generation, one entry per saved slot."""
-    return _state(rt).restore
+    return _state(generation).restore
 
 
-def restored_tokens(rt: Generation) -> list[int]:
-    """Tokens of each slot restored (or prefilled) into this generation."""
-    return [int(e.get("tokens") or 0) for e in _state(rt).restore if e.get("outcome") in ("restored", "prefilled")]
-
-
-async def save_step(rt: Generation) -> str:
+async def save_step(generation: Generation) -> str:
     """The save before a reload: its failure is reported, never the end of the reload."""
     try:
-        return await save(rt, flush=False)  # the next generation reads the same folder: no upload to wait for
+        return await save(generation, flush=False)  # the next generation reads the same folder: no upload to wait for
     except ActionError as exc:
         log.warning("reload.step_failed", step="slots.save", error=str(exc))
         return f"slots.save failed: {exc}"
 
 
-async def take_over(rt: Generation) -> str:
+async def take_over(generation: Generation, pinned: bool) -> str:
     """Into a new generation: restore what it can use, prefill what it cannot (other cache types)."""
     try:
-        summary = await restore(rt)
+        summary = await restore(generation, pinned)
     except ActionError as exc:
         log.warning("reload.step_failed", step="slots.restore", error=str(exc))
         summary = f"slots.restore failed: {exc}"
-    warmed = await warm(rt)
+    warmed = await warm(generation)
     return f"{summary}; {warmed}" if warmed else summary
 
 
 # -- save -------------------------------------------------------------------------------------------------
 
 
-async def save(rt: Generation, flush: bool = True) -> str:
+async def save(generation: Generation, flush: bool = True) -> str:
     """Save every slot that holds tokens, then note which entry each holds; a slot whose save is empty or
     fails keeps what the note said. With an object store, then upload what only the folder holds (`flush`)."""
-    store = _store(rt)
+    store = _store(generation)
     started = time.monotonic()
     _sweep(store)
-    if rt.launch.keep_saved:  # a built-in's fit made a save now worse than the states there are
-        reason = rt.launch.keep_saved
-        _state(rt).save = [{"outcome": "skipped", "reason": reason}]
+    if generation.launch.keep_saved:  # a built-in's fit made a save now worse than the states there are
+        reason = generation.launch.keep_saved
+        _state(generation).save = [{"outcome": "skipped", "reason": reason}]
         log.info("slots.save_skipped", reason=reason)
         return f"not saved: {reason}"
     try:
-        slots = await rt.client.slots()
+        slots = await generation.client.slots()
     except LlamaError as exc:
         raise ActionError(f"cannot read the server's slots: {exc}") from exc
     held: dict[int, Entry] = {}
     report = []
     for index, slot in enumerate(slots):
         PROGRESS.update(save=f"slot {index + 1} of {len(slots)}")
-        report.append(await _guarded(_save_one(rt, store, slot, held),
+        report.append(await _guarded(_save_one(generation, store, slot, held),
                                      {"slot": slot.get("id"), "tokens": 0, "bytes": 0}))
-    _state(rt).save = report
+    _state(generation).save = report
     _count("save", report, "saved")
     if held:
         try:
             store.note(slotdir.host_id(), held)
         except OSError as exc:
             raise ActionError(f"the note of what each slot holds could not be written: {exc}") from exc
-        store.evict(CACHE.of(rt.config).budget, keep={e.key for e in held.values()})
+        store.evict(STORE.of(generation.config).budget, keep={e.key for e in held.values()})
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     unchanged = [r for r in report if r["outcome"] == "unchanged"]
     summary = (f"saved {len(saved)} slot(s), {sum(r['tokens'] for r in saved)} tokens, "
                f"{sum(r['bytes'] for r in saved) / 1e6:.1f} MB in {time.monotonic() - started:.3f}s"
                + (f"; {len(unchanged)} unchanged since their last save or restore" if unchanged else ""))
-    if flush and isinstance(store, TieredStore):  # before the pod goes: what only this folder holds goes up
-        flushed = await store.flush(SLOTS.of(rt.config).store_flush)
-        _state(rt).flush = flushed
+    # before the pod goes: what only this folder holds goes to the tier behind it
+    if flush and (flushed := await store.flush(STORE.of(generation.config).flush)) is not None:
+        _state(generation).flush = flushed
         summary += f"; uploaded {flushed['uploaded']} to {flushed['store']}" + (
             f", {flushed['left']} left ({flushed['error']})" if flushed["left"] else "")
     if failed:
@@ -173,19 +167,20 @@ async def save(rt: Generation, flush: bool = True) -> str:
     return summary
 
 
-async def _save_one(rt: Generation, store: Store, slot: dict[str, Any], held: dict[int, Entry]) -> dict[str, Any]:
+async def _save_one(generation: Generation, store: Store, slot: dict[str, Any],
+                    held: dict[int, Entry]) -> dict[str, Any]:
     number = int(slot["id"])
     entry: dict[str, Any] = {"slot": number, "outcome": "empty", "tokens": 0, "bytes": 0}
     if slot.get("n_prompt_tokens") == 0:  # absent after a restore: such a slot is saved again
         return entry
-    book = book_of(rt)
+    book = book_of(generation)
     if (key := book.entry_of(number)) is not None and (known := store.get(key)) is not None:
         held[number] = known  # no request since its last save or restore: the store holds it already
         entry.update(outcome="unchanged", tokens=len(book.holds(number)), entry=key)
         log.info("slots.unchanged", slot=number, tokens=entry["tokens"])
         return entry
     try:
-        saved = await save_into(rt, store, number)
+        saved = await save_into(generation, store, number)
     except NotSaved as exc:
         log.warning("slots.save_failed", slot=number, error=exc.reason)
         return {**entry, "outcome": "failed", "reason": exc.reason}
@@ -206,45 +201,46 @@ async def _save_one(rt: Generation, store: Store, slot: dict[str, Any], held: di
 # -- restore ----------------------------------------------------------------------------------------------
 
 
-async def restore(rt: Generation) -> str:
+async def restore(generation: Generation, pinned: bool) -> str:
     """Restore what each slot held at this host's last stop, as far as the running server can use it; skip
-    the rest with a reason. Never fails a start."""
+    the rest with a reason. Never fails a start. `pinned`: every completion will be pinned to its slot (the
+    conversation cache is on), so the book says what each slot holds from now on."""
     try:
-        return await _restore(rt)
+        return await _restore(generation, pinned)
     finally:
-        _state(rt).restored.set()
+        _state(generation).restored.set()
 
 
-async def _restore(rt: Generation) -> str:
-    store = _store(rt)
+async def _restore(generation: Generation, pinned: bool) -> str:
+    store = _store(generation)
     _sweep(store)
-    if isinstance(store, TieredStore):  # what the bucket holds, before the first request looks for it
-        await store.first_look(FIRST_LOOK_S)
-    book = book_of(rt)
-    book.exact = CACHE.of(rt.config).enabled  # every completion is pinned from now on: the book is exact
+    await store.first_look(FIRST_LOOK_S)  # what the tier behind holds, before the first request looks for it
+    book = book_of(generation)
+    if pinned:
+        book.pinned()
     held = store.held(slotdir.host_id())
     if not held:
-        _state(rt).restore = []
-        log.info("slots.restore_nothing", dir=str(rt.launch.fitted.get(FAMILY)))
+        _state(generation).restore = []
+        log.info("slots.restore_nothing", dir=str(generation.launch.fitted.get(FAMILY)))
         return "no saved slots"
     started = time.monotonic()
     try:
-        settings = await server_settings_of(rt)
-        book.state_version = await _state_version(rt, store)
+        settings = await server_settings_of(generation)
+        book.learnt_version(await _state_version(generation, store))
     except (LlamaError, OSError, slotfile.SlotFileError) as exc:
-        _state(rt).restore = [{"slot": h.slot, "outcome": "skipped", "reason": f"cannot query the server: {exc}"}
-                              for h in held]
+        _state(generation).restore = [{"slot": h.slot, "outcome": "skipped",
+                                       "reason": f"cannot query the server: {exc}"} for h in held]
         log.warning("slots.restore_skipped_all", error=str(exc))
         return f"skipped {len(held)} slot(s): {exc}"
-    reuse = _state(rt).tracker(rt)
+    reuse = _state(generation).tracker(generation)
     sizes = [h.entry.bytes if h.entry else 0 for h in held]
     report = []
     for index, each in enumerate(held):
         PROGRESS.update(restore=f"slot {index + 1} of {len(held)}",
                         restore_mb=f"{sum(sizes[:index]) / 1e6:.1f} of {sum(sizes) / 1e6:.1f}")
-        report.append(await _guarded(_restore_one(rt, store, each),
+        report.append(await _guarded(_restore_one(generation, store, each),
                                      {"slot": each.slot, "entry": each.key, "tokens": 0}))
-    _state(rt).restore = report
+    _state(generation).restore = report
     _count("restore", report, "restored")
     restored = [r for r in report if r["outcome"] == "restored"]
     for entry in restored:
@@ -254,21 +250,21 @@ async def _restore(rt: Generation) -> str:
             f"in {time.monotonic() - started:.3f}s")
 
 
-async def _state_version(rt: Generation, store: Store) -> int:
+async def _state_version(generation: Generation, store: Store) -> int:
     """The slot-file version this server writes, learnt by saving the (still empty) slot 0 once."""
     with store.part("probe") as probe:
-        await rt.client.slot_action(0, "save", probe.name)
+        await generation.client.slot_action(0, "save", probe.name)
         return slotfile.version(probe)
 
 
-async def _restore_one(rt: Generation, store: Store, held: Held) -> dict[str, Any]:
+async def _restore_one(generation: Generation, store: Store, held: Held) -> dict[str, Any]:
     entry: dict[str, Any] = {"slot": held.slot, "entry": held.key, "file": held.entry.name if held.entry else None,
                              "outcome": "skipped", "tokens": held.n_tokens}
     if held.entry is None:
         return _skipped(entry, f"its state {held.key} is gone (evicted, or replaced by a longer state of its "
                                "conversation, which the conversation cache brings back)")
     try:
-        done = await restore_into(rt, store, held.entry, held.slot)
+        done = await restore_into(generation, store, held.entry, held.slot)
     except NotRestored as exc:
         if exc.header is not None:
             entry.update(tokens=exc.header.n_tokens, bytes=exc.header.bytes)
@@ -285,42 +281,42 @@ async def _restore_one(rt: Generation, store: Store, held: Held) -> dict[str, An
     return entry
 
 
-async def warm(rt: Generation) -> str:
+async def warm(generation: Generation) -> str:
     """Prefill the tokens of each slot that could not be restored because the KV layout changed (a reload to
     other cache types, another build), so the next turn still finds its history in the cache. Says so."""
-    rows = _warmable(rt)
-    store = store_of(rt)
+    rows = _warmable(generation)
+    store = store_of(generation)
     if not rows or store is None:
         return ""
     started = time.monotonic()
     warmed = 0
     for row in rows:
-        warmed += await _prefill(rt, store, row)
-    await _state(rt).tracker(rt).snapshot()
+        warmed += await _prefill(generation, store, row)
+    await _state(generation).tracker(generation).snapshot()
     return f"prefilled {warmed} slot(s) that could not be restored in {time.monotonic() - started:.3f}s"
 
 
-def _warmable(rt: Generation) -> list[dict[str, Any]]:
-    return [e for e in _state(rt).restore if (e.get("outcome") == "failed" and e.get("tokens"))
+def _warmable(generation: Generation) -> list[dict[str, Any]]:
+    return [e for e in _state(generation).restore if (e.get("outcome") == "failed" and e.get("tokens"))
             or (e.get("outcome") == "skipped" and e.get("warmable"))]
 
 
-async def _prefill(rt: Generation, store: Store, row: dict[str, Any]) -> int:
+async def _prefill(generation: Generation, store: Store, row: dict[str, Any]) -> int:
     """Prefill one slot the restore could not use with its saved tokens; 1 when done."""
     try:
         found = store.get(str(row["entry"]))
         if found is None:
             raise slotfile.SlotFileError(f"its state {row['entry']} is gone")
         tokens = found.tokens
-        answer = await rt.client.prefill(int(row["slot"]), tokens)
+        answer = await generation.client.prefill(int(row["slot"]), tokens)
     except (slotfile.SlotFileError, Unreadable, LlamaError) as exc:
         row["warm_error"] = str(exc)
         log.warning("slots.warm_failed", slot=row["slot"], error=str(exc))
         return 0
-    book_of(rt).served(int(row["slot"]), tokens)
+    book_of(generation).served(int(row["slot"]), tokens)
     row.update(outcome="prefilled", tokens=len(tokens),
                prefill_ms=round((answer.get("timings") or {}).get("prompt_ms") or 0.0, 1))
-    _state(rt).tracker(rt).expect(row, int((await rt.props()).get("total_slots") or 1))
+    _state(generation).tracker(generation).expect(row, int((await generation.props()).get("total_slots") or 1))
     METRICS.slot_ops.labels(operation="restore", outcome="prefilled").inc()
     log.info("slots.prefilled", slot=row["slot"], tokens=len(tokens), prefill_ms=row["prefill_ms"],
              why=row["reason"])
@@ -334,28 +330,28 @@ async def background(host: Host) -> None:
 
 async def _sync(host: Host) -> None:
     store = store_of(host.current)
-    if isinstance(store, TieredStore):
-        await store.sync()
+    if store is not None:
+        await store.background()
 
 
 async def warm_after_start(host: Host) -> None:
     """In the background from ready: once the start's `slots.restore` has run, prefill the slots it could not
     use (another build's state that does not convert, other cache types), at most `slots.warm`, one at a time
     and only while no request is in flight (a client's request goes first). `/health` is not delayed."""
-    rt = host.current
-    await _state(rt).restored.wait()
-    store = store_of(rt)
-    rows = _warmable(rt)[:SLOTS.of(rt.config).warm]
+    generation = host.current
+    await _state(generation).restored.wait()
+    store = store_of(generation)
+    rows = _warmable(generation)[:SLOTS.of(generation.config).warm]
     if store is None or not rows:
         return
     started, warmed = time.monotonic(), 0
     for row in rows:
-        while host.in_flight or host.current is not rt:
-            if host.current is not rt:
+        while host.in_flight or host.current is not generation:
+            if host.current is not generation:
                 return  # a reload took over: its own hand-over restores or prefills what it can
             await asyncio.sleep(WARM_IDLE_POLL_S)
-        warmed += await _prefill(rt, store, row)
-    await _state(rt).tracker(rt).snapshot()
+        warmed += await _prefill(generation, store, row)
+    await _state(generation).tracker(generation).snapshot()
     log.info("slots.warmed", warmed=warmed, of=len(rows), seconds=round(time.monotonic() - started, 3))
 
 

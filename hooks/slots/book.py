@@ -1,26 +1,52 @@
-"""What each slot of one llama-server holds, as far as the wrapper knows: one owner, changed only by what
-happened to a slot (it served a request, it was saved, restored into, or is unknown now).
+"""What each slot of one llama-server holds, as far as the wrapper knows: one owner, changed only through its own
+methods, each named by what happened (a slot served a request, was saved, restored into, or is unknown now).
 
 A slot is *unchanged* when the store holds exactly what it holds (the entry it was saved as or restored
-from): a stop or a leaving conversation then writes nothing. That is only trusted while every completion is
-pinned to its slot (the conversation cache); otherwise a request may have run in any slot.
+from): a stop or a leaving conversation then writes nothing. That is only trusted once the book is *pinned*
+(`pinned()`: every completion goes to the slot the conversation cache chose for it); otherwise a request may
+have run in any slot.
+
+The slot built-ins and the conversation cache change the book; the other built-ins read it through `SlotsHeld`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from wrapper.generation import Generation
 from wrapper.kept import Key
 
 
+class SlotsHeld(Protocol):
+    """The book as the other built-ins see it: read-only."""
+
+    def holds(self, slot: int) -> list[int]: ...
+
+    def tokens_per_slot(self) -> dict[int, int]: ...
+
+
 @dataclass
 class SlotBook:
-    total: int = 0  # -np as the server reports it, once asked
-    exact: bool = False  # every completion is pinned (the conversation cache): the book is what the slots hold
-    state_version: int | None = None  # the slot-file version this server writes, once learnt
+    _total: int = 0  # -np as the server reports it, once asked
+    _exact: bool = False  # every completion is pinned (the conversation cache): the book is what the slots hold
+    _state_version: int | None = None  # the slot-file version this server writes, once learnt
     _held: dict[int, list[int]] = field(default_factory=dict)
     _entry: dict[int, str] = field(default_factory=dict)  # the entry holding exactly what the slot holds
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    @property
+    def exact(self) -> bool:
+        return self._exact
+
+    @property
+    def state_version(self) -> int | None:
+        return self._state_version
 
     def holds(self, slot: int) -> list[int]:
         return self._held.get(slot, [])
@@ -28,12 +54,29 @@ class SlotBook:
     def known(self) -> dict[int, list[int]]:
         return dict(self._held)
 
+    def tokens_per_slot(self) -> dict[int, int]:
+        return {slot: len(tokens) for slot, tokens in self._held.items()}
+
     def entry_of(self, slot: int) -> str | None:
         """The entry that holds exactly what the slot holds, when that is known."""
-        return self._entry.get(slot) if self.exact else None
+        return self._entry.get(slot) if self._exact else None
 
     def slots(self) -> range:
-        return range(max(1, self.total, *(s + 1 for s in self._held)))
+        return range(max(1, self._total, *(s + 1 for s in self._held)))
+
+    # -- what the server said -----------------------------------------------------------------------------------
+
+    def learnt_total(self, total: int) -> None:
+        self._total = total
+
+    def learnt_version(self, version: int) -> None:
+        self._state_version = version
+
+    def pinned(self) -> None:
+        """Every completion is pinned to its slot from now on: the book says what the slots hold."""
+        self._exact = True
+
+    # -- what happened to a slot --------------------------------------------------------------------------------
 
     def served(self, slot: int, tokens: list[int] | None) -> None:
         """A request ran there: it holds its tokens (and what it generated, which the next turn repeats), or
@@ -66,3 +109,8 @@ _KEY = Key("slots.book", SlotBook)
 
 def book_of(generation: Generation) -> SlotBook:
     return generation.state.get(_KEY)
+
+
+def held_of(generation: Generation) -> SlotsHeld:
+    """What each slot of the generation holds, for a built-in that only reads it."""
+    return book_of(generation)

@@ -2,68 +2,65 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
+import structlog
 
 from hooks.kvfile import format as slotfile
-from hooks.slots.settings import SLOTS, SlotSettings, bucket_for
+from hooks.slots.settings import SLOTS
+from hooks.store import Entry, Store
 from hooks.store import layout as slotdir
-from hooks.store.bucket import Bucket, BucketError
-from hooks.store.folder import DirectoryStore
-from hooks.store.interface import Entry
-from hooks.store.remote import Known, Remote
+from hooks.store.opening import folder_only, opened
+from hooks.store.settings import STORE, StoreSettings
 from wrapper.commands import Commands
-from wrapper.config import ConfigError, parse_config
+from wrapper.config import Config, ConfigError, parse_config
 from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
 
+LOOK_S = 10.0  # how long `ls` waits for the bucket's manifests
 
-def _settings(config_path: str | None) -> SlotSettings:
+
+def _config(config_path: str | None) -> Config:
     commands = click.get_current_context().find_object(Commands)
     try:
-        config = commands.load(config_path) if commands else parse_config("", "<defaults>", (SLOTS,))
+        return commands.load(config_path) if commands else parse_config("", "<defaults>", (SLOTS, STORE))
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
-    return SLOTS.of(config)
 
 
 def _slots_dir(directory: str | None, config_path: str | None) -> Path:
     if directory:
         return Path(directory).expanduser()
-    return _settings(config_path).dir
+    return SLOTS.of(_config(config_path)).dir
 
 
-def _bucket(config_path: str | None) -> Bucket | None:
-    """The object store `slots.store` of the config names (None without one); exits when it cannot be used."""
-    settings = _settings(config_path) if config_path else None
-    if settings is None or not settings.store:
-        return None
-    try:
-        return bucket_for(settings)
-    except (BucketError, ValueError) as exc:  # the folder is still listed: WHERE says `local` only
-        click.echo(f"llama-wrapper: the store is not listed: {exc}", err=True)
-        return None
-
-
-def _in_bucket(bucket: Bucket | None, root: Path) -> dict[str, dict[str, Known]]:
-    """Per model folder of this host, the manifests the bucket holds (one listing of manifests each)."""
-    found: dict[str, dict[str, Known]] = {}
-    if bucket is None or not root.is_dir():
-        return found
-    try:
-        for name in sorted(p.name for p in root.iterdir() if p.is_dir()):
-            remote = Remote(bucket, name)
-            remote.refresh()
-            found[name] = remote.index
-    except BucketError as exc:
-        click.echo(f"llama-wrapper: the store is not listed: {exc}", err=True)
-        return {}
-    return found
+def _stores(root: Path, config_path: str | None) -> list[Store]:
+    """The store of each model folder of this host, opened as the wrapper opens it: with a config whose
+    `store.url` names a bucket, the folder in front of it (its manifests listed once)."""
+    settings = STORE.of(_config(config_path)) if config_path else StoreSettings()
+    folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    stores = []
+    for folder in folders:
+        store, problem = opened(folder, settings)
+        if problem is not None:  # the folder is still listed: WHERE says `local` only
+            click.echo(f"llama-wrapper: the store is not listed: {problem}", err=True)
+            return [folder_only(f) for f in folders]
+        with _quiet():
+            asyncio.run(store.first_look(LOOK_S))
+        tiers = store.status()
+        if tiers is not None and tiers["store"]["state"] != "up":
+            click.echo(f"llama-wrapper: the store is not listed: {tiers['store']['error']}", err=True)
+            return [folder_only(f) for f in folders]
+        stores.append(store)
+    return stores
 
 
 _DIR = click.option("--dir", "directory", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
@@ -78,9 +75,25 @@ def slots() -> None:
     """List, inspect and remove saved slot files."""
 
 
-def _rows(root: Path, remote: dict[str, dict[str, Known]]) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The store's log lines are the wrapper's: a listing says what went wrong itself."""
+    saved = structlog.get_config()
+    structlog.configure(processors=[_drop])
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+def _drop(logger: Any, name: str, event: Any) -> Any:
+    raise structlog.DropEvent
+
+
+def _rows(stores: list[Store]) -> list[dict[str, Any]]:
     rows = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+    for store in stores:
+        folder = store.directory
         for saved in slotdir.legacy_slots(folder):
             row: dict[str, Any] = {"model_id": folder.name, "slot": saved.slot, "file": str(saved.kv_file),
                                    "bytes": saved.kv_file.stat().st_size if saved.kv_file.exists() else 0}
@@ -93,17 +106,9 @@ def _rows(root: Path, remote: dict[str, dict[str, Known]]) -> list[dict[str, Any
             except (slotdir.SidecarError, KeyError, AttributeError) as exc:
                 row["problem"] = f"sidecar: {exc}"
             rows.append(row)
-        store = DirectoryStore(folder)
         held = {h.key: h.slot for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content}
-        bucket = remote.get(folder.name, {})
         for entry in sorted(store.entries(), key=lambda e: (held.get(e.key, 1 << 30), -e.last_used)):
-            rows.append(_entry_row(folder, entry, held.get(entry.key, "conv"),
-                                   "both" if entry.key in bucket else "local"))
-    here = {row.get("entry") for row in rows}
-    for name, index in remote.items():
-        for known in index.values():
-            if known.key not in here:
-                rows.append(_entry_row(root / name, known.entry(), "conv", "store"))
+            rows.append(_entry_row(folder, entry, held.get(entry.key, "conv"), store.where(entry)))
     return rows
 
 
@@ -124,9 +129,9 @@ def _entry_row(folder: Path, entry: Entry, slot: int | str, where: str) -> dict[
 def list_slots(directory: str | None, config_path: str | None, as_json: bool) -> None:
     """List saved states per model: those this host's slots held at its last stop (SLOT), the other cached
     conversations (`conv`); tokens, size, when (for entries, SAVED is their last use), WHERE they are (`local`,
-    and with a config whose `slots.store` names a bucket: `store` or `both`)."""
+    and with a config whose `store.url` names a bucket: `store` or `both`)."""
     root = _slots_dir(directory, config_path)
-    rows = _rows(root, _in_bucket(_bucket(config_path), root))
+    rows = _rows(_stores(root, config_path))
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
@@ -164,7 +169,7 @@ def inspect(path: str) -> None:
                 summary["sidecar"] = slotdir.read_sidecar(saved.sidecar)
             except slotdir.SidecarError as exc:
                 summary["sidecar"] = f"unreadable: {exc}"
-    for entry in DirectoryStore(Path(path).parent).entries():
+    for entry in folder_only(Path(path).parent).entries():
         if entry.name == Path(path).name:
             summary["sidecar"] = entry.record
     click.echo(json.dumps(summary, indent=2))
@@ -182,7 +187,7 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
         click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
         sys.exit(EXIT_FAILED)
     legacy = [saved for saved in slotdir.legacy_slots(folder) if slot is None or saved.slot == slot]
-    store = DirectoryStore(folder)
+    store = folder_only(folder)
     noted = [h for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content
              and (slot is None or h.slot == slot)]
     if not legacy and not noted:

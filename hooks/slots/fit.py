@@ -7,16 +7,19 @@ change or missing flag is returned as a note for the log.
 from __future__ import annotations
 
 from hooks.slots.settings import SLOTS
+from hooks.slots.stores import open_for
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
+from wrapper.kept import Kept
 from wrapper.launch import Fitting, Launch
 from wrapper.server_help import is_planning, supported_flags
 
 FALLBACK_CTX = 4096
 
 
-def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
-    """The slot built-ins' argv changes; `fitted` is this model's slot folder (created, unless only planning)."""
+def fit_for_slots(argv: list[str], launch: Launch, config: Config, shared: Kept) -> Fitting:
+    """The slot built-ins' argv changes; `fitted` is this model's slot folder (created and its store opened, unless
+    only planning)."""
     slot_dir = SLOTS.of(config).dir / launch.model.id
     fit = Fitting(list(argv), fitted=slot_dir)
     facts = launch.facts
@@ -33,6 +36,7 @@ def fit_for_slots(argv: list[str], launch: Launch, config: Config) -> Fitting:
             slot_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
+        open_for(shared, slot_dir, config)
     if has("--slot-save-path"):
         old = args.get(fit.argv, args.SLOT_SAVE_PATH)
         fit.argv = args.replace(fit.argv, args.SLOT_SAVE_PATH, str(slot_dir))

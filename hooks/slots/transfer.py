@@ -1,6 +1,7 @@
 """A slot saved into the store, an entry restored into a slot: one way each, used at a start, a stop, a reload
-and before a request, so that each fails the same way wherever it runs. A server that dies under a restore is
-noticed there: the entry is set aside (it would kill the next start too) and ServerLost is raised."""
+and before a request, so that each fails the same way wherever it runs, and what a restore would cost (`cost_of`:
+what the restore-or-prefill rule needs). A server that dies under a restore is noticed there: the entry is set
+aside (it would kill the next start too) and ServerLost is raised."""
 
 from __future__ import annotations
 
@@ -15,18 +16,11 @@ from typing import Any, TypeVar
 
 import structlog
 
-from hooks.cachesettings import CACHE
 from hooks.kvfile import convert as kvconvert
 from hooks.kvfile import format as slotfile
 from hooks.slots.book import book_of
 from hooks.slots.restorable import WARMABLE, Mismatch, Skip, server_settings, skip_reason
-from hooks.slots.settings import SLOTS, SlotSettings, bucket_for
-from hooks.store import layout as slotdir
-from hooks.store.bucket import BucketError
-from hooks.store.folder import DirectoryStore
-from hooks.store.interface import Entry, Store, Unavailable, Unreadable
-from hooks.store.remote import Remote
-from hooks.store.tiered import TieredStore
+from hooks.store import Entry, Store, Unavailable, Unreadable
 from wrapper.generation import Generation, ServerLost
 from wrapper.kept import Key
 from wrapper.llama import LlamaError
@@ -35,43 +29,13 @@ from wrapper.progress import PROGRESS
 log = structlog.get_logger()
 T = TypeVar("T")
 
-FOLDER = "slots"  # the slot built-ins' key in a launch's `fitted`: the model's slot folder (hooks/slots/fit.py)
 _LOG_HINT = re.compile(r"error|fail|mismatch|incompatible|invalid|unknown", re.IGNORECASE)
 _DERIVED = ("format", "slot", "key", "tokens", "file", "bytes", "fingerprint", "tail_bytes", "chunks", "host")
 # a commit writes these anew
 _LAYOUT = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "kv_streams", "total_slots",
            "n_ctx", "attn_rot_disable", "build")
 
-_STORES: Key[dict[Path, Store]] = Key("slots.stores", dict)  # one per folder, for the wrapper's life
 _SERVER: Key[dict[str, Any]] = Key("slots.server", dict)  # the running server's layout settings
-
-
-def store_of(generation: Generation) -> Store | None:
-    """The store of the generation's slot folder (one per folder for the wrapper's life: listings are kept), with
-    the object store behind it when `slots.store` names one."""
-    directory = generation.launch.fitted.get(FOLDER)
-    if not isinstance(directory, Path):
-        return None
-    stores = generation.shared.get(_STORES)
-    if directory not in stores:
-        folder = DirectoryStore(directory, chunk_tokens=CACHE.of(generation.config).chunk_tokens)
-        stores[directory] = _tiered(folder, SLOTS.of(generation.config)) or folder
-    return stores[directory]
-
-
-def _tiered(folder: DirectoryStore, settings: SlotSettings) -> TieredStore | None:
-    """The folder in front of `slots.store`; None (the folder alone, and the log says why) without one or when
-    the store cannot be set up."""
-    if not settings.store:
-        return None
-    try:
-        bucket = bucket_for(settings)
-    except (BucketError, ValueError) as exc:
-        problem = str(exc)
-    else:
-        return TieredStore(folder, Remote(bucket, folder.directory.name), slotdir.host_id(), settings.store_refresh)
-    log.error("store.unusable", store=settings.store, error=problem, hint="serving from the slot folder alone")
-    return None
 
 
 async def server_settings_of(generation: Generation) -> dict[str, Any]:
@@ -87,6 +51,41 @@ def record_for(settings: dict[str, Any], header: slotfile.SlotFile, generation: 
     """What an entry's sidecar says of the state beside its tokens: the model and the KV layout it needs."""
     return {"model": generation.launch.model.as_dict(), "state_version": header.version,
             **{k: settings[k] for k in _LAYOUT}, "media": header.n_media, "saved_at": time.time()}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What bringing an entry back into a slot costs, as the restore-or-prefill rule needs it."""
+
+    bytes: int
+    converts: bool  # converted first (other cache types, an earlier state version)
+    fetch_s: float  # before it is on local disk (the tier behind the folder)
+
+
+async def cost_of(generation: Generation, store: Store, entry: Entry) -> Cost:
+    settings = await server_settings_of(generation)
+    return Cost(entry.bytes, converts(entry.record, settings, book_of(generation).state_version),
+                store.fetch_seconds(entry))
+
+
+def converts(record: dict[str, Any], settings: dict[str, Any], state_version: int | None) -> bool:
+    """Whether a restore of an entry with this sidecar record goes through a conversion: the prediction of what
+    `restore_into` finds in the file (the state version first, then the cache types, as `skip_reason` checks)."""
+    version = record.get("state_version")
+    if state_version is not None and isinstance(version, int) and version != state_version:
+        return _upgrades(version, state_version)
+    if (record.get("cache_type_k"), record.get("cache_type_v")) != (settings["cache_type_k"], settings["cache_type_v"]):
+        return _rewrites(version if isinstance(version, int) else None, state_version)
+    return False
+
+
+def _rewrites(file_version: int | None, state_version: int | None) -> bool:
+    """A conversion to other cache types writes kvconvert.WRITES: only for a server that reads it."""
+    return state_version == kvconvert.WRITES or (state_version is None and file_version == kvconvert.WRITES)
+
+
+def _upgrades(file_version: int, state_version: int | None) -> bool:
+    return state_version == kvconvert.WRITES and file_version in slotfile.READS and file_version < kvconvert.WRITES
 
 
 # -- save ---------------------------------------------------------------------------------------------------
@@ -119,14 +118,14 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             if int(answer.get("n_saved", 0)) < max(1, min_tokens):
                 return None
             header = slotfile.read(part)  # a file we cannot read back never becomes an entry
-            book.state_version = header.version
+            book.learnt_version(header.version)
             server_ms = (answer.get("timings") or {}).get("save_ms")
             if (known := store.find(header.tokens)) is not None:
                 store.touch(known)
                 book.saved(slot, header.tokens, known.key)
                 return Saved(known, False, server_ms, _ms(began))
             if max_bytes is not None and header.bytes > max_bytes:
-                raise NotSaved(f"{header.bytes >> 20} MiB is more than cache.entry_max or cache.budget")
+                raise NotSaved(f"{header.bytes >> 20} MiB is more than store.entry_max or store.budget")
             record = {**record_for(await server_settings_of(generation), header, generation), "save_ms": server_ms}
             entry = await _uncancelled(asyncio.to_thread(store.commit, part, header.tokens, record))
         except (LlamaError, slotfile.SlotFileError, Unreadable, OSError) as exc:
@@ -243,15 +242,14 @@ def convertible(skip: Skip, header: slotfile.SlotFile, state_version: int | None
     """A conversion makes the entry fit: other cache types (into the version the converter writes, which the
     server must read), or an earlier state version (`upgradable`)."""
     if skip.kind is Mismatch.CACHE_TYPES:
-        return state_version == kvconvert.WRITES or (state_version is None and header.version == kvconvert.WRITES)
+        return _rewrites(header.version, state_version)
     return upgradable(skip, header, state_version)
 
 
 def upgradable(skip: Skip, header: slotfile.SlotFile, state_version: int | None) -> bool:
     """An entry another llama-server build wrote in an earlier state version whose layout converts into the one
     this server reads (b9095's version 2 into b11434's 4)."""
-    return (skip.kind is Mismatch.STATE_VERSION and header.kv is not None and state_version == kvconvert.WRITES
-            and header.version in slotfile.READS and header.version < kvconvert.WRITES)
+    return skip.kind is Mismatch.STATE_VERSION and header.kv is not None and _upgrades(header.version, state_version)
 
 
 async def _convert(generation: Generation, entry: Entry, source: Path, part: Path, settings: dict[str, Any],

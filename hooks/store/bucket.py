@@ -61,8 +61,8 @@ def parse_url(url: str) -> Where:
     if not url.startswith("s3://"):
         raise ValueError("not an s3:// URL (expected s3://BUCKET/PREFIX)")
     if any(c in url for c in "@?#"):  # never echoed: user:password@ would be a credential
-        raise ValueError("an s3:// URL has no '@', '?' or '#': credentials go in slots.store_access_key and "
-                         "slots.store_secret_key (or AWS_ACCESS_KEY_ID ...), the endpoint in slots.store_endpoint")
+        raise ValueError("an s3:// URL has no '@', '?' or '#': credentials go in store.access_key and store.secret_key "
+                         "(or AWS_ACCESS_KEY_ID ...), the endpoint in store.endpoint")
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     if not _BUCKET.fullmatch(bucket) or ".." in bucket:
         raise ValueError(f"{url!r}: {bucket!r} is not a bucket name (3-63 of a-z, 0-9, '.', '-')")
@@ -90,8 +90,8 @@ def check_endpoint(endpoint: str) -> str:
     if split.scheme not in ("http", "https") or not split.hostname:
         raise ValueError("an endpoint is http://HOST[:PORT] or https://HOST[:PORT]")
     if split.username or split.password:
-        raise ValueError("an endpoint has no user:password@: credentials go in slots.store_access_key and "
-                         "slots.store_secret_key (or AWS_ACCESS_KEY_ID ...)")
+        raise ValueError("an endpoint has no user:password@: credentials go in store.access_key and store.secret_key "
+                         "(or AWS_ACCESS_KEY_ID ...)")
     return endpoint
 
 
@@ -107,7 +107,7 @@ class Bucket:
             try:
                 check_endpoint(endpoint)
             except ValueError as exc:
-                raise BucketError(f"{self.url}: slots.store_endpoint: {exc}") from None
+                raise BucketError(f"{self.url}: store.endpoint: {exc}") from None
         import boto3
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError

@@ -232,6 +232,30 @@ class DirectoryStore:
         slotdir.remove_legacy(self.directory, superseded)  # after the note: the slot's state is named there
         return True
 
+    # -- the tiers: nothing behind the folder --------------------------------------------------------------
+
+    @property
+    def behind(self) -> str | None:
+        return None
+
+    def where(self, entry: Entry) -> str:
+        return "local" if self.get(entry.key) is not None else "gone"
+
+    async def first_look(self, within: float) -> None:
+        return None
+
+    async def background(self) -> None:
+        return None
+
+    async def flush(self, budget_s: float) -> dict[str, Any] | None:
+        return None
+
+    def status(self) -> dict[str, Any] | None:
+        return None
+
+    def metrics(self) -> None:
+        return None
+
     # -- making an entry readable by llama-server ------------------------------------------------------------
 
     async def fetch(self, entry: Entry) -> Entry:

@@ -1,5 +1,6 @@
-"""Where saved slot states are kept: the interface (a folder today, hooks/store/folder.py; an object-store tier
-must fit behind it too).
+"""Where saved slot states are kept: the interface. Two stores have it: the model's slot folder
+(hooks/store/folder.py), and that folder in front of an object store (hooks/store/tiered.py); hooks/store/opening.py
+opens the one the config names. Nothing outside the store package asks which one it has.
 
 Every saved state is an entry named by what it holds (a hash of its tokens), whoever saved it and why (a
 conversation that left its slot, a slot saved at a stop or before a reload). What each slot of a host held at
@@ -94,6 +95,11 @@ class Store(Protocol):
     """Lookups answer from what the store last saw; a store looks again on its own terms (a changed folder,
     a maximum age), never once per request."""
 
+    @property
+    def directory(self) -> Path:
+        """The model's slot folder (llama-server's --slot-save-path)."""
+        ...
+
     def entries(self) -> list[Entry]:
         """Every committed entry (other hosts' too, as of the last look)."""
         ...
@@ -164,4 +170,36 @@ class Store(Protocol):
     def note(self, host: str, slots: dict[int, Entry]) -> bool:
         """Record what each slot of `host` holds now (slots not given keep what the note said); False when the
         note already says so."""
+        ...
+
+    # -- the tiers: the folder alone answers these as a store with nothing behind it ---------------------------
+
+    @property
+    def behind(self) -> str | None:
+        """The tier behind the folder (its URL and endpoint), None when the folder is the whole store."""
+        ...
+
+    def where(self, entry: Entry) -> str:
+        """`local`, `store` or `both`: which tiers hold the entry (`gone` when none does any more)."""
+        ...
+
+    async def first_look(self, within: float) -> None:
+        """At a start: learn what the tier behind holds, if it answers within `within` seconds."""
+        ...
+
+    async def background(self) -> None:
+        """From ready until the stop: keep the tiers in step (never returns while there is a tier behind)."""
+        ...
+
+    async def flush(self, budget_s: float) -> dict[str, Any] | None:
+        """At a drain or a stop: hand what only the folder holds to the tier behind, for at most `budget_s`; what
+        went and what did not (None without a tier behind)."""
+        ...
+
+    def status(self) -> dict[str, Any] | None:
+        """Per tier: entries, bytes, the state of the tier behind; None without a tier behind."""
+        ...
+
+    def metrics(self) -> None:
+        """Set the store's gauges before a scrape (none without a tier behind)."""
         ...

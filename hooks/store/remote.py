@@ -1,4 +1,4 @@
-"""A model's slot folder in an object store (`slots.store`): the same names under `<prefix><model folder>/` —
+"""A model's slot folder in an object store (`store.url`): the same names under `<prefix><model folder>/` —
 manifests `conv-<key>.json`, tails `conv-<key>-<fingerprint>.bin`, chunks `chunks/<name>.kv` — so that an entry
 is uploaded and fetched file by file and the local folder (hooks/store/folder.py) reads what was fetched as its own.
 

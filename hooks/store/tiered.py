@@ -1,10 +1,10 @@
 """The store as two tiers: the model's slot folder (hot, hooks/store/folder.py) in front of an object store
-(`slots.store`, hooks/store/remote.py).
+(`store.url`, hooks/store/remote.py).
 
 Everything is committed to the folder first, as without a bucket; what was committed is uploaded in the
-background (`sync`, from ready until the stop), and a drain or a stop uploads what is left within
-`slots.store_flush` (`flush`). Lookups answer from the folder and from the bucket's manifests as of the last
-look, which is taken again every `slots.store_refresh`: never a listing per request. An entry only the bucket
+background (`background`, from ready until the stop), and a drain or a stop uploads what is left within
+`store.flush` (`flush`). Lookups answer from the folder and from the bucket's manifests as of the last
+look, which is taken again every `store.refresh`: never a listing per request. An entry only the bucket
 holds is fetched into the folder when a restore wants it (`fetch`), and the fetch's measured rate is part of
 the restore-or-prefill rule (`fetch_seconds`): a slow bucket is prefilled past.
 
@@ -103,8 +103,15 @@ class TieredStore:
         return [h if h.entry is not None else Held(h.slot, h.key, h.n_tokens, self.get(h.key))
                 for h in self.folder.held(host)]
 
+    @property
+    def directory(self) -> Path:
+        return self.folder.directory
+
+    @property
+    def behind(self) -> str:
+        return self.remote.describe()
+
     def where(self, entry: Entry) -> str:
-        """`local`, `store` or `both`: which tiers hold the entry."""
         remote = entry.key in self.remote.index
         if self.folder.get(entry.key) is None:
             return "store" if remote else "gone"
@@ -234,7 +241,7 @@ class TieredStore:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
                 self._loop.call_soon_threadsafe(self._wake.set)
 
-    async def sync(self) -> None:
+    async def background(self) -> None:
         """From ready until the stop: read the manifests every `refresh_s`, upload what is pending, back off
         while the bucket fails."""
         self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
@@ -328,7 +335,7 @@ class TieredStore:
         try:
             await asyncio.wait_for(self._flush(began + budget_s), timeout=budget_s)
         except TimeoutError:
-            error = f"not done within slots.store_flush ({budget_s:g}s)"
+            error = f"not done within store.flush ({budget_s:g}s)"
         except (BucketError, OSError) as exc:
             self._failed(exc)
             error = str(exc)

@@ -31,7 +31,7 @@ from tests.helpers import Wrapper, free_port, http, wait_for
 
 CONFIG = """
 slots: {{dir: {dir}}}
-cache: {{chunk_tokens: {chunk}}}
+store: {{chunk_tokens: {chunk}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=1)
     parser.add_argument("--model", choices=("smollm2", "gemma"), default="smollm2")
     parser.add_argument("--workload", choices=("round-robin", "agent", "both"), default="both")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="cache.chunk_tokens (0: whole states)")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="store.chunk_tokens (0: whole states)")
     parser.add_argument("--server-args", default="", help="more llama-server arguments, for both (e.g. -kvu)")
     options = parser.parse_args()
     extra = options.server_args.split()

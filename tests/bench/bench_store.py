@@ -25,7 +25,8 @@ from tests.integration.test_conversations import Chat
 from tests.s3server import S3Server, weed_binary
 
 CONFIG = """
-slots: {{dir: {dir}, store: {store}, store_refresh: 1s}}
+slots: {{dir: {dir}}}
+store: {{url: {store}, refresh: 1s}}
 cache: {{enabled: {cache}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]

@@ -15,6 +15,7 @@ TOKEN = "conversations-token"
 CONFIG = """
 slots: {{dir: {dir}}}
 cache: {{{extra}}}
+store: {{{store}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
@@ -22,9 +23,13 @@ hooks:
 FILLER = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
 
 
-def config(tmp_path: Path, **cache: Any) -> str:
-    extra = ", ".join(f"{key}: {value}" for key, value in cache.items())
-    return CONFIG.format(dir=tmp_path / "slots", extra=extra)
+STORE_KEYS = ("budget", "entry_max", "min_free", "chunk_tokens")  # the store's section: what the folder holds
+
+
+def config(tmp_path: Path, **settings: Any) -> str:
+    cache = ", ".join(f"{key}: {value}" for key, value in settings.items() if key not in STORE_KEYS)
+    store = ", ".join(f"{key}: {value}" for key, value in settings.items() if key in STORE_KEYS)
+    return CONFIG.format(dir=tmp_path / "slots", extra=cache, store=store)
 
 
 class Chat:

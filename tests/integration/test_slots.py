@@ -25,7 +25,7 @@ hooks:
   on_will_stop:
     - builtin: slots.save
 """
-WHOLE = "cache: {chunk_tokens: 0}\n"  # the tests that damage a state file in place keep it as llama-server wrote it
+WHOLE = "store: {chunk_tokens: 0}\n"  # the tests that damage a state file in place keep it as llama-server wrote it
 # (chunked entries' damage: tests/unit/store/test_chunked_folder.py and test_conversations.py)
 SAVE_ONLY = """
 slots: {{dir: {dir}}}

@@ -18,7 +18,8 @@ from tests.integration.test_conversations import Chat, argv
 from tests.s3server import S3Server, skip_without_weed
 
 CONFIG = """
-slots: {{dir: {dir}, store: {store}, store_refresh: 1s, store_timeout: 3s}}
+slots: {{dir: {dir}}}
+store: {{url: {store}, refresh: 1s, timeout: 3s}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]

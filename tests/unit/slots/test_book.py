@@ -6,7 +6,9 @@ from hooks.slots.book import SlotBook
 
 
 def test_a_slot_is_unchanged_from_its_save_or_restore_until_it_serves() -> None:
-    book = SlotBook(total=2, exact=True)
+    book = SlotBook()
+    book.learnt_total(2)
+    book.pinned()
     book.restored(0, [1, 2, 3], "k0")
     book.saved(1, [4, 5], "k1")
     assert (book.entry_of(0), book.entry_of(1)) == ("k0", "k1")
@@ -17,15 +19,23 @@ def test_a_slot_is_unchanged_from_its_save_or_restore_until_it_serves() -> None:
 
 
 def test_a_restore_of_what_is_not_an_entry_is_saved_next_time() -> None:
-    book = SlotBook(exact=True)
+    book = SlotBook()
+    book.pinned()
     book.restored(0, [1, 2], None)  # a pair of the earlier layout
     assert book.holds(0) == [1, 2] and book.entry_of(0) is None
 
 
 def test_without_pinned_requests_nothing_is_taken_as_unchanged() -> None:
-    book = SlotBook(exact=False)  # a request may have run in any slot
+    book = SlotBook()  # not pinned: a request may have run in any slot
     book.saved(0, [1], "k0")
     assert book.entry_of(0) is None
-    book.exact = True
+    book.pinned()
     book.forgotten()  # a request the server put where it chose
     assert book.entry_of(0) is None and book.known() == {} and list(book.slots()) == [0]
+
+
+def test_the_other_built_ins_read_tokens_per_slot() -> None:
+    book = SlotBook()
+    book.served(0, [1, 2, 3])
+    book.restored(2, [4], "k")
+    assert book.tokens_per_slot() == {0: 3, 2: 1}

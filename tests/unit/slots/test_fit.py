@@ -10,6 +10,7 @@ from hooks.slots.fit import fit_for_slots
 from hooks.slots.settings import SlotSettings
 from wrapper import argv as args
 from wrapper.config import Config, Listen
+from wrapper.kept import Kept
 from wrapper.launch import Launch
 from wrapper.model import Model
 
@@ -34,7 +35,7 @@ def test_fitting_adds_what_persistence_needs(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     binary = fake_server(tmp_path, "--slot-save-path PATH  -kvu, --kv-unified  --no-cache-idle-slots  --swa-full")
     argv = [binary, "-c", "0", "--slot-save-path", "/elsewhere"]
-    fit = fit_for_slots(argv, _launch(argv), _config(tmp_path))
+    fit = fit_for_slots(argv, _launch(argv), _config(tmp_path), Kept())
     assert args.get(fit.argv, args.SLOT_SAVE_PATH) == str(tmp_path / "s" / "id1") and fit.fitted.is_dir()
     assert args.has(fit.argv, args.KV_UNIFIED) and args.has(fit.argv, args.NO_CACHE_IDLE_SLOTS)
     assert args.has(fit.argv, args.SWA_FULL) and args.get(fit.argv, args.CTX_SIZE) == "4096"
@@ -46,7 +47,7 @@ def test_fitting_says_what_an_older_build_loses(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     binary = fake_server(tmp_path, "--slot-save-path PATH  -cram, --cache-ram N")
     argv = [binary, "-c", "2048"]
-    fit = fit_for_slots(argv, _launch(argv), _config(tmp_path))
+    fit = fit_for_slots(argv, _launch(argv), _config(tmp_path), Kept())
     assert args.get(fit.argv, args.CTX_SIZE) == "2048" and args.get(fit.argv, args.CACHE_RAM) == "0"
     assert not args.has(fit.argv, args.SWA_FULL) and not args.has(fit.argv, args.KV_UNIFIED)
     assert any(n["change"].startswith("LOST: --swa-full") for n in fit.notes)

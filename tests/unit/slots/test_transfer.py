@@ -73,7 +73,7 @@ def entry_in(store: DirectoryStore, tokens: list[int], **record: Any) -> Entry:
 async def test_a_restore_tells_the_book_what_the_slot_holds(tmp_path: Path) -> None:
     store, rt = DirectoryStore(tmp_path), generation(tmp_path)
     entry = entry_in(store, [1, 2, 3])
-    book_of(rt).exact = True
+    book_of(rt).pinned()
     done = await restore_into(rt, store, entry, 0)
     assert done.n_restored == 3 and book_of(rt).entry_of(0) == entry.key and book_of(rt).holds(0) == [1, 2, 3]
     assert cast(Client, rt.client).calls == [("restore", entry.name)]
@@ -127,7 +127,7 @@ async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_ser
     store = DirectoryStore(tmp_path)
     entry = old_entry(store, [1, 2, 3])
     refusing = generation(tmp_path, restore="refuse")
-    book_of(refusing).state_version = 4
+    book_of(refusing).learnt_version(4)
     with pytest.raises(NotRestored) as refused:
         await restore_into(refusing, store, entry, 0)
     assert refused.value.failed  # the converted state was refused: the older build's file is what is kept
@@ -135,7 +135,7 @@ async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_ser
     assert kept is not None and (tmp_path / kept.name).read_bytes()[4:8] == (2).to_bytes(4, "little")
     assert [e.key for e in store.entries()] == [entry.key] and not list(tmp_path.glob("*.tmp"))
     taking = generation(tmp_path)
-    book_of(taking).state_version = 4
+    book_of(taking).learnt_version(4)
     done = await restore_into(taking, store, entry, 0)
     assert done.conversion is not None and "state version 2 (build b9095)" in done.conversion["from"]
     assert done.header.version == 4 and done.entry.record["state_version"] == 4
@@ -148,7 +148,7 @@ async def test_a_quantized_entry_of_an_older_build_is_not_converted_without_the_
     store = DirectoryStore(tmp_path)
     entry = old_entry(store, [1, 2, 3], k_type=8, cache_type_k="q8_0", cache_type_v="q8_0")
     rt = generation(tmp_path)  # facts: {} (a model the wrapper could not read): the rotation is not known
-    book_of(rt).state_version = 4
+    book_of(rt).learnt_version(4)
     with pytest.raises(NotRestored) as skipped:
         await restore_into(rt, store, entry, 0)
     assert skipped.value.warmable and "head size is not known" in str(skipped.value.conversion)

@@ -1,4 +1,4 @@
-"""`slots.store*` as a user writes them: bad URLs and endpoints fail at load with the key, credentials are never
+"""`store.*` as a user writes them: bad URLs and endpoints fail at load with the key, credentials are never
 echoed; a request to a hung store never keeps the process alive after it stopped."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.slots.settings import SECRET, SLOTS
+from hooks.store.settings import SECRET, STORE
 from hooks.store.threads import map_on
 from wrapper.config import ConfigError
 from wrapper.extensions import parse as parse_config
@@ -18,16 +18,16 @@ from wrapper.extensions import parse as parse_config
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize(("slots", "message"), [
-    ("store: http://bucket/x", "not an s3:// URL"),
-    ("store: s3://AK:SECRET1@bucket/x", "has no '@'"),
-    ("store: s3://bucket/x?versionId=1", "has no '@', '?' or '#'"),
-    ("{store: s3://b/x, store_endpoint: not a url}", "http://HOST[:PORT]"),
-    ("{store: s3://b/x, store_endpoint: '127.0.0.1:9000'}", "http://HOST[:PORT]"),
-    ("{store: s3://b/x, store_endpoint: 'http://AK:SECRET1@host:9000'}", "has no user:password@"),
+@pytest.mark.parametrize(("store", "message"), [
+    ("url: http://bucket/x", "not an s3:// URL"),
+    ("url: s3://AK:SECRET1@bucket/x", "has no '@'"),
+    ("url: s3://bucket/x?versionId=1", "has no '@', '?' or '#'"),
+    ("{url: s3://b/x, endpoint: not a url}", "http://HOST[:PORT]"),
+    ("{url: s3://b/x, endpoint: '127.0.0.1:9000'}", "http://HOST[:PORT]"),
+    ("{url: s3://b/x, endpoint: 'http://AK:SECRET1@host:9000'}", "has no user:password@"),
 ])
-def test_a_bad_store_fails_at_load_and_never_echoes_a_credential(slots: str, message: str) -> None:
-    text = f"slots: {slots}\n" if slots.startswith("{") else f"slots:\n  {slots}\n"
+def test_a_bad_store_fails_at_load_and_never_echoes_a_credential(store: str, message: str) -> None:
+    text = f"store: {store}\n" if store.startswith("{") else f"store:\n  {store}\n"
     with pytest.raises(ConfigError) as caught:
         parse_config(text, "c.yaml")
     assert message in str(caught.value) and "c.yaml" in str(caught.value)
@@ -35,11 +35,11 @@ def test_a_bad_store_fails_at_load_and_never_echoes_a_credential(slots: str, mes
 
 
 def test_a_good_store_reads_and_hides_its_keys() -> None:
-    config = parse_config("slots: {store: s3://llm-kv/conv, store_endpoint: 'https://s3.example:9000', "
-                          "store_secret_key: SECRET1}\n", "c.yaml")
-    settings = SLOTS.of(config)
-    assert settings.store == "s3://llm-kv/conv" and settings.store_endpoint == "https://s3.example:9000"
-    assert settings.store_secret_key == "SECRET1" and SECRET.show(settings.store_secret_key) == "(set)"  # `check`
+    config = parse_config("store: {url: s3://llm-kv/conv, endpoint: 'https://s3.example:9000', "
+                          "secret_key: SECRET1}\n", "c.yaml")
+    settings = STORE.of(config)
+    assert settings.url == "s3://llm-kv/conv" and settings.endpoint == "https://s3.example:9000"
+    assert settings.secret_key == "SECRET1" and SECRET.show(settings.secret_key) == "(set)"  # `check`
 
 
 def test_a_hung_store_request_never_keeps_the_process_alive() -> None:

@@ -126,7 +126,7 @@ async def test_the_bucket_going_away_keeps_the_folder_serving_and_the_uploads_re
     server.stop()
     try:
         data = save(a, TOKENS)
-        sync = asyncio.ensure_future(a.sync())
+        sync = asyncio.ensure_future(a.background())
         for _ in range(100):
             if a.state == "down":
                 break

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hooks.cachesettings import CACHE
+from hooks.conversations.settings import CACHE
+from hooks.store.settings import STORE
 from tests.helpers import ROOT
 from wrapper import extensions
 from wrapper.config import ConfigError, parse_config
@@ -47,12 +48,17 @@ def test_the_readme_tables_are_the_declarations() -> None:
             section.table()
 
 
-def test_a_key_that_moved_to_the_cache_section_names_its_new_place() -> None:
-    text = "slots:\n  dir: /tmp/s\n  cache_budget: 1GiB\n  restore_rate: 1MB\ncache:\n  entry_max: 2GiB\n"
+def test_a_key_that_moved_names_its_new_place() -> None:
+    text = ("slots:\n  dir: /tmp/s\n  cache_budget: 1GiB\n  restore_rate: 1MB\n  store: s3://b/p\n"
+            "  store_flush: 2s\ncache:\n  entry_max: 2GiB\n  chunk_tokens: 64\n")
     with pytest.raises(ConfigError) as caught:
         extensions.parse(text, "t.yaml")
     message = str(caught.value)
-    assert "t.yaml:3: slots.cache_budget has moved: write it as cache.budget" in message
+    assert "t.yaml:3: slots.cache_budget has moved: write it as store.budget" in message
     assert "t.yaml:4: slots.restore_rate has moved: write it as cache.restore_rate" in message
-    config = extensions.parse("cache:\n  enabled: false\n  budget: 1GiB\n", "t.yaml")
-    assert CACHE.of(config).enabled is False and CACHE.of(config).budget == 1 << 30
+    assert "t.yaml:5: slots.store has moved: write it as store.url" in message
+    assert "t.yaml:6: slots.store_flush has moved: write it as store.flush" in message
+    assert "t.yaml:8: cache.entry_max has moved: write it as store.entry_max" in message
+    assert "t.yaml:9: cache.chunk_tokens has moved: write it as store.chunk_tokens" in message
+    config = extensions.parse("cache:\n  enabled: false\nstore:\n  budget: 1GiB\n", "t.yaml")
+    assert CACHE.of(config).enabled is False and STORE.of(config).budget == 1 << 30

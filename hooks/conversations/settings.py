@@ -1,0 +1,25 @@
+"""The conversation cache's section of the config (`cache:`), on with the slot built-ins. Its keys were
+`slots.cache`, `slots.min_tokens`, `slots.restore_margin` and `slots.restore_rate` (hooks/slots/settings.py's
+MOVED), and what the folder may hold moved on to the store's section (`store.budget`, ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hooks.store.settings import MOVED_FROM_CACHE
+from wrapper.settings import BOOL, COUNT, NUMBER, SIZE_OR_AUTO, Section, setting
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    enabled: bool = setting(True, BOOL, "pin requests to slots, keep every conversation that leaves a slot on disk "
+                            "and restore it when it comes back (with `slots.restore`)")
+    min_tokens: int = setting(256, COUNT, "shorter conversations are not kept, and a restore must win this many "
+                              "tokens over what the slot holds")
+    restore_margin: float = setting(1.2, NUMBER, "restore when the predicted restore time times this is below "
+                                    "the predicted prefill time")
+    restore_rate: int | None = setting(None, SIZE_OR_AUTO, "bytes per second a restore reads (`auto`: measured; "
+                                       "give one for a slow disk)")
+
+
+CACHE = Section("cache", CacheSettings, "the conversation cache", moved=MOVED_FROM_CACHE)

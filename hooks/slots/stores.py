@@ -1,0 +1,43 @@
+"""The store of each model's slot folder: opened once, by the slot built-ins' fit when a generation's argv names
+the folder (never on a request), and kept for the wrapper's life (its listings, its sync with the bucket)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hooks.slots.settings import FAMILY
+from hooks.store import Store
+from hooks.store.layout import host_id
+from hooks.store.opening import open_store
+from hooks.store.settings import STORE
+from wrapper.config import Config
+from wrapper.generation import Generation
+from wrapper.kept import Kept, Key
+from wrapper.launch import Launch
+
+_OPENED: Key[dict[Path, Store]] = Key("slots.stores", dict)
+
+
+def open_for(shared: Kept, folder: Path, config: Config) -> Store:
+    """The folder's store, opened the first time a fit names the folder."""
+    opened = shared.get(_OPENED)
+    if folder not in opened:
+        opened[folder] = open_store(folder, STORE.of(config))
+    return opened[folder]
+
+
+def store_of(generation: Generation) -> Store | None:
+    """The store of the generation's slot folder; None when the slot built-ins did not fit it (not in use)."""
+    folder = generation.launch.fitted.get(FAMILY)
+    return generation.shared.get(_OPENED).get(folder) if isinstance(folder, Path) else None
+
+
+def noted_tokens(launch: Launch, shared: Kept) -> list[int]:
+    """The tokens of each slot this host's note names (what its slots held at its last stop), for a fit before
+    the start restores them: those the folder holds, and with a tier behind it those it may hold (the bucket is
+    read once the server is up)."""
+    folder = launch.fitted.get(FAMILY)
+    store = shared.get(_OPENED).get(folder) if isinstance(folder, Path) else None
+    if store is None:
+        return []
+    return [held.n_tokens for held in store.held(host_id()) if held.entry is not None or store.behind is not None]
