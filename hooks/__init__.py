@@ -1,6 +1,3 @@
-"""Built-in hooks: slot persistence (save/restore, the slot-file format, KV conversion) and `server.reload`.
-
-hooks/registry.py declares each built-in; the wrapper reads it through wrapper/extensions.py only.
-"""
-
-DEGRADE = "degrade"  # the degradation built-in's family (hooks/degrade), named here for the built-ins it asks
+"""The built-ins: what the wrapper does beyond supervising and proxying, a package per concern, each declared once
+in hooks/registry.py (the wrapper reads that table through wrapper/extensions.py only). The layers between them
+are declared in pyproject.toml and checked by `make lint`; the README's Layout has the glossary."""

@@ -38,14 +38,14 @@ from wrapper import paths
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
 from wrapper.kept import Kept
-from wrapper.launch import Fitting, Launch
+from wrapper.launch import Asks, Fitting, Launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
 from wrapper.steps import Before, Growth, Shown
 
 Options = Mapping[str, Any]
 ActionFn = Callable[[Generation, Options], Awaitable[str | None]]
-Fit = Callable[[list[str], Launch, Config, Kept, Mapping[str, Any]], Fitting]
+Fit = Callable[[list[str], Launch, Config, Kept, Asks], Fitting]
 
 
 def _no_options(options: Options) -> list[str]:

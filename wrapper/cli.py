@@ -5,7 +5,6 @@ it): `llama-wrapper reload` does not load numpy, gguf or the built-ins."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -15,7 +14,7 @@ from wrapper import __version__
 from wrapper.commands import Commands
 from wrapper.config import Config
 from wrapper.kept import Kept
-from wrapper.launch import Launch
+from wrapper.launch import Asks, Launch
 from wrapper.usage import RUN_EXAMPLES
 
 COMMANDS = {
@@ -57,7 +56,7 @@ def _load(path: str | None) -> Config:
     return config
 
 
-def _launch_for(config: Config, shared: Kept, asks: Mapping[str, Any]) -> Launch:
+def _launch_for(config: Config, shared: Kept, asks: Asks) -> Launch:
     launch: Launch = _extensions().launch_for(config, shared, asks)
     return launch
 

@@ -4,16 +4,15 @@ changes, without the built-in importing the registry that lists it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from wrapper.config import Config
 from wrapper.kept import Kept
-from wrapper.launch import Launch
+from wrapper.launch import Asks, Launch
 
 
 @dataclass(frozen=True)
 class Commands:
     load: Callable[[str | None], Config]  # a config file (None: every default); ConfigError names each problem
-    launch_for: Callable[[Config, Kept, Mapping[str, Any]], Launch]  # config, shared state, asks
+    launch_for: Callable[[Config, Kept, Asks], Launch]  # config, shared state, asks

@@ -17,7 +17,7 @@ from wrapper.actions import BuiltinFn
 from wrapper.config import Config, ConfigError, load_config, parse_config
 from wrapper.generation import Generation, Host
 from wrapper.kept import Kept, Key
-from wrapper.launch import Launch
+from wrapper.launch import Asks, Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
@@ -79,10 +79,10 @@ def warnings(config: Config) -> list[str]:
     return [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
 
 
-def launch_for(config: Config, shared: Kept, asks: Mapping[str, Any] | None = None) -> Launch:
+def launch_for(config: Config, shared: Kept, asks: Asks | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
     `shared`: the built-ins' lifelong state (what serves keeps it); `asks`: what a built-in's move asks the next
-    fit for (by family)."""
+    fits for (by type: hooks/asks.py)."""
     launch = prepare_launch(config)
     argv, notes, fitted = list(launch.argv), list(launch.notes), dict(launch.fitted)
     keep_saved = launch.keep_saved

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -16,7 +16,7 @@ from wrapper import argv as args
 from wrapper.child import Child, Exit, spawn
 from wrapper.config import Config
 from wrapper.kept import Kept
-from wrapper.launch import Launch
+from wrapper.launch import Asks, Launch
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
 from wrapper.server_context import ServerContext, server_context, training_context, with_context
@@ -51,9 +51,9 @@ class Host(Protocol):
         ...
 
     async def reload(self, body: dict[str, Any], why: str | None = None,
-                     asks: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     asks: Asks | None = None) -> dict[str, Any]:
         """A reload as POST /wrapper/reload asks for it; with `why` and an empty body, the built-ins' own argv
-        changes (their fit for the new generation, given `asks` by family) are the whole change. Raises
+        changes (their fit for the new generation, given `asks`) are the whole change. Raises
         ReloadRefused. Built-ins ask through wrapper/reload_ask.py, which waits for a reload that runs."""
         ...
 

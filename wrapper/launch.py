@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,10 @@ log = structlog.get_logger()
 
 PRIVATE_HOST = "127.0.0.1"
 DEFAULT_LISTEN = Listen("127.0.0.1", 8080)  # llama-server's own default, so the wrapper is a drop-in
+
+
+Asks = Mapping[type[Any], Any]  # what a move asks the next generation's fits for, each ask under its type
+# (the built-ins declare theirs in hooks/asks.py; the wrapper passes them on unread)
 
 
 @dataclass

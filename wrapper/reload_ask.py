@@ -1,7 +1,7 @@
 """The one way a built-in asks for a reload. Two kinds of change, both through `Host.reload`:
 
-- `asks` (by family): what the built-in's own fit should make of the next generation (a rung, a budget, a
-  projector); the config stays as it is and the built-ins' fits are the whole change (degrade's moves);
+- `asks` (by the type of each, declared in hooks/asks.py): what the built-ins' fits should make of the next
+  generation (a rung, a budget, a projector); the config stays as it is and the fits are the whole change;
 - `body`: what POST /wrapper/reload takes (`n_ctx`, `cache_type_k`, `args`, ...): the config changes for good.
 
 A reload that runs already is waited for (up to `wait`, by default `reload.hold_timeout`), then this one runs.
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wrapper.generation import Host
+from wrapper.launch import Asks
 from wrapper.reload_plan import Refusal, ReloadRefused
 
 BUSY_RETRY_S = 0.2
@@ -45,7 +46,7 @@ class NotReloaded:
 Asked = Reloaded | Unchanged | NotReloaded
 
 
-async def ask_reload(host: Host, why: str, asks: Mapping[str, Any] | None = None,
+async def ask_reload(host: Host, why: str, asks: Asks | None = None,
                      body: Mapping[str, Any] | None = None, wait: float | None = None) -> Asked:
     deadline = time.monotonic() + (wait if wait is not None else host.current.config.reload_hold_timeout)
     while True:

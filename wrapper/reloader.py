@@ -10,7 +10,6 @@ it and runs on_reload.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,7 +20,7 @@ from wrapper import argv as args
 from wrapper import extensions
 from wrapper.config import Config, ConfigError
 from wrapper.generation import Generation, surviving
-from wrapper.launch import Launch
+from wrapper.launch import Asks, Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
@@ -76,7 +75,7 @@ class Reloader:
         self.host = host
 
     def settle(self, body: dict[str, Any], why: str | None = None,
-                asks: Mapping[str, Any] | None = None) -> NextGeneration:
+                asks: Asks | None = None) -> NextGeneration:
         """Check the request and settle the new generation's argv; ReloadRefused before anything stops.
         `why` (a built-in's reload, empty body): the built-ins' fit for the new generation is the change."""
         current = self.host.current

@@ -45,9 +45,15 @@ def is_planning() -> bool:
     return _PLANNING.get() is not None
 
 
-def cache_dir() -> Path:
+def wrapper_cache() -> Path:
+    """This machine's cache of what the wrapper learnt: `$XDG_CACHE_HOME/llama-wrapper` (else ~/.cache)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(root) / "llama-wrapper" / "help"
+    return Path(root) / "llama-wrapper"
+
+
+def cache_dir() -> Path:
+    """Where the binaries' `--help` answers are kept."""
+    return wrapper_cache() / "help"
 
 
 def supported_flags(binary: str) -> frozenset[str] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiohttp
@@ -21,7 +21,7 @@ from wrapper.gate import Gate
 from wrapper.generation import Generation, ServerLost, StartFailed, surviving
 from wrapper.hooks_running import Hooks
 from wrapper.kept import Kept
-from wrapper.launch import Launch
+from wrapper.launch import Asks, Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient
 from wrapper.metrics import METRICS
@@ -67,7 +67,7 @@ class Serving:
         await self.gate.drain(timeout, self._hooks.forced)
 
     async def reload(self, body: dict[str, Any], why: str | None = None,
-                     asks: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     asks: Asks | None = None) -> dict[str, Any]:
         """Reconfigure the running llama-server (see wrapper/reloader.py); one at a time, only when ready."""
         if self._reloading is not None:
             raise ReloadRefused(BUSY_RELOADING, 409, Refusal.BUSY)

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from wrapper.server_help import cache_dir
+from wrapper.measured import MeasuredFile
 
 EWMA = 0.3  # weight of the newest measurement in a rate
 SAVE_EVERY_S = 10.0  # a learnt prefill rate is written at most this often
@@ -41,27 +37,15 @@ def _mix(old: float | None, new: float) -> float:
     return new if old is None else (1 - EWMA) * old + EWMA * new
 
 
-def rates_dir() -> Path:
-    return cache_dir().parent / "rates"
-
-
 class KeptRates:
     """A model's rates and the file they are kept in."""
 
     def __init__(self, model_id: str) -> None:
-        self.file = rates_dir() / f"{model_id}.json"
+        self.file = MeasuredFile(model_id, every_s=SAVE_EVERY_S)
         self.rates = Rates()
-        self._saved = 0.0
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            self.rates = Rates(**json.loads(self.file.read_text()))
+        with contextlib.suppress(TypeError):
+            self.rates = Rates(**self.file.read())
 
     def save(self, soon: bool = False) -> None:
         """Write them (`soon`: unless written within SAVE_EVERY_S)."""
-        if soon and time.monotonic() - self._saved <= SAVE_EVERY_S:
-            return
-        self._saved = time.monotonic()
-        temporary = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-        with contextlib.suppress(OSError):
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(json.dumps(asdict(self.rates)))
-            os.replace(temporary, self.file)
+        self.file.write(asdict(self.rates), now=not soon)

@@ -9,7 +9,5 @@ every conversation. What a generation reports (buffers, status, GET /wrapper/mem
 as long as the wrapper is `state`; the `degrade:` keys are `settings`.
 """
 
-from hooks import DEGRADE
-
-FAMILY = DEGRADE
+FAMILY = "degrade"
 TURN_ON = "add a degrade: section to the config (at least degrade: {budget: auto})"

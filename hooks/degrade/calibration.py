@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from hooks.degrade.memory import MiB, Plan, Settings
-from wrapper.server_help import cache_dir
+from wrapper.server_help import wrapper_cache
 
 log = structlog.get_logger()
 
@@ -66,7 +66,7 @@ class Measured:
 
 
 def store_path(model_id: str) -> Path:
-    return cache_dir().parent / "memory" / f"{model_id}.json"
+    return wrapper_cache() / "memory" / f"{model_id}.json"
 
 
 def load(model_id: str) -> list[Measured]:

@@ -5,10 +5,8 @@ a budget; without one the rung and budget in force are kept."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
 
-from hooks.degrade import FAMILY
+from hooks.asks import asked
 from hooks.degrade.ladder import Planner, RungPlan, choose
 from hooks.degrade.memory import PlanError
 from hooks.degrade.planning import MIN_START_CTX, cells, ladder_for, pool_device, resolve_budget
@@ -22,7 +20,7 @@ from hooks.slots import noted_tokens
 from wrapper import argv as args
 from wrapper.config import Config, ConfigError
 from wrapper.kept import Kept
-from wrapper.launch import Fitting, Launch
+from wrapper.launch import Asks, Fitting, Launch
 from wrapper.server_help import flag_arity
 from wrapper.units import format_size
 
@@ -38,12 +36,11 @@ class NoRungFits(ConfigError):
 
 
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
-        asks: Mapping[str, Any]) -> Fitting:
+        asks: Asks) -> Fitting:
     """The child's argv for the chosen rung at its largest context under the budget."""
     settings = DEGRADE.of(config)
     state = state_of(shared)
-    found = asks.get(FAMILY)
-    ask = found if isinstance(found, Wanted) else Wanted()
+    ask = asked(asks, Wanted) or Wanted()
     out = Fitting(list(argv))
     if launch.model.path is None:
         out.note("degrade: off", "no -m model file to plan with (-hf and URLs are not planned)")

@@ -19,7 +19,7 @@ async def move(host: Host, state: DegradeState, ask: Wanted, why: str) -> str | 
     """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
     budget in force change only when the reload succeeds."""
     began = time.monotonic()
-    asked = await ask_reload(host, f"degrade: {why}", ask.as_mapping())
+    asked = await ask_reload(host, f"degrade: {why}", ask.as_asks())
     if isinstance(asked, Unchanged):
         commit(state, ask)
         return None

@@ -91,7 +91,7 @@ def _plan(commands: Commands, budget: str | None, backend: str | None, config_pa
             given = (max(0, int(pooled["free"])), f"free in the pool {pooled['dir']}")
         if budget == "auto":
             given = auto_budget(DEGRADE.of(config).reserve, config.argv)
-        asks = Wanted(budget=given, backend=backend).as_mapping()
+        asks = Wanted(budget=given, backend=backend).as_asks()
         shared = Kept()
         launch: Launch | None = None
         problem: NoRungFits | None = None

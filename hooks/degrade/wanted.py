@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hooks.degrade import FAMILY
+from hooks.asks import MemoryMove, asking
 
 
 @dataclass(frozen=True)
@@ -21,5 +21,6 @@ class Wanted:
     up: bool = False  # a move up (a relax): nothing is given up for it
     projector: bool = False  # a move up that takes back the projector given up for memory (hooks/media)
 
-    def as_mapping(self) -> dict[str, Any]:
-        return {FAMILY: self}
+    def as_asks(self) -> dict[type[Any], Any]:
+        """The next fits' asks: this for degrade's, and for the others a move made for memory."""
+        return asking(self, MemoryMove(up=self.up, projector=self.projector))

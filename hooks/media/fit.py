@@ -3,23 +3,17 @@ Runs before degrade's fit, so the memory planner counts the projector only while
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
-from typing import Any
-
-from hooks import DEGRADE
-from hooks.media import FAMILY
-from hooks.media.settings import MEDIA, on_demand
-from hooks.media.state import STATE, MediaState
+from hooks.asks import MemoryMove, Projector, asked
+from hooks.media.memory import took_back
+from hooks.media.settings import on_demand
+from hooks.media.state import STATE
 from wrapper import argv as args
 from wrapper.config import Config
 from wrapper.kept import Kept
-from wrapper.launch import Fitting, Launch
-
-ASK = "projector"  # asks: {"media": {"projector": True | False}}
+from wrapper.launch import Asks, Fitting, Launch
 
 
-def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
+def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Asks) -> Fitting:
     if not on_demand(config):
         return Fitting(list(argv))
     if not args.has(argv, args.MMPROJ):
@@ -28,13 +22,13 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
                   "load, and a request with media gets the wrapper's 400")
         return idle
     kept = shared.get(STATE)
-    asked = (asks.get(FAMILY) or {}).get(ASK)
-    if isinstance(asked, bool):
-        kept.wanted, kept.given_up = asked, False
-    elif kept.wanted and DEGRADE in asks and not _upward(asks) and kept.in_flight == 0:
+    own, memory = asked(asks, Projector), asked(asks, MemoryMove)
+    if own is not None:
+        kept.wanted, kept.given_up = own.wanted, False
+    elif kept.wanted and memory is not None and not memory.up and kept.in_flight == 0:
         kept.wanted, kept.given_up = False, True  # a move for memory: an unused projector is given up first
         kept.decisions.made(change="given up", why="a memory move (degrade) and no request with media in flight")
-    elif not kept.wanted and bool(getattr(asks.get(DEGRADE), "projector", False)) and takes_back(kept, config):
+    elif not kept.wanted and memory is not None and memory.projector and took_back(kept, config):
         kept.wanted, kept.given_up = True, False
         kept.decisions.made(change="taken back", why="memory is free again (degrade) after it was given up for it")
     if kept.wanted:
@@ -46,22 +40,6 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
               "audio arrives, and dropped after media.idle without one, or at a memory move (degrade) while "
               "no request with media is in flight")
     return done
-
-
-def _upward(asks: Mapping[str, Any]) -> bool:
-    return bool(getattr(asks.get(DEGRADE), "up", False))
-
-
-def takes_back(kept: MediaState, config: Config) -> bool:
-    """A move up takes the projector back: it was given up for memory while media came within media.idle."""
-    recent = kept.last_media_at is not None and time.monotonic() - kept.last_media_at < MEDIA.of(config).idle
-    return kept.given_up and recent
-
-
-def yields(shared: Kept, config: Config) -> bool:
-    """A memory move now would give the projector up (on demand, loaded, no request with media in flight)."""
-    kept = shared.get(STATE)
-    return on_demand(config) and kept.wanted and kept.in_flight == 0
 
 
 def warnings(config: Config) -> list[str]:

@@ -8,8 +8,7 @@ import time
 
 import structlog
 
-from hooks.media import FAMILY
-from hooks.media.fit import ASK
+from hooks.asks import Projector, asking
 from hooks.media.settings import MEDIA, on_demand
 from hooks.media.state import loaded, state
 from wrapper.generation import Host
@@ -35,7 +34,7 @@ async def drop_when_idle(host: Host) -> None:
         if quiet < idle:
             continue
         asked = await ask_reload(host, f"media: no request with media for {quiet:.0f}s (media.idle {idle:g}s)",
-                                 {FAMILY: {ASK: False}})
+                                 asking(Projector(wanted=False)))
         if not loaded(host.current) and isinstance(asked, Reloaded) and asked.answer.get("success"):
             kept.drops += 1
             METRICS.projector_changes.labels(change="dropped").inc()

@@ -11,9 +11,8 @@ from typing import Any
 
 import structlog
 
-from hooks.media import FAMILY
+from hooks.asks import Projector, asking
 from hooks.media.detect import media_in
-from hooks.media.fit import ASK
 from hooks.media.report import learn
 from hooks.media.settings import on_demand
 from hooks.media.state import configured, loaded, state
@@ -61,7 +60,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing | Reply:
 async def _load(host: Host, kind: str, out: Outgoing) -> Outgoing | Reply:
     kept, began = state(host.current), time.monotonic()
     log.info("media.projector_loading", kind=kind, path=out.path)
-    asked = await ask_reload(host, f"media: a request with {kind} arrived", {FAMILY: {ASK: True}})
+    asked = await ask_reload(host, f"media: a request with {kind} arrived", asking(Projector(wanted=True)))
     seconds = round(time.monotonic() - began, 3)
     if isinstance(asked, Reloaded | Unchanged) and loaded(host.current):
         if isinstance(asked, Reloaded):

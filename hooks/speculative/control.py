@@ -8,8 +8,8 @@ import time
 
 import structlog
 
-from hooks.speculative import FAMILY
-from hooks.speculative.fit import ASK, speculates
+from hooks.asks import Draft, asking
+from hooks.speculative.fit import speculates
 from hooks.speculative.rule import decide
 from hooks.speculative.settings import SPEC, switching
 from hooks.speculative.state import STATE
@@ -44,7 +44,7 @@ async def switch_when_calm(host: Host) -> None:
             last = (crowd, running, decision.reason)
         if not decision.switch:
             continue
-        asked = await ask_reload(host, f"spec: {decision.reason}", {FAMILY: {ASK: decision.draft}})
+        asked = await ask_reload(host, f"spec: {decision.reason}", asking(Draft(decision.draft)))
         if not (isinstance(asked, Reloaded) and asked.answer.get("success")):
             kept.off = not speculates(host.current.launch.argv)  # what runs, not what the failed switch asked
             kept.alone_since = time.monotonic()  # tried again after a calm period, not at the next look

@@ -3,20 +3,17 @@ built-in has dropped it (the same change as the degradation ladder's `disable-sp
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from hooks.speculative import FAMILY
+from hooks.asks import Draft, asked
 from hooks.speculative.settings import switching
 from hooks.speculative.state import STATE
 from wrapper import argv as args
 from wrapper.config import Config
 from wrapper.kept import Kept
-from wrapper.launch import Fitting, Launch
+from wrapper.launch import Asks, Fitting, Launch
 from wrapper.reload_plan import plan
 from wrapper.server_help import flag_arity
-
-ASK = "draft"  # asks: {"spec": {"draft": True | False}}
 
 
 def speculates(argv: Sequence[str]) -> bool:
@@ -33,7 +30,7 @@ def drafts_nothing(argv: Sequence[str]) -> bool:
     return not speculates(argv) and any(args.has(argv, (flag,)) for flag in args.SPEC if flag != "--spec-type")
 
 
-def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Mapping[str, Any]) -> Fitting:
+def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Asks) -> Fitting:
     if not switching(config):
         return Fitting(list(argv))
     if not speculates(argv):
@@ -43,9 +40,8 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Map
         return idle
     kept = shared.get(STATE)
     kept.keep(launch.model.id, config.argv)  # this machine's rates for this setup, from an earlier run
-    asked = (asks.get(FAMILY) or {}).get(ASK)
-    if isinstance(asked, bool):
-        kept.off = not asked
+    if (draft := asked(asks, Draft)) is not None:
+        kept.off = not draft.running
     if not kept.off:
         return Fitting(list(argv), fitted=True)
     without = plan(argv, {"spec": {"types": ["none"]}}, flag_arity(argv[0]))

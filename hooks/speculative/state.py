@@ -8,17 +8,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from hooks.conversations.rates import rates_dir
 from hooks.decisions import Decisions
 from hooks.speculative.rule import Rates
 from wrapper import argv as args
 from wrapper.kept import Key
+from wrapper.measured import MeasuredFile
 
 WEIGHT = 0.3  # of a new measurement in the running average
 SAVE_EVERY_S = 10.0
@@ -51,32 +49,25 @@ class SpecState:
     reload_s: float = 0.0  # the last switch's measured downtime
     switches: int = 0
     decisions: Decisions = field(default_factory=Decisions)
-    file: Path | None = None  # where the rates are kept (set by `keep`)
-    _saved: float = 0.0
+    file: MeasuredFile | None = None  # where the rates are kept (set by `keep`)
 
     def keep(self, model_id: str, argv: Sequence[str]) -> None:
         """Where this model's rates for this speculative setup are kept; read them when the setup is new (a
         reload that changed -np, -t, the draft... measures another setup)."""
         setup = json.dumps([[flag, args.get(argv, (flag,))] for flag in SETUP_FLAGS])
-        file = rates_dir() / f"{model_id}-spec-{hashlib.sha256(setup.encode()).hexdigest()[:12]}.json"
-        if file == self.file:
+        name = f"{model_id}-spec-{hashlib.sha256(setup.encode()).hexdigest()[:12]}"
+        if self.file is not None and self.file.path.stem == name:
             return
         self.save(now=True)  # the previous setup's, before its rates are left
-        self.file, self.rates = file, {}
-        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-            found = json.loads(self.file.read_text())
+        self.file, self.rates = MeasuredFile(name, every_s=SAVE_EVERY_S), {}
+        with contextlib.suppress(TypeError, ValueError):
+            found = self.file.read()
             self.rates.update({k: float(v) for k, v in found.items() if k in Rates.__dataclass_fields__})
 
     def save(self, now: bool = False) -> None:
         """Write the rates (at most every SAVE_EVERY_S unless `now`: a bucket measured for the first time)."""
-        if self.file is None or (not now and time.monotonic() - self._saved <= SAVE_EVERY_S):
-            return
-        self._saved = time.monotonic()
-        temporary = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-        with contextlib.suppress(OSError):
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(json.dumps(self.rates))
-            os.replace(temporary, self.file)
+        if self.file is not None:
+            self.file.write(self.rates, now=now)
 
     def began(self, track: Track) -> None:
         self.tracks[id(track)] = track

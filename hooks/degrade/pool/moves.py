@@ -18,8 +18,7 @@ from hooks.degrade.pool.folder import Request
 from hooks.degrade.settings import DEGRADE
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.degrade.wanted import Wanted
-from hooks.media import fit as media_fit
-from hooks.media.state import STATE as MEDIA_STATE
+from hooks.media import memory as projector_memory
 from wrapper import argv as args
 from wrapper.generation import Generation, Host
 from wrapper.units import format_size
@@ -83,7 +82,7 @@ async def give(host: Host, asked: Request) -> None:
     settings = DEGRADE.of(generation.config)
     limit = max(fit.floor, fit.share - asked.bytes)
     base = fit.rungs[0].argv
-    projector = media_fit.yields(generation.shared, generation.config) and args.has(base, args.MMPROJ)
+    projector = projector_memory.gives_up(generation.shared, generation.config) and args.has(base, args.MMPROJ)
     if projector:
         base = args.remove(base, args.MMPROJ)
     planner, rungs = ladder_for(base, generation.launch, generation.config, state, limit)
@@ -134,8 +133,7 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
     settings = DEGRADE.of(generation.config)
     free = _free(generation)
     base = fit.rungs[0].argv
-    media_state = generation.shared.get(MEDIA_STATE)
-    back = not args.has(base, args.MMPROJ) and media_fit.takes_back(media_state, generation.config)
+    back = not args.has(base, args.MMPROJ) and projector_memory.takes_back(generation.shared, generation.config)
     if back and (projector := args.get(generation.config.argv, args.MMPROJ)):
         base = [*base, "--mmproj", projector]
     looked = (free, needed, back, fit.rung, fit.n_ctx, fit.share)

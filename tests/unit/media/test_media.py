@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import pytest
 
+from hooks.asks import MemoryMove, Projector, asking
 from hooks.media.detect import media_in
 from hooks.media.fit import fit
 from hooks.media.report import shown
@@ -73,15 +74,15 @@ def test_on_demand_the_projector_is_in_the_argv_only_while_wanted() -> None:
     left_out = fit(ARGV, _launch(ARGV), config, shared, {})
     assert left_out.argv == ["llama-server", "-m", "m.gguf", "-c", "4096"] and left_out.fitted is False
     assert "--mmproj p.gguf left out" in left_out.notes[0]["change"]
-    loaded = fit(ARGV, _launch(ARGV), config, shared, {"media": {"projector": True}})
+    loaded = fit(ARGV, _launch(ARGV), config, shared, asking(Projector(wanted=True)))
     assert loaded.argv == ARGV and shared.get(STATE).wanted
     assert fit(ARGV, _launch(ARGV), config, shared, {}).argv == ARGV  # another reload keeps it while wanted
-    assert fit(ARGV, _launch(ARGV), config, shared, {"media": {"projector": False}}).argv == left_out.argv
-    fit(ARGV, _launch(ARGV), config, shared, {"media": {"projector": True}})
+    assert fit(ARGV, _launch(ARGV), config, shared, asking(Projector(wanted=False))).argv == left_out.argv
+    fit(ARGV, _launch(ARGV), config, shared, asking(Projector(wanted=True)))
     shared.get(STATE).in_flight = 1  # a request with media in flight keeps it through a memory move
-    assert fit(ARGV, _launch(ARGV), config, shared, {"degrade": {"rung": 2}}).argv == ARGV
+    assert fit(ARGV, _launch(ARGV), config, shared, asking(MemoryMove())).argv == ARGV
     shared.get(STATE).in_flight = 0  # unused: the first thing a memory move gives up
-    assert fit(ARGV, _launch(ARGV), config, shared, {"degrade": {"rung": 2}}).argv == left_out.argv
+    assert fit(ARGV, _launch(ARGV), config, shared, asking(MemoryMove())).argv == left_out.argv
     assert shared.get(STATE).decisions[-1]["change"] == "given up"
     always = extensions.parse("")
     assert fit(ARGV, _launch(ARGV), always, Kept(), {}).argv == ARGV

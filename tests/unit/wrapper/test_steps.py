@@ -88,9 +88,9 @@ class Reloading:
 
 async def test_a_reload_asked_by_a_built_in_waits_for_the_one_that_runs() -> None:
     host = Reloading(busy=2)
-    asked = await ask_reload(cast(Host, host), "media: an image", {"media": {"projector": True}})
+    asked = await ask_reload(cast(Host, host), "media: an image", {bool: True})
     assert asked == Reloaded({"success": True})
-    assert host.asked == [({}, "media: an image", {"media": {"projector": True}})] * 3
+    assert host.asked == [({}, "media: an image", {bool: True})] * 3
 
 
 async def test_a_reload_that_changes_nothing_or_is_refused_says_so() -> None:

@@ -1,0 +1,44 @@
+"""What the wrapper measured on this machine, kept across its runs: one small JSON file per model (and setup) in
+the user cache (`~/.cache/llama-wrapper/rates/`, never the shared slot folder), written whole — a temporary
+renamed over it — and at most every `every_s` unless asked now (a rate that moved a little waits)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from wrapper.server_help import wrapper_cache
+
+
+def rates_dir() -> Path:
+    return wrapper_cache() / "rates"
+
+
+class MeasuredFile:
+    def __init__(self, name: str, every_s: float = 10.0) -> None:
+        self.path = rates_dir() / f"{name}.json"
+        self.every_s = every_s
+        self._written = 0.0
+
+    def read(self) -> dict[str, Any]:
+        """What was written last; {} when nothing was, or it cannot be read."""
+        with contextlib.suppress(OSError, ValueError):
+            found = json.loads(self.path.read_text())
+            if isinstance(found, dict):
+                return found
+        return {}
+
+    def write(self, data: dict[str, Any], now: bool = False) -> None:
+        """Write `data` (unless written within `every_s` and not `now`); a full disk loses only this write."""
+        if not now and time.monotonic() - self._written <= self.every_s:
+            return
+        self._written = time.monotonic()
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(json.dumps(data))
+            os.replace(temporary, self.path)
