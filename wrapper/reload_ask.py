@@ -24,8 +24,16 @@ BUSY_RETRY_S = 0.2
 
 @dataclass(frozen=True)
 class Reloaded:
-    """The reload ran: its answer (`success` false when it had to go back to what ran before)."""
+    """The reload ran and the new generation serves: its answer (downtime, what was restored, ...)."""
 
+    answer: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """The reload ran, but the new generation did not come up: what ran before serves again; why."""
+
+    reason: str
     answer: dict[str, Any]
 
 
@@ -43,7 +51,7 @@ class NotReloaded:
     reason: str
 
 
-Asked = Reloaded | Unchanged | NotReloaded
+Asked = Reloaded | RolledBack | Unchanged | NotReloaded
 
 
 async def ask_reload(host: Host, why: str, asks: Asks | None = None,
@@ -51,7 +59,10 @@ async def ask_reload(host: Host, why: str, asks: Asks | None = None,
     deadline = time.monotonic() + (wait if wait is not None else host.current.config.reload_hold_timeout)
     while True:
         try:
-            return Reloaded(await host.reload(dict(body or {}), why, asks))
+            answer = await host.reload(dict(body or {}), why, asks)
+            if not answer.get("success"):
+                return RolledBack(str(answer.get("message") or "the new llama-server did not come up"), answer)
+            return Reloaded(answer)
         except ReloadRefused as exc:
             if exc.reason is Refusal.NOTHING_TO_CHANGE:
                 return Unchanged(str(exc))

@@ -16,6 +16,7 @@ from hooks.degrade.ladder import RungPlan, choose
 from hooks.degrade.memory import PlanError
 from hooks.degrade.move import move
 from hooks.degrade.planning import MIN_START_CTX, auto_budget, ladder_for
+from hooks.degrade.plans import Holds, TooLarge, plan_growth, plan_relax, wanted_context
 from hooks.degrade.pool import member as share
 from hooks.degrade.pool import moves as poolmoves
 from hooks.degrade.settings import DEGRADE, DegradeSettings
@@ -52,26 +53,25 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
                 return NotPlanned()
             await asyncio.sleep(GATHER_S)  # the other requests of a burst get to say what they need
             fit = fitted(host.current.launch) or fit  # another growth may have reloaded meanwhile
-            wanted = context_for(host.current.launch.argv, state, state.waiting)
-            if pool_full:
-                wanted = max(wanted, fit.n_ctx + 1)
+            wanted = wanted_context(host.current.launch.argv, state, state.waiting, pool_full, fit.n_ctx)
             if fit.n_ctx >= wanted:
                 return Grown()  # another request's growth got there first
             if fit.pool is not None:
                 problem = await poolmoves.grow(host, state, fit, wanted, f"this request needs {needed} tokens of "
                                                f"context ({wanted} for every slot's conversation)")
                 return Grown() if problem is None else CannotGrow(problem)
-            target = choose(fit.rungs, wanted)
-            if target is None:
-                best = max(fit.rungs, key=lambda r: r.max_ctx, default=None)
+            plan = plan_growth(fit.n_ctx, wanted, fit.rungs)
+            if isinstance(plan, TooLarge):
                 return CannotGrow(
                     f"this request needs {needed} tokens of context ({wanted} for every slot's conversation); "
                     f"the largest context under the memory budget {format_size(fit.budget)} is "
-                    f"{best.max_ctx if best else 0} tokens (rung {best.name if best else '-'}); raise "
-                    "degrade.budget or shorten the conversation")
-            why = (f"grow to {target.name}, n_ctx {target.max_ctx}, for {len(state.waiting)} request(s) of up to "
+                    f"{plan.largest} tokens (rung {plan.rung or '-'}); raise degrade.budget or shorten the "
+                    "conversation")
+            if isinstance(plan, Holds):
+                return Grown()
+            why = (f"grow to {plan.rung}, n_ctx {plan.n_ctx}, for {len(state.waiting)} request(s) of up to "
                    f"{max(state.waiting)} tokens ({wanted} in all)")
-            problem = await move(host, state, Wanted(rung=target.name), why)
+            problem = await move(host, state, Wanted(rung=plan.rung), why)
             return Grown() if problem is None else CannotGrow(problem)
     finally:
         state.waiting.remove(needed)
@@ -123,8 +123,8 @@ async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, 
     if fit is None:
         return None
     needed = context_for(host.current.launch.argv, state, [t + settings.headroom for t in _held(state, host.current)])
-    target = choose(fit.rungs, needed)
-    if target is None or (fit.rungs.index(target) >= fit.index and target.max_ctx <= fit.n_ctx):
+    target = plan_relax(fit.index, fit.n_ctx, fit.rungs, needed)
+    if target is None:
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
         return None
     return await move(host, state, Wanted(rung=target.name, up=True),

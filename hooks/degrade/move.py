@@ -10,7 +10,7 @@ import structlog
 from hooks.degrade.state import DegradeState, fitted
 from hooks.degrade.wanted import Wanted
 from wrapper.generation import Host
-from wrapper.reload_ask import NotReloaded, Unchanged, ask_reload
+from wrapper.reload_ask import NotReloaded, RolledBack, Unchanged, ask_reload
 
 log = structlog.get_logger()
 
@@ -27,13 +27,14 @@ async def move(host: Host, state: DegradeState, ask: Wanted, why: str) -> str | 
         return asked.reason
     answer = asked.answer
     fit = fitted(host.current.launch)
-    step = {"at": time.time(), "why": why, "success": bool(answer.get("success")), "rung": fit.rung if fit else None,
+    rolled_back = isinstance(asked, RolledBack)
+    step = {"at": time.time(), "why": why, "success": not rolled_back, "rung": fit.rung if fit else None,
             "n_ctx": answer.get("n_ctx"), "downtime_ms": answer.get("downtime_ms"),
             "wait_s": round(time.monotonic() - began, 3), "restore": answer.get("restore")}
     state.steps.append(step)
     log.info("degrade.step", **step)
-    if not answer.get("success"):
-        return f"the reload failed: {answer.get('message')}"
+    if isinstance(asked, RolledBack):
+        return f"the reload failed: {asked.reason}"
     commit(state, ask)
     return None
 

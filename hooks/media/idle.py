@@ -35,7 +35,7 @@ async def drop_when_idle(host: Host) -> None:
             continue
         asked = await ask_reload(host, f"media: no request with media for {quiet:.0f}s (media.idle {idle:g}s)",
                                  asking(Projector(wanted=False)))
-        if not loaded(host.current) and isinstance(asked, Reloaded) and asked.answer.get("success"):
+        if not loaded(host.current) and isinstance(asked, Reloaded):
             kept.drops += 1
             METRICS.projector_changes.labels(change="dropped").inc()
             log.info("media.projector_dropped", **kept.decisions.made(change="dropped", idle_s=round(quiet, 1),

@@ -71,7 +71,7 @@ async def _load(host: Host, kind: str, out: Outgoing) -> Outgoing | Reply:
             log.info("media.projector_loaded", **kept.decisions.made(change="loaded", kind=kind, wait_s=seconds,
                                                               downtime_ms=asked.answer.get("downtime_ms")))
         return out
-    reason = asked.answer.get("message") if isinstance(asked, Reloaded) else getattr(asked, "reason", "")
+    reason = "the new llama-server runs without it" if isinstance(asked, Reloaded | Unchanged) else asked.reason
     kept.wanted = False
     log.warning("media.projector_failed", **kept.decisions.made(change="failed", kind=kind, wait_s=seconds,
                                                          reason=str(reason)))

@@ -45,12 +45,12 @@ async def switch_when_calm(host: Host) -> None:
         if not decision.switch:
             continue
         asked = await ask_reload(host, f"spec: {decision.reason}", asking(Draft(decision.draft)))
-        if not (isinstance(asked, Reloaded) and asked.answer.get("success")):
+        if not isinstance(asked, Reloaded):
             kept.off = not speculates(host.current.launch.argv)  # what runs, not what the failed switch asked
             kept.alone_since = time.monotonic()  # tried again after a calm period, not at the next look
             kept.crowd_since = kept.alone_since if kept.crowd_since is not None else None
             log.warning("spec.switch_failed", draft=decision.draft,
-                        reason=asked.answer.get("message") if isinstance(asked, Reloaded) else asked.reason)
+                        reason=asked.reason)
             continue
         kept.switches += 1
         now = time.monotonic()  # the new configuration is given a calm period of its own to be measured

@@ -9,12 +9,22 @@ import time
 
 import structlog
 
-from hooks.degrade.ladder import choose
-from hooks.degrade.memory import CELL_PAD
+from hooks.degrade.ladder import RungPlan
 from hooks.degrade.move import move
-from hooks.degrade.planning import MIN_START_CTX, cells, ladder_for
+from hooks.degrade.planning import ladder_for
+from hooks.degrade.plans import GrowTo, TooLarge, plan_growth
 from hooks.degrade.pool import member as share
 from hooks.degrade.pool.folder import Request
+from hooks.degrade.pool.plans import (
+    Refuse,
+    Running,
+    Stay,
+    give_limit,
+    plan_climb,
+    plan_give,
+    resting_context,
+    smallest_context,
+)
 from hooks.degrade.settings import DEGRADE
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.degrade.wanted import Wanted
@@ -53,14 +63,14 @@ async def grow(host: Host, state: DegradeState, fit: Fitted, wanted: int, why: s
         asked = await share.ask(pool, share.record(generation, fit, busy=True), need - free, settings.pool_wait)
         free = _free(host.current)
         planner, rungs = ladder_for(fit.rungs[0].argv, generation.launch, generation.config, state, free)
-    target = choose(rungs, wanted)
-    if target is None:
+    plan = plan_growth(0, wanted, rungs)  # what is free now plans the rung: the one it runs may no longer fit
+    if isinstance(plan, TooLarge):
         got = f"; the others gave {format_size(asked.given)} of {format_size(asked.asked)} asked" if asked else ""
-        best = max(rungs, key=lambda r: r.max_ctx, default=None)
         return (f"{why}: the pool {pool.dir} has {format_size(free)} for this member{got}, which holds at most "
-                f"{best.max_ctx if best else 0} tokens of context (rung {best.name if best else '-'}); give the pool "
-                "more memory (degrade.budget) or shorten the conversation")
-    problem = await move(host, state, Wanted(rung=target.name, ctx=wanted),
+                f"{plan.largest} tokens of context (rung {plan.rung or '-'}); give the pool more memory "
+                "(degrade.budget) or shorten the conversation")
+    assert isinstance(plan, GrowTo)
+    problem = await move(host, state, Wanted(rung=plan.rung, ctx=wanted),
                          f"{why} ({format_size(free)} for it in the pool)")
     share.publish(host.current, busy=True)  # what runs now, whether the move took effect or not
     return problem
@@ -80,24 +90,25 @@ async def give(host: Host, asked: Request) -> None:
         return
     state = state_of(generation.shared)
     settings = DEGRADE.of(generation.config)
-    limit = max(fit.floor, fit.share - asked.bytes)
+    running = Running.of(fit)
     base = fit.rungs[0].argv
     projector = projector_memory.gives_up(generation.shared, generation.config) and args.has(base, args.MMPROJ)
     if projector:
         base = args.remove(base, args.MMPROJ)
-    planner, rungs = ladder_for(base, generation.launch, generation.config, state, limit)
-    smallest = min(planner.ceiling, settings.context or MIN_START_CTX, MIN_START_CTX)
+    planner, rungs = ladder_for(base, generation.launch, generation.config, state,
+                                give_limit(running, asked.bytes))
+    serving = None
     if host.in_flight:  # it serves requests: it keeps what its conversations hold (the reload drains them first)
-        held = [t + settings.headroom for t in state.conversation.values()]
-        smallest = min(fit.n_ctx, max(smallest, cells(context_for(generation.launch.argv, state, held))))
-    target = choose(rungs, fit.n_ctx) or choose(rungs, smallest)
-    if target is None or limit >= fit.share:
-        await share.answer(pool, asked, "refused", 0, "nothing to give above its floor", _since(began))
+        conversations = [t + settings.headroom for t in state.conversation.values()]
+        serving = context_for(generation.launch.argv, state, conversations)
+    smallest = smallest_context(planner.ceiling, settings.context, serving, fit.n_ctx)
+    plan = plan_give(running, asked.bytes, rungs, smallest)
+    if isinstance(plan, Refuse):
+        await share.answer(pool, asked, "refused", 0, plan.reason, _since(began))
         return
-    ctx = min(target.max_ctx, fit.n_ctx)
     state.giving = True  # its own climb back waits: what it frees is the asker's once answered
     try:
-        problem = await move(host, state, Wanted(rung=target.name, ctx=ctx, limit=limit),
+        problem = await move(host, state, Wanted(rung=plan.rung, ctx=plan.ctx, limit=plan.limit),
                              f"give {format_size(asked.bytes)} to {asked.asker_model}[{asked.asker}]")
         now = fitted(host.current.launch) or fit
         given = max(0, fit.share - now.share) if problem is None else 0
@@ -141,23 +152,19 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
         return None  # nothing changed since the last look, which moved nothing: no planning every second
     state.looked = looked
     planner, rungs = ladder_for(base, generation.launch, generation.config, state, free)
-    rest = min(planner.ceiling, settings.context or MIN_START_CTX)
-    wanted = min(planner.ceiling, cells(max(rest, needed)))
-    target = choose(rungs, wanted)
-    if back and target is not None and target.name != rungs[0].name:
-        back = False  # the projector would cost a rung: it comes back with the first image instead
-        base = fit.rungs[0].argv
-        planner, rungs = ladder_for(base, generation.launch, generation.config, state, free)
-        target = choose(rungs, wanted)
-    if target is None:
+    wanted = resting_context(planner.ceiling, settings.context, needed)
+
+    def without() -> list[RungPlan]:
+        return rungs if not back else ladder_for(fit.rungs[0].argv, generation.launch, generation.config, state,
+                                                 free)[1]
+
+    plan = plan_climb(Running.of(fit), [r.name for r in fit.rungs], wanted, rungs if back else None, without)
+    if isinstance(plan, Stay):
+        if plan.index is not None:
+            state.gave = state.gave and plan.index > 0
         return None
-    index = [r.name for r in fit.rungs].index(target.name)
-    same = index == fit.index and abs(wanted - fit.n_ctx) < CELL_PAD
-    if same and not back:
-        state.gave = state.gave and index > 0
-        return None
-    problem = await move(host, state, Wanted(rung=target.name, ctx=wanted, up=True, projector=back),
-                         f"relax to {target.name}, n_ctx {wanted} ({why}; {format_size(free)} for it in the pool)")
+    problem = await move(host, state, Wanted(rung=plan.rung, ctx=plan.ctx, up=True, projector=plan.projector),
+                         f"relax to {plan.rung}, n_ctx {plan.ctx} ({why}; {format_size(free)} for it in the pool)")
     share.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
     if problem is not None:
         state.climb_after = time.monotonic() + settings.relax_after  # not again at once: each try is a reload

@@ -23,7 +23,7 @@ from wrapper.launch import Launch
 from wrapper.lifecycle import State
 from wrapper.model import Model
 from wrapper.notify import Notifier
-from wrapper.reload_ask import NotReloaded, Reloaded, Unchanged, ask_reload
+from wrapper.reload_ask import NotReloaded, Reloaded, RolledBack, Unchanged, ask_reload
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.serving import Serving
 from wrapper.steps import Before, Outgoing, Reply
@@ -71,12 +71,12 @@ async def test_a_step_answers_the_client_and_its_after_callbacks_hear_the_status
 class Reloading:
     """Stands for what serves: refuses as busy `busy` times, then answers (or says nothing changes)."""
 
-    def __init__(self, busy: int, then: Exception | None = None) -> None:
+    def __init__(self, busy: int = 0, then: Exception | None = None) -> None:
         self.busy, self.then, self.asked = busy, then, cast(list[tuple[Any, ...]], [])
         self.current = cast(Generation, type("G", (), {"config": parse_config("", "t.yaml")})())
 
     async def reload(self, body: dict[str, Any], why: str | None = None,
-                     asks: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     asks: Mapping[type[Any], Any] | None = None) -> dict[str, Any]:
         self.asked.append((body, why, asks))
         if self.busy:
             self.busy -= 1
@@ -100,3 +100,14 @@ async def test_a_reload_that_changes_nothing_or_is_refused_says_so() -> None:
     still_busy = Reloading(busy=100)
     assert isinstance(await ask_reload(cast(Host, still_busy), "x", wait=0.3), NotReloaded)
     assert 2 <= len(still_busy.asked) <= 4
+
+
+async def test_a_reload_that_rolled_back_is_its_own_outcome() -> None:
+    class RollingBack(Reloading):
+        async def reload(self, body: dict[str, Any], why: str | None = None,
+                         asks: Mapping[type[Any], Any] | None = None) -> dict[str, Any]:
+            await super().reload(body, why, asks)
+            return {"success": False, "message": "llama-server exited with status 1 before it was ready"}
+
+    asked = await ask_reload(cast(Host, RollingBack()), "degrade: grow")
+    assert isinstance(asked, RolledBack) and "exited with status 1" in asked.reason
