@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 from urllib.parse import quote, unquote
 
 import aiohttp
@@ -121,78 +122,137 @@ class Held:
 CAUGHT_LIMIT = 8 << 20  # an answer larger than this is passed on, never caught
 
 
-async def forward(
-    request: web.Request, upstream: str, session: aiohttp.ClientSession, observer: Observer | None = None,
-    path: str | None = None, body: bytes | None = None, catch: Callable[[dict[str, Any], int], bool] | None = None,
-    events: Events | None = None, going_on: web.StreamResponse | None = None,
-) -> web.StreamResponse | Caught | Held:
-    """Pass `request` to `upstream` (at `path`, default its own) and the answer back, streaming both bodies.
-    `body`: the request body, read already (else streamed from the client). `catch(payload, status)`: a whole
-    (not streamed) JSON answer it accepts is returned as Caught instead of being sent (the caller may send
-    the request again, or go on from it). `events`: an event stream is passed through it and returned Held when
-    it held something back; `going_on`: the client's response, still open, that this answer continues."""
+@dataclass(frozen=True)
+class Upstream:
+    """Where a request goes: llama-server's URL, the one client session, and what watches its answers."""
+
+    url: str
+    session: aiohttp.ClientSession
+    observer: Observer | None = None
+
+
+Wanted = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its status): keep it from the client
+
+
+@overload
+async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
+                  events: None = None, going_on: web.StreamResponse | None = None) -> web.StreamResponse: ...
+
+
+@overload
+async def forward(request: web.Request, to: Upstream, path: str | None, body: bytes | None, events: Events,
+                  going_on: web.StreamResponse | None = None) -> web.StreamResponse | Held: ...
+
+
+async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
+                  events: Events | None = None, going_on: web.StreamResponse | None = None,
+                  ) -> web.StreamResponse | Held:
+    """Stream through: pass `request` to llama-server (at `path`, default its own) and the answer back, both bodies
+    streamed. `body`: the request body, read already (else streamed from the client). `events`: an event stream
+    is passed through it and returned Held when it held something back; `going_on`: the client's response, still
+    open, that this answer continues."""
     path = path if path is not None else request.rel_url.raw_path
+    try:
+        async with _sent(request, to, path, body) as reply:
+            return await _through(request, reply, to.observer, path, None, events, going_on)
+    except aiohttp.ClientError as exc:
+        return _unreachable(request, path, exc, going_on)
+
+
+async def catch(request: web.Request, to: Upstream, wanted: Wanted, path: str | None = None,
+                body: bytes | None = None, events: Events | None = None,
+                going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held:
+    """Catch a whole answer: as `forward`, but a whole JSON answer (not streamed, at most CAUGHT_LIMIT) that
+    `wanted` accepts is returned as Caught instead of being sent (the caller may send the request again, or go
+    on from it); any other answer is streamed through."""
+    path = path if path is not None else request.rel_url.raw_path
+    try:
+        async with _sent(request, to, path, body) as reply:
+            read: bytes | None = None  # an answer read whole to be looked at
+            if _catchable(reply):
+                read = await reply.read()
+                payload = json_object(read)
+                if payload is not None and wanted(payload, reply.status):
+                    return Caught(reply.status, payload, _forwardable(reply.headers))
+            return await _through(request, reply, to.observer, path, read, events, going_on)
+    except aiohttp.ClientError as exc:
+        return _unreachable(request, path, exc, going_on)
+
+
+def _unreachable(request: web.Request, path: str, exc: aiohttp.ClientError,
+                 going_on: web.StreamResponse | None) -> web.StreamResponse:
+    """llama-server went away: a 502 that says so, or a cut connection once the answer had begun."""
+    response = going_on if going_on is not None else request.get(STARTED)
+    log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
+                mid_response=response is not None)
+    if response is not None and response.prepared:
+        return broken_off(request, response)
+    return json_error(502, f"llama-server could not be reached: {exc}", "bad_gateway")
+
+
+def _catchable(reply: aiohttp.ClientResponse) -> bool:
+    return reply.content_length is not None and reply.content_length <= CAUGHT_LIMIT and \
+        reply.content_type == "application/json"
+
+
+@contextlib.asynccontextmanager
+async def _sent(request: web.Request, to: Upstream, path: str,
+                body: bytes | None) -> AsyncIterator[aiohttp.ClientResponse]:
+    """The request sent to llama-server as checked (never normalised again), with its end-to-end headers."""
     query = request.rel_url.raw_query_string
-    url = URL(upstream + path + (f"?{query}" if query else ""), encoded=True)  # as checked: no re-normalising
+    url = URL(to.url + path + (f"?{query}" if query else ""), encoded=True)
     headers = _forwardable(request.headers)
     if body is not None:
         headers["Content-Length"] = str(len(body))
     elif request.content_length is not None:
         headers["Content-Length"] = str(request.content_length)  # else aiohttp sends the body chunked
-    response: web.StreamResponse | None = None
-    try:
-        async with session.request(
-            request.method, url, headers=headers,
-            data=body if body is not None else request.content if request.body_exists else None,
-            allow_redirects=False,
-        ) as reply:
-            read: bytes | None = None  # an error answer read whole to be looked at
-            if (catch is not None and reply.content_length is not None and reply.content_length <= CAUGHT_LIMIT
-                    and reply.content_type == "application/json"):
-                read = await reply.read()
-                payload = json_object(read)
-                if payload is not None and catch(payload, reply.status):
-                    return Caught(reply.status, payload, _forwardable(reply.headers))
-            upstream_connection = reply.connection.protocol if reply.connection is not None else None
-            if reply.content_length is None and upstream_connection is not None:
-                # llama-server closes the connection after a streamed (chunked) answer although it announced
-                # keep-alive; pooled again, the next request sent on it failed with "Server disconnected" (1
-                # streamed request in 8). Mark it now: aiohttp pools it the moment the body ends.
-                upstream_connection.force_close()
-            if reply.content_type != "text/event-stream":
-                events = None  # an error answer: passed on whole, as it is
-            if going_on is not None:
-                response = going_on
-            else:
-                response = web.StreamResponse(status=reply.status, reason=reply.reason,
-                                              headers=_forwardable(reply.headers))
-                if reply.content_length is not None and "Content-Encoding" not in reply.headers:
-                    response.content_length = reply.content_length
-                if reply.content_type == "text/event-stream":
-                    response.headers["X-Accel-Buffering"] = "no"
-                await response.prepare(request)
-                request[STARTED] = response
-            tail = bytearray()
-            chunks = _once(read) if read is not None else reply.content.iter_any()
-            async for chunk in chunks:
-                passed = events.feed(chunk) if events is not None else chunk
-                if passed:
-                    await response.write(passed)
-                if observer is not None:
-                    tail += chunk
-                    if len(tail) > 2 * TAP_LIMIT:  # trimmed now and then: no copy of the window per chunk
-                        del tail[:-TAP_LIMIT]
-            if events is not None and events.held:
-                if observer is not None:
-                    observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
-                return Held(response, events)
-            await response.write_eof()
-    except aiohttp.ClientError as exc:
-        log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
-                    mid_response=response is not None)
-        if response is not None and response.prepared:
-            return broken_off(request, response)
-        return json_error(502, f"llama-server could not be reached: {exc}", "bad_gateway")
+    async with to.session.request(
+        request.method, url, headers=headers,
+        data=body if body is not None else request.content if request.body_exists else None,
+        allow_redirects=False,
+    ) as reply:
+        yield reply
+
+
+async def _through(request: web.Request, reply: aiohttp.ClientResponse, observer: Observer | None, path: str,
+                   read: bytes | None, events: Events | None,
+                   going_on: web.StreamResponse | None) -> web.StreamResponse | Held:
+    """Pass the answer on as it comes (`read`: what was read of it already), through `events` when it is an event
+    stream; Held when `events` kept its end back."""
+    upstream_connection = reply.connection.protocol if reply.connection is not None else None
+    if reply.content_length is None and upstream_connection is not None:
+        # llama-server closes the connection after a streamed (chunked) answer although it announced
+        # keep-alive; pooled again, the next request sent on it failed with "Server disconnected" (1
+        # streamed request in 8). Mark it now: aiohttp pools it the moment the body ends.
+        upstream_connection.force_close()
+    if reply.content_type != "text/event-stream":
+        events = None  # an error answer: passed on whole, as it is
+    response = going_on if going_on is not None else await _started(request, reply)
+    tail = bytearray()
+    chunks = _once(read) if read is not None else reply.content.iter_any()
+    async for chunk in chunks:
+        passed = events.feed(chunk) if events is not None else chunk
+        if passed:
+            await response.write(passed)
+        if observer is not None:
+            tail += chunk
+            if len(tail) > 2 * TAP_LIMIT:  # trimmed now and then: no copy of the window per chunk
+                del tail[:-TAP_LIMIT]
     if observer is not None:
         observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
+    if events is not None and events.held:
+        return Held(response, events)
+    await response.write_eof()
+    return response
+
+
+async def _started(request: web.Request, reply: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The client's response, its headers sent: llama-server's status and end-to-end headers."""
+    response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=_forwardable(reply.headers))
+    if reply.content_length is not None and "Content-Encoding" not in reply.headers:
+        response.content_length = reply.content_length
+    if reply.content_type == "text/event-stream":
+        response.headers["X-Accel-Buffering"] = "no"
+    await response.prepare(request)
+    request[STARTED] = response
     return response

@@ -1,0 +1,137 @@
+"""The growth loop alone: its exchange with llama-server and the growth are scripted (answers in llama-server's
+shapes, passed through `wanted` as wrapper/proxy.py's catch does), so that every path of an overflow and of a
+continuation is seen without a server."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+from aiohttp import web
+
+from wrapper.generation import Host
+from wrapper.growing import MAX_GROWTHS, GrowthLoop
+from wrapper.proxy import Caught, Held, Wanted
+from wrapper.sse import Events
+from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
+
+CHAT = "/v1/chat/completions"
+N_CTX = 512
+
+
+def overflow(prompt: int) -> tuple[int, dict[str, Any]]:
+    return 400, {"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": prompt,
+                           "n_ctx": N_CTX, "message": "the request exceeds the available context size"}}
+
+
+def chat(text: str, finish: str = "stop", prompt: int = 100, completion: int = 10) -> tuple[int, dict[str, Any]]:
+    return 200, {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}}
+
+
+@dataclass
+class Script:
+    """llama-server's answers in turn, and what the loop sent; an answer `wanted` does not keep goes through."""
+
+    answers: list[tuple[int, dict[str, Any]]]
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    async def exchange(self, body: bytes, wanted: Wanted, events: Events | None,
+                       going_on: web.StreamResponse | None) -> web.StreamResponse | Caught | Held:
+        self.sent.append(json.loads(body))
+        status, payload = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if wanted(payload, status):
+            return Caught(status, payload)
+        return web.json_response(payload, status=status)
+
+
+@dataclass
+class Growing:
+    results: list[GrowResult]
+    asked: list[int] = field(default_factory=list)
+
+    async def grow(self, host: Host, needed: int, pool_full: bool) -> GrowResult:
+        self.asked.append(needed)
+        return self.results.pop(0) if len(self.results) > 1 else self.results[0]
+
+
+def loop(script: Script, growing: Growing, body: dict[str, Any], continues: bool = True) -> GrowthLoop:
+    host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
+    growth = Growth(growing.grow, lambda config: continues, lambda config: 64)
+    return GrowthLoop(host, growth, CHAT, json.dumps(body).encode(), script.exchange, lambda: N_CTX)
+
+
+def answer(response: web.StreamResponse) -> dict[str, Any]:
+    assert isinstance(response, web.Response) and response.body is not None
+    return cast(dict[str, Any], json.loads(cast(bytes, response.body)))
+
+
+ASKED = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 32}
+
+
+async def test_an_overflow_grows_and_sends_the_request_again() -> None:
+    script, growing = Script([overflow(600), chat("hi there")]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    assert response.status == 200 and answer(response)["choices"][0]["message"]["content"] == "hi there"
+    assert growing.asked == [600 + 32]  # the prompt and what the request may generate
+    assert script.sent == [ASKED, ASKED]
+
+
+async def test_without_max_tokens_the_growth_leaves_the_headroom() -> None:
+    growing = Growing([Grown()])
+    await loop(Script([overflow(600), chat("ok")]), growing, {"messages": ASKED["messages"]}).run()
+    assert growing.asked == [600 + 64]
+
+
+async def test_a_growth_that_cannot_be_made_says_why_in_llama_servers_refusal() -> None:
+    script, growing = Script([overflow(9000)]), Growing([CannotGrow("the largest context is 4096 tokens")])
+    response = await loop(script, growing, ASKED).run()
+    error = answer(response)["error"]
+    assert response.status == 400 and error["type"] == "exceed_context_size_error"
+    assert error["message"].startswith("the largest context is 4096 tokens (the request exceeds")
+    assert len(script.sent) == 1
+
+
+async def test_no_plan_to_grow_with_leaves_the_refusal_as_it_was() -> None:
+    response = await loop(Script([overflow(9000)]), Growing([NotPlanned()]), ASKED).run()
+    assert answer(response)["error"]["message"] == "the request exceeds the available context size"
+
+
+async def test_an_overflow_after_every_growth_is_the_last_refusal_and_no_growth_more() -> None:
+    script, growing = Script([overflow(600)]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    assert response.status == 400 and len(script.sent) == MAX_GROWTHS + 1 and len(growing.asked) == MAX_GROWTHS
+
+
+async def test_an_answer_cut_by_a_full_context_goes_on_after_a_growth_as_one_answer() -> None:
+    cut = chat("Once upon", finish="length", prompt=500, completion=11)  # 511 of 512: the context stopped it
+    script, growing = Script([cut, chat("Once upon a time.", prompt=520, completion=5)]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    merged = answer(response)
+    assert merged["choices"][0]["message"]["content"] == "Once upon a time."
+    assert merged["usage"]["completion_tokens"] == 16 and growing.asked == [511 + 21]
+    again = script.sent[1]
+    assert again["messages"][-1] == {"role": "assistant", "content": "Once upon"} and again["max_tokens"] == 21
+
+
+async def test_an_answer_its_own_limit_stopped_is_not_continued() -> None:
+    script, growing = Script([chat("short", finish="length", prompt=100, completion=32)]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    assert answer(response)["choices"][0]["finish_reason"] == "length" and growing.asked == []
+
+
+async def test_without_continue_a_cut_answer_is_the_clients_as_it_came() -> None:
+    cut = chat("Once upon", finish="length", prompt=500, completion=11)
+    script, growing = Script([cut]), Growing([Grown()])
+    response = await loop(script, growing, ASKED, continues=False).run()
+    assert answer(response)["choices"][0]["message"]["content"] == "Once upon" and growing.asked == []
+
+
+async def test_a_continuation_that_cannot_grow_answers_what_came() -> None:
+    cut = chat("Once upon", finish="length", prompt=500, completion=11)
+    script, growing = Script([cut]), Growing([CannotGrow("no room")])
+    response = await loop(script, growing, ASKED).run()
+    assert answer(response)["choices"][0]["message"]["content"] == "Once upon" and len(script.sent) == 1
