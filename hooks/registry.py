@@ -2,7 +2,7 @@
 its steps on the request path, what it watches in proxied responses, what it reports in status, and what it
 does when a generation is replaced. Its `llama-wrapper` subcommands are named in hooks/commands.py.
 
-The wrapper reads this table through wrapper/extensions.py and nowhere else; the built-ins use only the
+The wrapper reads this table through wrapper/built_ins.py and nowhere else; the built-ins use only the
 wrapper's core modules (the layers are declared in pyproject.toml and checked by `make lint`).
 """
 
@@ -12,8 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hooks import conversations, media
-from hooks import speculative as spec
+from hooks import conversations, media, speculative
 from hooks.conversations.settings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
@@ -24,8 +23,8 @@ from hooks.media import report as media_report
 from hooks.media import step as media_step
 from hooks.media.settings import MEDIA
 from hooks.server import reload as server_reload
-from hooks.slots import actions as slots
-from hooks.slots import settings as slotsettings
+from hooks.slots import actions as slot_actions
+from hooks.slots import settings as slot_settings
 from hooks.slots.fit import fit_for_slots
 from hooks.speculative import control as spec_control
 from hooks.speculative import fit as spec_fit
@@ -73,7 +72,7 @@ class Route:
 class Builtin:
     """One built-in: its family and the hook points it fills, each by name (every one but `family` optional).
 
-    When each runs, written once (wrapper/extensions.py asks only the built-ins in use):
+    When each runs, written once (wrapper/built_ins.py asks only the built-ins in use):
       at load         `sections` read and checked; `actions` named by hooks checked with their `with:` options
       in use          `in_use(config)`, else a hook names one of its actions; settled once per generation;
                       `warnings(config)` printed by `check` and logged at a start (`config.warning`)
@@ -129,15 +128,17 @@ def ordered(builtins: tuple[Builtin, ...]) -> tuple[Builtin, ...]:
 
 BUILTINS: tuple[Builtin, ...] = ordered((
     Builtin(
-        family=slotsettings.FAMILY, sections=(slotsettings.SLOTS, STORE),
-        actions={"slots.save": BuiltinAction(lambda g, _: slots.save(g), doc="save every slot that holds tokens"),
-                 "slots.restore": BuiltinAction(lambda g, _: slots.restore(g, conversations.in_use(g.config)),
+        family=slot_settings.FAMILY, sections=(slot_settings.SLOTS, STORE),
+        actions={"slots.save": BuiltinAction(lambda g, _: slot_actions.save(g),
+                                             doc="save every slot that holds tokens"),
+                 "slots.restore": BuiltinAction(lambda g, _: slot_actions.restore(g, conversations.in_use(g.config)),
                                                 doc="restore the saved slots the server can use")},
         fit=lambda argv, launch, config, shared, _: fit_for_slots(argv, launch, config, shared),
-        observer=slots.observer,
-        status=lambda g: {**slots.status(g), "conversations": conversations.status(g)},  # where status has had it
-        hand_over=slots.save_step, take_over=lambda g: slots.take_over(g, conversations.in_use(g.config)),
-        reload_report=slots.restore_report, background=slots.background, metrics=slots.metrics,
+        observer=slot_actions.observer,
+        # the conversation cache's status where it has always been: inside the slot built-ins'
+        status=lambda g: {**slot_actions.status(g), "conversations": conversations.status(g)},
+        hand_over=slot_actions.save_step, take_over=lambda g: slot_actions.take_over(g, conversations.in_use(g.config)),
+        reload_report=slot_actions.restore_report, background=slot_actions.background, metrics=slot_actions.metrics,
     ),
     Builtin(  # on always: without a projector a media request is its 400; the projector on demand
         family=media.FAMILY, sections=(MEDIA,), in_use=lambda config: True, warnings=media_fit.warnings,
@@ -147,14 +148,14 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         status=media_report.status, metrics=media_report.metrics, background=media_idle.drop_when_idle,
     ),
     Builtin(  # with spec.when: alone
-        family=spec.FAMILY, sections=(SPEC,), in_use=spec_settings.switching, warnings=spec_fit.warnings,
+        family=speculative.FAMILY, sections=(SPEC,), in_use=spec_settings.switching, warnings=spec_fit.warnings,
         fit=spec_fit.fit,
         before=(Before(paths.DECODING, spec_track.before),), observer=spec_track.observer,
         status=spec_report.status, metrics=spec_report.metrics, background=spec_control.switch_when_calm,
     ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and
         # after media (a conversation with an image comes back into a server with the projector)
-        family=conversations.FAMILY, after=(slotsettings.FAMILY, media.FAMILY), sections=(CACHE,),
+        family=conversations.FAMILY, after=(slot_settings.FAMILY, media.FAMILY), sections=(CACHE,),
         in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics,
@@ -166,7 +167,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
     ),
     Builtin(  # its fit starts from the argv the slot built-ins made fit for persistence, and counts the projector
         # only while media's fit keeps it
-        family=DEGRADE_FAMILY, after=(slotsettings.FAMILY, media.FAMILY, spec.FAMILY), sections=(DEGRADE,),
+        family=DEGRADE_FAMILY, after=(slot_settings.FAMILY, media.FAMILY, speculative.FAMILY), sections=(DEGRADE,),
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,

@@ -6,7 +6,7 @@ import struct
 from pathlib import Path
 
 from hooks.kvfile.format import MAGIC
-from hooks.store import layout as slotdir
+from hooks.store import layout
 
 
 def slot_bytes(tokens: list[int], n_layer: int = 2, cells: int = 3, row: int = 8, k_type: int = 1,
@@ -45,4 +45,4 @@ def make_pair(folder: Path, model_id: str, slot: int, tokens: list[int]) -> Path
     record = {"model": {"id": model_id, "name": "chat", "path": "/m/chat.gguf"}, "tokens": len(tokens),
               "cache_type_k": "f16", "cache_type_v": "f16", "saved_at": "2026-11-29T12:00:00+00:00",
               "build": "b11434"}
-    return slotdir.commit(folder, slot, written, record)
+    return layout.commit(folder, slot, written, record)

@@ -47,17 +47,17 @@ class _Lazy(click.Group):
         return command
 
 
-def _extensions() -> Any:
-    return importlib.import_module("wrapper.extensions")
+def _built_ins() -> Any:
+    return importlib.import_module("wrapper.built_ins")
 
 
 def _load(path: str | None) -> Config:
-    config: Config = _extensions().load(path)
+    config: Config = _built_ins().load(path)
     return config
 
 
 def _launch_for(config: Config, shared: Kept, asks: Asks) -> Launch:
-    launch: Launch = _extensions().launch_for(config, shared, asks)
+    launch: Launch = _built_ins().launch_for(config, shared, asks)
     return launch
 
 

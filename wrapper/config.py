@@ -113,7 +113,7 @@ def parse_listen(text: str) -> Listen:
 
 def load_config(path: str | os.PathLike[str], sections: Sequence[Section[Any]] = ()) -> Config:
     """Read and check a config file; raises ConfigError listing every problem with file:line. `sections`: the
-    built-ins' own (wrapper/extensions.py passes them)."""
+    built-ins' own (wrapper/built_ins.py passes them)."""
     name = os.fspath(path)
     try:
         text = Path(name).read_text(encoding="utf-8")
@@ -229,7 +229,7 @@ def _read_action(r: Reader, node: yaml.Node, what: str, event: str) -> Action | 
     elif kind == "exec":
         fields["exec"] = r.string_list(body, f"{what}.exec")
     else:
-        fields["builtin"] = r.scalar(body, f"{what}.builtin", (str,))  # names are checked by wrapper/extensions
+        fields["builtin"] = r.scalar(body, f"{what}.builtin", (str,))  # names are checked by wrapper/built_ins
     if "with" in keys:
         options = r.value(keys["with"])
         if kind != "builtin":

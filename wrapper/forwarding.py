@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 
 from wrapper import argv as args
-from wrapper import extensions, paths
+from wrapper import built_ins, paths
 from wrapper.gate import Admission
 from wrapper.generation import Generation
 from wrapper.growing import Exchange, GrowthLoop
@@ -35,10 +35,10 @@ R = TypeVar("R", bound=web.StreamResponse | Caught | Held)
 async def forward_request(request: web.Request, serving: Serving, path: str) -> web.StreamResponse:
     """Forward one request: as a stream, or read whole when a step or a growth may need it again."""
     generation = serving.current
-    if request.method == "GET" and (rewrites := extensions.shown(generation, path)):
+    if request.method == "GET" and (rewrites := built_ins.shown(generation, path)):
         return await _shown(request, serving, path, rewrites)
-    growth = extensions.growth(generation) if path in paths.GENERATING else None
-    steps = [step for step in extensions.before(generation) if path in step.paths]
+    growth = built_ins.growth(generation) if path in paths.GENERATING else None
+    steps = [step for step in built_ins.before(generation) if path in step.paths]
     if request.method != "POST" or (growth is None and not steps) or (request.content_length or 0) > BODY_LIMIT:
         return await _gated(request, serving, path, lambda to: forward(request, to, path))
     body = await _read_whole(request, BODY_LIMIT)
@@ -113,7 +113,7 @@ async def _gated(request: web.Request, serving: Serving, path: str,
     admission = await serving.gate.enter()
     if admission is not Admission.ADMITTED:
         return _refused(serving, admission)
-    to = Upstream(serving.current.launch.url, serving.session, extensions.observer(serving.current))
+    to = Upstream(serving.current.launch.url, serving.session, built_ins.observer(serving.current))
     exchange = asyncio.ensure_future(send(to))
     serving.gate.track(exchange)
     try:

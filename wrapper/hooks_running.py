@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from wrapper import extensions, hook_context
+from wrapper import built_ins, hook_context
 from wrapper.actions import BuiltinFn, HookFailed, HookRun, HookRunner
 from wrapper.child import Exit
 from wrapper.generation import Generation, StartFailed
@@ -85,7 +85,7 @@ class Hooks:
 
 
 def _bind(name: str, options: Mapping[str, Any]) -> BuiltinFn:
-    return extensions.bind(name, options, _FOR.get())
+    return built_ins.bind(name, options, _FOR.get())
 
 
 def _since(history: Sequence[HookRun], before: HookRun | None, event: str) -> list[HookRun]:

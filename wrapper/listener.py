@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.auth import allowed, presented_bearer, presented_key
 from wrapper.forwarding import RETRY_AFTER_S, forward_request
 from wrapper.lifecycle import State
@@ -169,7 +169,7 @@ async def metrics(request: web.Request) -> web.Response:
         server += b"\n"
     METRICS.in_flight.set(serving.in_flight)  # the gauges read now
     METRICS.held.set(serving.gate.held)
-    extensions.refresh_metrics(serving.current)
+    built_ins.refresh_metrics(serving.current)
     return web.Response(body=server + METRICS.text(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -178,12 +178,12 @@ async def builtin_route(request: web.Request) -> web.Response:
     """An endpoint a built-in declares (GET /wrapper/memory, POST /wrapper/budget)."""
     serving = request.app[SERVING]
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
-    declared = next((r for r in extensions.all_routes() if r.path == route and r.method == request.method), None)
+    declared = next((r for r in built_ins.all_routes() if r.path == route and r.method == request.method), None)
     assert declared is not None
     refusal = _not_admin(request) if request.method == "POST" else _unauthorized(request)
     if refusal is not None:
         return refusal
-    if declared not in extensions.routes(serving.current):
+    if declared not in built_ins.routes(serving.current):
         return json_error(409, f"{declared.path} is off: {declared.off}", "conflict")
     body: Any = {}
     if request.method == "POST":
@@ -209,7 +209,7 @@ def application(supervisor: Supervisor) -> web.Application:
     app.router.add_post("/wrapper/reload", reload)
     app.router.add_post("/wrapper/drain", drain)
     app.router.add_get("/wrapper/drain", drain)
-    for route in extensions.all_routes():
+    for route in built_ins.all_routes():
         app.router.add_route(route.method, route.path, builtin_route)
     app.router.add_route("*", "/{tail:.*}", proxied)
     return app

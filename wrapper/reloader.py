@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import structlog
 
 from wrapper import argv as args
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.config import Config, ConfigError
 from wrapper.generation import Generation, surviving
 from wrapper.launch import Asks, Launch
@@ -92,7 +92,7 @@ class Reloader:
                 raise reworded from exc
         new_config = replace(config, argv=tuple(reload_plan.argv)).with_settings(reload_plan.settings)
         try:
-            launch = replace(extensions.launch_for(new_config, current.shared, asks), listen=current.launch.listen)
+            launch = replace(built_ins.launch_for(new_config, current.shared, asks), listen=current.launch.listen)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from exc
         expected = expected_context(launch.argv, training_context(launch))
@@ -135,7 +135,7 @@ class Reloader:
             if nxt.overlap:  # blue-green: the old server keeps serving while the new one loads
                 PROGRESS.begin("reloading: loading the new llama-server beside the old one")
                 try:
-                    await new.start(extensions.server_output)
+                    await new.start(built_ins.server_output)
                 except Exception as exc:  # nothing was disturbed: the old server never stopped serving
                     return await self._roll_back(nxt, old, None, str(exc))
             began = time.monotonic()
@@ -144,12 +144,12 @@ class Reloader:
             await host.drain(old.config.reload_drain_timeout)
             drain_ms = round((time.monotonic() - began) * 1000, 1)
             PROGRESS.begin("reloading: saving slots")
-            saved = await extensions.hand_over(old)
+            saved = await built_ins.hand_over(old)
             if not nxt.overlap:
                 await old.stop()
                 PROGRESS.begin("reloading: loading the new llama-server")
                 try:
-                    await new.start(extensions.server_output)
+                    await new.start(built_ins.server_output)
                 except Exception as exc:  # StartFailed, or a bug: either way the previous server comes back
                     return await self._roll_back(nxt, old, began, str(exc))
             host.install(new)
@@ -167,7 +167,7 @@ class Reloader:
 
     async def _take_over(self, generation: Generation) -> str | None:
         """The built-ins' restore into the new generation, surviving a server that dies under it."""
-        return await surviving(generation, extensions.server_output, lambda: extensions.take_over(generation))
+        return await surviving(generation, built_ins.server_output, lambda: built_ins.take_over(generation))
 
     async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
                          reason: str) -> dict[str, Any]:
@@ -176,7 +176,7 @@ class Reloader:
         log.warning("reload.failed", reason=reason, overlap=nxt.overlap)
         if began is not None:
             try:
-                await old.start(extensions.server_output)
+                await old.start(built_ins.server_output)
             except Exception as exc:  # nothing is left to serve with: the supervisor sees the dead server and
                 log.error("reload.rollback_failed", error=str(exc))  # stops, the slots already saved
                 raise
@@ -205,14 +205,14 @@ class Reloader:
         if story is not None and (told := _told(changes, story, nxt.before_ctx)) is not None:
             changes = told
             message += f" ({story.message})"
-        if not extensions.keeps_conversations(nxt.config):
+        if not built_ins.keeps_conversations(nxt.config):
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
             "drain_ms": drain_ms, "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": changes,
             "context": ({**context.as_dict(), "asked": nxt.asked_ctx, "why": story.why if story else None}
                         if success and context is not None else None),
-            "save": saved, "restore": restored, "slots": extensions.restore_report(generation) if success else [],
+            "save": saved, "restore": restored, "slots": built_ins.restore_report(generation) if success else [],
         }
         log.info("reload.done", **{k: v for k, v in answer.items() if k != "slots"})
         METRICS.reloads.labels(outcome="success" if success else "rolled_back").inc()

@@ -11,7 +11,7 @@ from typing import Any
 import click
 import yaml
 
-from wrapper import extensions, logs
+from wrapper import built_ins, logs
 from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
 from wrapper.exits import EXIT_CONFIG
 from wrapper.kept import Kept
@@ -57,7 +57,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
     """Start llama-server behind the wrapper and supervise it until a signal stops it."""
     logs.configure(log_format, log_level)
     try:
-        config = extensions.load(config_path)
+        config = built_ins.load(config_path)
         changes: dict[str, Any] = {}
         if listen:
             try:
@@ -74,7 +74,7 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
         if slots_dir:
             config = config.with_settings({"slots": {"dir": Path(slots_dir).expanduser()}})
         shared = Kept()
-        launch = extensions.launch_for(config, shared)
+        launch = built_ins.launch_for(config, shared)
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -91,11 +91,11 @@ def check(config_path: str | None) -> None:
         click.echo("llama-wrapper: check which config? give CONFIG, or set LLAMA_WRAPPER_CONFIG", err=True)
         sys.exit(EXIT_CONFIG)
     try:
-        config = extensions.load(config_path)
+        config = built_ins.load(config_path)
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_CONFIG)
-    for warning in [*config.warnings, *extensions.warnings(config)]:
+    for warning in [*config.warnings, *built_ins.warnings(config)]:
         click.echo(f"warning: {warning}", err=True)
     click.echo(yaml.safe_dump(_resolved(config), sort_keys=False, width=110), nl=False)
 
@@ -115,8 +115,8 @@ def _resolved(config: Config) -> dict[str, Any]:
         "server": {"argv": list(config.argv) or "(after --)", "ready_timeout": f"{config.ready_timeout:g}s",
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
-        **{section.name: section.shown(config) for section in extensions.sections()},
-        "built-ins": [b.family for b in extensions.uses(config)],
+        **{section.name: section.shown(config) for section in built_ins.sections()},
+        "built-ins": [b.family for b in built_ins.uses(config)],
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import aiohttp
 import structlog
 
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.aio import first_of
 from wrapper.child import Child
 from wrapper.config import Config
@@ -126,8 +126,8 @@ class Serving:
         METRICS.server_restarts.inc()
         try:
             await generation.stop()
-            await generation.start(extensions.server_output)
-            await surviving(generation, extensions.server_output, lambda: self._hooks.run("on_startup", generation))
+            await generation.start(built_ins.server_output)
+            await surviving(generation, built_ins.server_output, lambda: self._hooks.run("on_startup", generation))
         except StartFailed as exc:
             self._restart_failed = True
             log.error("wrapper.restart_failed", error=str(exc))  # the server stays dead: the wrapper stops

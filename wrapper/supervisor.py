@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from wrapper import extensions, status
+from wrapper import built_ins, status
 from wrapper.aio import first_of
 from wrapper.child import Exit
 from wrapper.config import Config
@@ -92,7 +92,7 @@ class Supervisor:
         config, launch = self.serving.current.config, self.serving.current.launch
         for note in launch.notes:
             log.info("argv.rewritten", **note)
-        for warning in [*config.warnings, *extensions.warnings(config)]:
+        for warning in [*config.warnings, *built_ins.warnings(config)]:
             log.warning("config.warning", note=warning)
         if launch.admin.token_file is not None and (off := launch.admin.read()[1]) is not None:
             log.warning("admin.off", why=off)
@@ -133,14 +133,14 @@ class Supervisor:
         PROGRESS.begin("starting: on_will_start")
         await self.hooks.run("on_will_start", generation)
         PROGRESS.begin("starting: loading the model")
-        await generation.start(extensions.server_output)
+        await generation.start(built_ins.server_output)
         self.notifier.status("starting: running on_startup (restoring slots)")
         PROGRESS.begin("starting: on_startup (restoring slots)")
-        await surviving(generation, extensions.server_output, lambda: self.hooks.run("on_startup", generation))
+        await surviving(generation, built_ins.server_output, lambda: self.hooks.run("on_startup", generation))
         PROGRESS.end()
         serving.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
-        self._background = [asyncio.ensure_future(work) for work in extensions.background(serving)]
+        self._background = [asyncio.ensure_future(work) for work in built_ins.background(serving)]
         if self.notifier.watchdog_s is not None:
             self._background.append(asyncio.ensure_future(self._watchdog(self.notifier.watchdog_s)))
         assert generation.child is not None
@@ -206,7 +206,7 @@ class Supervisor:
         """GET /wrapper/status."""
         serving = self.serving
         return status.document(serving.lifecycle.state, serving.current, serving.gate, self.started_at,
-                               self.ready_at, extensions.status(serving.current), self.hooks.history,
+                               self.ready_at, built_ins.status(serving.current), self.hooks.history,
                                serving.last_reload)
 
 

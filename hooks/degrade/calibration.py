@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from hooks.degrade.memory import MiB, Plan, Settings
+from hooks.degrade.memory import Choices, MiB, Plan
 from wrapper.server_help import wrapper_cache
 
 log = structlog.get_logger()
@@ -77,7 +77,7 @@ def load(model_id: str) -> list[Measured]:
         return []
 
 
-def remember(model_id: str, measured: Measured, settings: Settings) -> None:
+def remember(model_id: str, measured: Measured, settings: Choices) -> None:
     """Keep this start's figures for the model (the newest per setting), written whole or not at all."""
     run = replace(measured, settings=asdict(settings))
     runs = [r for r in load(model_id) if r.settings != run.settings] + [run]
@@ -99,14 +99,14 @@ _SAME_BUILD = ("type_k", "type_v", "gpu_layers", "kv_offload", "n_ubatch", "swa_
                "mmproj_offload", "draft")
 
 
-def calibrated(predicted: Plan, settings: Settings, runs: list[Measured], predict: Any) -> Plan:
+def calibrated(predicted: Plan, settings: Choices, runs: list[Measured], predict: Any) -> Plan:
     """`predicted` corrected by what was measured. llama-server prints a draft model's buffers after the main
     model's, and what is measured is the main model's alone: with a draft, the main model is calibrated and the
     draft's predicted bytes are added to it."""
     if not settings.draft:
         return _calibrated(predicted, settings, runs, predict)
 
-    def main_only(s: Settings) -> Plan:
+    def main_only(s: Choices) -> Plan:
         found: Plan = predict(replace(s, draft=None))
         return found
 
@@ -118,7 +118,7 @@ def calibrated(predicted: Plan, settings: Settings, runs: list[Measured], predic
     return out
 
 
-def _calibrated(predicted: Plan, settings: Settings, runs: list[Measured], predict: Any) -> Plan:
+def _calibrated(predicted: Plan, settings: Choices, runs: list[Measured], predict: Any) -> Plan:
     """`predicted` with measured weights (any start with the same offload) and a measured compute buffer (the
     closest start with the same cache types and offload, moved by the predicted change of context)."""
     wanted = asdict(settings)

@@ -17,8 +17,8 @@ from hooks.degrade.memory import PlanError
 from hooks.degrade.move import move
 from hooks.degrade.planning import MIN_START_CTX, auto_budget, ladder_for
 from hooks.degrade.plans import Holds, TooLarge, plan_growth, plan_relax, wanted_context
-from hooks.degrade.pool import member as share
-from hooks.degrade.pool import moves as poolmoves
+from hooks.degrade.pool import member
+from hooks.degrade.pool import moves as pool_moves
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.degrade.wanted import Wanted
@@ -57,7 +57,7 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
             if fit.n_ctx >= wanted:
                 return Grown()  # another request's growth got there first
             if fit.pool is not None:
-                problem = await poolmoves.grow(host, state, fit, wanted, f"this request needs {needed} tokens of "
+                problem = await pool_moves.grow(host, state, fit, wanted, f"this request needs {needed} tokens of "
                                                f"context ({wanted} for every slot's conversation)")
                 return Grown() if problem is None else CannotGrow(problem)
             plan = plan_growth(fit.n_ctx, wanted, fit.rungs)
@@ -80,12 +80,12 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
 async def background(host: Host) -> None:
     """From ready to the stop: the relax, and with a pool the answers to the others' asks."""
     state = state_of(host.current.shared)
-    if share.pool_of_generation(host.current) is None:
+    if member.pool_of_generation(host.current) is None:
         await relax(host)
         return
     async with asyncio.TaskGroup() as group:
         group.create_task(relax(host))
-        group.create_task(share.serve_asks(host, poolmoves.give, lambda: bool(state.lock and state.lock.locked())))
+        group.create_task(member.serve_asks(host, pool_moves.give, lambda: bool(state.lock and state.lock.locked())))
 
 
 async def relax(host: Host) -> None:
@@ -94,7 +94,7 @@ async def relax(host: Host) -> None:
     memory is free, and one idle for `relax_after` gives back the context only idle conversations hold."""
     state = state_of(host.current.shared)
     settings = DEGRADE.of(host.current.config)
-    pooled = share.pool_of(settings) is not None
+    pooled = member.pool_of(settings) is not None
     poll = POOL_POLL_S if pooled else min(RELAX_POLL_S, settings.relax_after / 2 or RELAX_POLL_S)
     while True:
         await asyncio.sleep(poll)
@@ -108,7 +108,8 @@ async def relax(host: Host) -> None:
             if pooled:
                 held = [] if idle else [t + settings.headroom for t in _held(state, host.current)]
                 needed = context_for(host.current.launch.argv, state, held)
-                await poolmoves.relax(host, state, needed, "idle for degrade.relax_after" if idle else "memory is free")
+                why = "idle for degrade.relax_after" if idle else "memory is free"
+                await pool_moves.relax(host, state, needed, why)
                 if idle:
                     state.last_activity = time.monotonic()
             else:

@@ -67,7 +67,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
             out.note("degrade: off", f"cannot plan this model: {exc}")
             return out
         wanted = max(min(planner.ceiling, MIN_START_CTX), _saved_tokens(launch, shared, settings))
-        chosen = _fitting(_chosen(rungs, ask.rung or state.held_rung, wanted), rungs, budget, source)
+        chosen = _fitting(_chosen(rungs, ask.rung or state.rung_in_force, wanted), rungs, budget, source)
         n_ctx = chosen.max_ctx
     before = args.get(argv, args.CTX_SIZE)
     out.argv = args.replace(chosen.argv, args.CTX_SIZE, str(n_ctx))
@@ -95,7 +95,7 @@ def fit(argv: list[str], launch: Launch, config: Config, shared: Kept,
         out.keep_saved = (f"rung {chosen.name} drops --swa-full: a slot saved now could not be reused, so the slots "
                           "saved with a full sliding-window cache are kept")
     share, floor = (pooled[6], pooled[7]) if pool is not None else (planned.total(planned.budget_device), 0)
-    out.fitted = Fitted(chosen.name, rungs.index(chosen), n_ctx, planner.settings(out.argv), rungs,
+    out.fitted = Fitted(chosen.name, rungs.index(chosen), n_ctx, planner.choices(out.argv), rungs,
                         budget, source, swa_dropped, verbosity_added, share, floor,
                         str(pool.dir) if pool is not None else None)
     return out
@@ -122,9 +122,9 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, sh
             planner, rungs = ladder_for(argv, launch, config, state, budget, ask.backend)
             rest = min(planner.ceiling, settings.context or MIN_START_CTX)
             saved = _saved_tokens(launch, shared, settings) if not state.started else 0  # a start restores them
-            kept = state.held_ctx if ask.ctx is None else 0  # a reload degrade did not ask for keeps the context
+            kept = state.ctx_taken if ask.ctx is None else 0  # a reload degrade did not ask for keeps the context
             wanted = min(planner.ceiling, cells(max(ask.ctx or 0, rest, saved, kept)))
-            chosen = _chosen(rungs, ask.rung or state.held_rung, wanted)
+            chosen = _chosen(rungs, ask.rung or state.rung_in_force, wanted)
             short = 0
             if not state.started and not last and choose(rungs, wanted) is None and rungs[0].skipped is None:
                 short = planner.plan(rungs[0].argv, wanted).total(device) - budget
@@ -136,7 +136,7 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, sh
                 floor = _floor(planner, rungs, config, settings)
                 held.put(Member(os.getpid(), launch.model.name, share, floor, rung=chosen.name, n_ctx=n_ctx,
                                 serving=state.started))  # after its start it answers asks (between reloads too)
-                state.started, state.held_ctx = True, n_ctx
+                state.started, state.ctx_taken = True, n_ctx
                 return chosen, n_ctx, planner, rungs, budget, f"pool {pool.dir} ({source})", share, floor
         ask_now(pool, Member(os.getpid(), launch.model.name, 0), short, settings.pool_wait)
     raise AssertionError("the second pass always returns")

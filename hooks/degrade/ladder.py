@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hooks.degrade.memory import ModelShape, Plan, Settings, largest_ctx, plan, settings_from_argv
+from hooks.degrade.memory import Choices, ModelShape, Plan, choices_of, largest_ctx, plan
 from hooks.degrade.settings import Rung
 from wrapper import argv as args
 from wrapper.reload_plan import ReloadRefused
@@ -50,22 +50,22 @@ class Planner:
     gpu: bool
     budget: int
     ceiling: int
-    mmproj_bytes: Callable[[Settings], int] = lambda s: 0
-    draft: Callable[[Settings], ModelShape | None] = lambda s: None
-    calibrate: Callable[[Plan, Settings], Plan] | None = None
+    mmproj_bytes: Callable[[Choices], int] = lambda s: 0
+    draft: Callable[[Choices], ModelShape | None] = lambda s: None
+    calibrate: Callable[[Plan, Choices], Plan] | None = None
 
-    def settings(self, argv: Sequence[str]) -> Settings:
-        return settings_from_argv(argv, self.shape, self.gpu)
+    def choices(self, argv: Sequence[str]) -> Choices:
+        return choices_of(argv, self.shape, self.gpu)
 
     def plan(self, argv: Sequence[str], n_ctx: int | None = None) -> Plan:
-        s = self.settings(argv)
+        s = self.choices(argv)
         if n_ctx is not None:
             s = replace(s, n_ctx=n_ctx)
         result = plan(self.shape, s, self.mmproj_bytes(s), self.draft(s))
         return self.calibrate(result, s) if self.calibrate is not None else result
 
     def largest(self, argv: Sequence[str]) -> int:
-        s = self.settings(argv)
+        s = self.choices(argv)
         return largest_ctx(self.shape, s, self.budget, self.ceiling, self.mmproj_bytes(s), self.draft(s),
                            self.calibrate)
 

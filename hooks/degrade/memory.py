@@ -116,7 +116,7 @@ def _swa_layers(arch: str, n_layer: int, window: int | None, key: Any) -> tuple[
 
 
 @dataclass(frozen=True)
-class Settings:
+class Choices:
     """What of a llama-server command line changes memory."""
 
     n_ctx: int
@@ -134,7 +134,7 @@ class Settings:
     draft_gpu_layers: int = 0
 
 
-def settings_from_argv(argv: Sequence[str], shape: ModelShape, gpu: bool) -> Settings:
+def choices_of(argv: Sequence[str], shape: ModelShape, gpu: bool) -> Choices:
     """`gpu`: whether this llama-server build has a GPU device, or the plan is for one (`plan --backend`);
     without one, or with `-dev none`, -ngl offloads nothing."""
     def number(names: tuple[str, ...], default: int) -> int:
@@ -154,7 +154,7 @@ def settings_from_argv(argv: Sequence[str], shape: ModelShape, gpu: bool) -> Set
     else:
         layers = number(args.GPU_LAYERS, 0)
     draft_ngl = number(("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), layers)
-    return Settings(
+    return Choices(
         n_ctx=n_ctx, type_k=(args.get(argv, args.CACHE_TYPE_K) or "f16").lower(),
         type_v=(args.get(argv, args.CACHE_TYPE_V) or "f16").lower(), swa_full=args.has(argv, args.SWA_FULL),
         n_parallel=max(1, number(args.PARALLEL, 1)), n_ubatch=number(("-ub", "--ubatch-size"), 512),
@@ -197,7 +197,7 @@ class Plan:
                 "budget_device": self.budget_device, "measured": sorted(self.measured), "notes": self.notes}
 
 
-def kv_cells(shape: ModelShape, s: Settings) -> tuple[int, int]:
+def kv_cells(shape: ModelShape, s: Choices) -> tuple[int, int]:
     """Cells of the full-attention cache and of the sliding-window one."""
     full = _pad(s.n_ctx)
     if shape.swa_window is None or s.swa_full:
@@ -205,14 +205,14 @@ def kv_cells(shape: ModelShape, s: Settings) -> tuple[int, int]:
     return full, min(full, _pad(shape.swa_window * s.n_parallel + s.n_ubatch))
 
 
-def kv_bytes_per_layer(shape: ModelShape, s: Settings) -> list[float]:
+def kv_bytes_per_layer(shape: ModelShape, s: Choices) -> list[float]:
     full, swa = kv_cells(shape, s)
     per_value = VALUE_BYTES.get(s.type_k, 2.0), VALUE_BYTES.get(s.type_v, 2.0)
     return [heads * (shape.head_dim_k * per_value[0] + shape.head_dim_v * per_value[1]) * (swa if sliding else full)
             for heads, sliding in zip(shape.kv_heads, shape.swa_layers, strict=False)]
 
 
-def plan(shape: ModelShape, s: Settings, mmproj_bytes: int = 0, draft: ModelShape | None = None) -> Plan:
+def plan(shape: ModelShape, s: Choices, mmproj_bytes: int = 0, draft: ModelShape | None = None) -> Plan:
     result = Plan(n_ctx=s.n_ctx)
     _weights(result, shape, s.gpu_layers)
     on_gpu = _gpu_layer_mask(shape.n_layer, s.gpu_layers)
@@ -262,7 +262,7 @@ def _weights(result: Plan, shape: ModelShape, gpu_layers: int) -> None:
         result.add("GPU", "weights", sum(nbytes for name, nbytes, _ in shape.tensors if name == "token_embd.weight"))
 
 
-def _compute(result: Plan, shape: ModelShape, s: Settings, gpu: bool) -> None:
+def _compute(result: Plan, shape: ModelShape, s: Choices, gpu: bool) -> None:
     full, swa = kv_cells(shape, s)
     mask = s.n_ubatch * 2 * (full + (swa if any(shape.swa_layers) else 0))  # an f16 mask row per ubatch token
     activations = s.n_ubatch * 4 * 5 * shape.n_ff
@@ -276,7 +276,7 @@ def _compute(result: Plan, shape: ModelShape, s: Settings, gpu: bool) -> None:
     result.add("CPU", "compute", s.n_ubatch * shape.n_embd * 16 + mask)  # the host's staging buffer
 
 
-def largest_ctx(shape: ModelShape, s: Settings, budget: int, ceiling: int, mmproj_bytes: int = 0,
+def largest_ctx(shape: ModelShape, s: Choices, budget: int, ceiling: int, mmproj_bytes: int = 0,
                 draft: ModelShape | None = None, adjust: Any = None) -> int:
     """The largest context (a multiple of 256, at most `ceiling`) whose plan fits `budget` on its device; 0 if
     none does. `adjust(plan)` may correct a plan with measured figures first."""

@@ -41,6 +41,6 @@ async def move(host: Host, state: DegradeState, ask: Wanted, why: str) -> str | 
 
 def commit(state: DegradeState, ask: Wanted) -> None:
     if ask.rung is not None:
-        state.held_rung = ask.rung
+        state.rung_in_force = ask.rung
     if ask.budget is not None:
         state.budget, state.budget_source = ask.budget

@@ -129,7 +129,7 @@ def _report(config: Config, state: DegradeState, planned: list[RungPlan], budget
     first = planned[0]
     # the model's shape was read by the fit already (state.shape): the path is not read again
     planner = planner_for(first.argv, "", launch.model.id if launch else "", config, state, budget, backend)
-    as_given = planner.plan(first.argv, planner.settings(config.argv).n_ctx)
+    as_given = planner.plan(first.argv, planner.choices(config.argv).n_ctx)
     base = next((r.max_ctx for r in planned if r.skipped is None), 0)
     rungs = []
     for rung in planned:
@@ -188,7 +188,7 @@ def _device(argv: list[str], planner: Planner, backend: str | None) -> dict[str,
     binary = argv[0]
     found = shutil.which(binary) is not None
     listed = devices(binary) if found else None
-    shape, layers = planner.shape, planner.settings(argv).gpu_layers
+    shape, layers = planner.shape, planner.choices(argv).gpu_layers
     ngl = args.get(argv, args.GPU_LAYERS)
     asked = f"-ngl {ngl}" if ngl is not None else "-ngl auto (the default)"
     if not layers:

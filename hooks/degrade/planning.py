@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hooks.degrade import calibration
 from hooks.degrade.ladder import Planner, RungPlan, build
-from hooks.degrade.memory import CELL_PAD, ModelShape, Plan, PlanError, Settings, plan, read_shape
+from hooks.degrade.memory import CELL_PAD, Choices, ModelShape, Plan, PlanError, plan, read_shape
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState
 from wrapper import argv as args
@@ -41,10 +41,10 @@ def planner_for(argv: Sequence[str], model_path: str, model_id: str, config: Con
     user_ctx = _int(args.get(config.argv, args.CTX_SIZE))
     ceiling = min(shape.n_ctx_train or 1 << 20, user_ctx or 1 << 20)
 
-    def predict(s: Settings) -> Plan:
+    def predict(s: Choices) -> Plan:
         return plan(shape, s, _file_size(s.mmproj), _draft(s))
 
-    def calibrate(predicted: Plan, s: Settings) -> Plan:
+    def calibrate(predicted: Plan, s: Choices) -> Plan:
         return calibration.calibrated(predicted, s, runs, predict)
 
     return Planner(shape, gpu, budget, ceiling, lambda s: _file_size(s.mmproj), _draft, calibrate)
@@ -101,7 +101,7 @@ def _file_size(path: str | None) -> int:
         return 0
 
 
-def _draft(s: Settings) -> ModelShape | None:
+def _draft(s: Choices) -> ModelShape | None:
     if not s.draft:
         return None
     try:

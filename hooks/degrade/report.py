@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from hooks.degrade import calibration
-from hooks.degrade.pool import member as share
+from hooks.degrade.pool import member
 from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
@@ -27,7 +27,7 @@ def server_line(generation: Generation, line: str) -> bool:
         found.measured.feed(line)
         if found.measured.done and not found.remembered and fit is not None:
             found.remembered = True
-            calibration.remember(generation.launch.model.id, found.measured, fit.settings)
+            calibration.remember(generation.launch.model.id, found.measured, fit.choices)
             log.info("degrade.measured", n_ctx=found.measured.n_ctx, buffers=found.measured.buffers)
     # The lines -lv 4 adds are the wrapper's own business (debug); the server's own news and its warnings are not.
     return fit is None or not fit.verbosity_added or " I srv " in line or " W " in line or " E " in line
@@ -63,7 +63,7 @@ def status(generation: Generation) -> dict[str, Any]:
 def metrics(generation: Generation) -> None:
     fit = fitted(generation.launch)
     METRICS.degrade(fit.rung if fit else None, fit.n_ctx if fit else None, fit.budget if fit else None)
-    pool = share.pool_of_generation(generation)
+    pool = member.pool_of_generation(generation)
     if pool is not None and fit is not None:
         with pool.locked() as held:
             members = held.members()
@@ -81,7 +81,7 @@ def memory(generation: Generation) -> dict[str, Any]:
     chosen = next((r for r in fit.rungs if r.name == fit.rung), None) if fit else None
     measured = measuring(generation).measured
     planned = chosen.plan.as_dict() if chosen is not None and chosen.plan is not None else None
-    pool = share.pool_of_generation(generation) if fit is not None and fit.pool else None
+    pool = member.pool_of_generation(generation) if fit is not None and fit.pool else None
     if pool is not None:
         with pool.locked() as held:
             pooled: dict[str, Any] | None = {**held.summary(), "me": os.getpid()}

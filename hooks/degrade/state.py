@@ -12,7 +12,7 @@ from typing import Any
 
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
-from hooks.degrade.memory import ModelShape, Settings
+from hooks.degrade.memory import Choices, ModelShape
 from wrapper import argv as args
 from wrapper.generation import Generation
 from wrapper.kept import Kept, Key
@@ -26,7 +26,7 @@ class DegradeState:
 
     budget: int | None = None
     budget_source: str = ""
-    held_rung: str | None = None  # the rung a growth, relax or budget change moved to (kept by later reloads)
+    rung_in_force: str | None = None  # the rung a growth, relax or budget change moved to (kept by later reloads)
     steps: list[dict[str, Any]] = field(default_factory=list)
     last_activity: float = field(default_factory=time.monotonic)
     conversation: dict[int, int] = field(default_factory=dict)  # slot -> tokens, from proxied answers
@@ -35,7 +35,7 @@ class DegradeState:
     shape: ModelShape | None = None
     started: bool = False  # the first fit is done (a start asks the pool for what it needs; later fits do not)
     climb_after: float = 0.0  # with a pool: a failed climb back waits until then (time.monotonic())
-    held_ctx: int = 0  # with a pool: the context the last fit took (a reload degrade did not ask for keeps it)
+    ctx_taken: int = 0  # with a pool: the context the last fit took (a reload degrade did not ask for keeps it)
     looked: tuple[int, int, bool, str, int, int] | None = None  # with a pool: what the last climb looked at
     giving: bool = False  # with a pool: a give is under way (its climb back waits for the answer)
     gave: bool = False  # with a pool: it gave memory to another member and has not climbed back yet
@@ -48,7 +48,7 @@ class Fitted:
     rung: str
     index: int
     n_ctx: int
-    settings: Settings
+    choices: Choices  # what of its argv changes memory
     rungs: list[RungPlan]
     budget: int
     budget_source: str

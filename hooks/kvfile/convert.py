@@ -26,7 +26,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as QType
 from gguf.quants import Q4_0, Q8_0
 
-from hooks.kvfile import format as slotfile
+from hooks import kvfile
 
 TYPES = {"f32": QType.F32, "f16": QType.F16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
 _BY_ID = {int(qtype): name for name, qtype in TYPES.items()}
@@ -43,7 +43,7 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-WRITES = slotfile.ROT_WRITTEN  # the state version a conversion writes (llama.cpp b11434's)
+WRITES = kvfile.ROT_WRITTEN  # the state version a conversion writes (llama.cpp b11434's)
 
 
 class NotConvertible(Exception):
@@ -99,15 +99,15 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
         raise NotConvertible("the converted file must go to another path than its source")
     started = time.monotonic()
     try:
-        data, size = slotfile.open_map(src)
+        data, size = kvfile.open_map(src)
     except OSError as exc:
         raise NotConvertible(f"cannot read {src}: {exc.strerror}") from exc
     try:
-        head = slotfile.header(data, str(src))
-        if head.version not in slotfile.READS:
+        head = kvfile.header(data, str(src))
+        if head.version not in kvfile.READS:
             raise NotConvertible(f"not a slot file with a KV layout this converter knows (version {head.version})")
         # the whole layout checked before a byte is written
-        sections = list(slotfile.walk(data, head.words_end, head.version))
+        sections = list(kvfile.walk(data, head.words_end, head.version))
         with open(dst, "wb") as out:
             out.write(bytes(data[:4]) + struct.pack("<I", WRITES) + bytes(data[8:head.words_end]))
             for section in sections:
@@ -115,7 +115,7 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
                          implied)
             out.flush()
             os.fsync(out.fileno())
-    except slotfile.SlotFileError as exc:
+    except kvfile.SlotFileError as exc:
         raise NotConvertible(str(exc)) from exc
     finally:
         if isinstance(data, mmap.mmap):
@@ -123,7 +123,7 @@ def convert(src: Path, dst: Path, type_k: str, type_v: str, rot_k: int, rot_v: i
     return Conversion(size, os.path.getsize(dst), time.monotonic() - started)
 
 
-def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, type_k: str, type_v: str,
+def _section(data: kvfile.Buffer, section: kvfile.Section, out: BinaryIO, type_k: str, type_v: str,
              rot_k: int, rot_v: int, done: Callable[[int], None] | None, implied: tuple[int, int]) -> None:
     out.write(struct.pack("<I", len(section.streams)))
     for stream in section.streams:
@@ -149,7 +149,7 @@ def _section(data: slotfile.Buffer, section: slotfile.Section, out: BinaryIO, ty
                 done(layer.start + layer.row_size * stream.cells)
 
 
-def _layer(data: slotfile.Buffer, layer: slotfile.Layer, out: BinaryIO, cells: int, target: str, src_rot: int,
+def _layer(data: kvfile.Buffer, layer: kvfile.Layer, out: BinaryIO, cells: int, target: str, src_rot: int,
            dst_rot: int) -> None:
     source = _BY_ID.get(layer.type_id)
     if source is None:

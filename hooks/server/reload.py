@@ -31,20 +31,20 @@ def check(options: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _token(rt: Generation, url: str, token_file: Any) -> str | None:
+def _token(generation: Generation, url: str, token_file: Any) -> str | None:
     """token_file, else LLAMA_WRAPPER_ADMIN_TOKEN, else this wrapper's own token when the url is its own."""
     try:
         token = admin_token(Path(str(token_file)).expanduser() if token_file else None, os.environ)
     except ValueError as exc:
         raise ActionError(str(exc)) from exc
-    if token is None and url == rt.launch.listen.url.rstrip("/"):
-        token = rt.launch.admin.read()[0]
+    if token is None and url == generation.launch.listen.url.rstrip("/"):
+        token = generation.launch.admin.read()[0]
     return token
 
 
-async def run(rt: Generation, options: Mapping[str, Any]) -> str:
-    url = str(options.get("url") or rt.launch.listen.url).rstrip("/")
-    token = _token(rt, url, options.get("token_file"))
+async def run(generation: Generation, options: Mapping[str, Any]) -> str:
+    url = str(options.get("url") or generation.launch.listen.url).rstrip("/")
+    token = _token(generation, url, options.get("token_file"))
     body = {key: value for key, value in options.items() if key in FIELDS}
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:

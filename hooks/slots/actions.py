@@ -15,14 +15,13 @@ from typing import Any
 
 import structlog
 
-from hooks.kvfile import format as slotfile
+from hooks import kvfile
 from hooks.slots.book import book_of
 from hooks.slots.reuse import ReuseTracker
 from hooks.slots.settings import FAMILY, SLOTS
 from hooks.slots.stores import store_of
-from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_settings_of
-from hooks.store import Entry, Held, Store, Unreadable
-from hooks.store import layout as slotdir
+from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_layout_of
+from hooks.store import Entry, Noted, Store, Unreadable, layout
 from hooks.store.settings import STORE
 from wrapper.actions import ActionError
 from wrapper.generation import Generation, Host, ServerLost
@@ -147,7 +146,7 @@ async def save(generation: Generation, flush: bool = True) -> str:
     _count("save", report, "saved")
     if held:
         try:
-            store.note(slotdir.host_id(), held)
+            store.note(layout.host_id(), held)
         except OSError as exc:
             raise ActionError(f"the note of what each slot holds could not be written: {exc}") from exc
         store.evict(STORE.of(generation.config).budget, keep={e.key for e in held.values()})
@@ -218,16 +217,16 @@ async def _restore(generation: Generation, pinned: bool) -> str:
     book = book_of(generation)
     if pinned:
         book.pinned()
-    held = store.held(slotdir.host_id())
+    held = store.held(layout.host_id())
     if not held:
         _state(generation).restore = []
         log.info("slots.restore_nothing", dir=str(generation.launch.fitted.get(FAMILY)))
         return "no saved slots"
     started = time.monotonic()
     try:
-        settings = await server_settings_of(generation)
+        settings = await server_layout_of(generation)
         book.learnt_version(await _state_version(generation, store))
-    except (LlamaError, OSError, slotfile.SlotFileError) as exc:
+    except (LlamaError, OSError, kvfile.SlotFileError) as exc:
         _state(generation).restore = [{"slot": h.slot, "outcome": "skipped",
                                        "reason": f"cannot query the server: {exc}"} for h in held]
         log.warning("slots.restore_skipped_all", error=str(exc))
@@ -254,10 +253,10 @@ async def _state_version(generation: Generation, store: Store) -> int:
     """The slot-file version this server writes, learnt by saving the (still empty) slot 0 once."""
     with store.part("probe") as probe:
         await generation.client.slot_action(0, "save", probe.name)
-        return slotfile.version(probe)
+        return kvfile.version(probe)
 
 
-async def _restore_one(generation: Generation, store: Store, held: Held) -> dict[str, Any]:
+async def _restore_one(generation: Generation, store: Store, held: Noted) -> dict[str, Any]:
     entry: dict[str, Any] = {"slot": held.slot, "entry": held.key, "file": held.entry.name if held.entry else None,
                              "outcome": "skipped", "tokens": held.n_tokens}
     if held.entry is None:
@@ -306,10 +305,10 @@ async def _prefill(generation: Generation, store: Store, row: dict[str, Any]) ->
     try:
         found = store.get(str(row["entry"]))
         if found is None:
-            raise slotfile.SlotFileError(f"its state {row['entry']} is gone")
+            raise kvfile.SlotFileError(f"its state {row['entry']} is gone")
         tokens = found.tokens
         answer = await generation.client.prefill(int(row["slot"]), tokens)
-    except (slotfile.SlotFileError, Unreadable, LlamaError) as exc:
+    except (kvfile.SlotFileError, Unreadable, LlamaError) as exc:
         row["warm_error"] = str(exc)
         log.warning("slots.warm_failed", slot=row["slot"], error=str(exc))
         return 0

@@ -31,7 +31,7 @@ class SlotBook:
     _total: int = 0  # -np as the server reports it, once asked
     _exact: bool = False  # every completion is pinned (the conversation cache): the book is what the slots hold
     _state_version: int | None = None  # the slot-file version this server writes, once learnt
-    _held: dict[int, list[int]] = field(default_factory=dict)
+    _tokens: dict[int, list[int]] = field(default_factory=dict)
     _entry: dict[int, str] = field(default_factory=dict)  # the entry holding exactly what the slot holds
 
     # -- reading ------------------------------------------------------------------------------------------------
@@ -49,20 +49,20 @@ class SlotBook:
         return self._state_version
 
     def holds(self, slot: int) -> list[int]:
-        return self._held.get(slot, [])
+        return self._tokens.get(slot, [])
 
     def known(self) -> dict[int, list[int]]:
-        return dict(self._held)
+        return dict(self._tokens)
 
     def tokens_per_slot(self) -> dict[int, int]:
-        return {slot: len(tokens) for slot, tokens in self._held.items()}
+        return {slot: len(tokens) for slot, tokens in self._tokens.items()}
 
     def entry_of(self, slot: int) -> str | None:
         """The entry that holds exactly what the slot holds, when that is known."""
         return self._entry.get(slot) if self._exact else None
 
     def slots(self) -> range:
-        return range(max(1, self._total, *(s + 1 for s in self._held)))
+        return range(max(1, self._total, *(s + 1 for s in self._tokens)))
 
     # -- what the server said -----------------------------------------------------------------------------------
 
@@ -82,17 +82,17 @@ class SlotBook:
         """A request ran there: it holds its tokens (and what it generated, which the next turn repeats), or
         something unknown (None: a request that failed may have left part of it)."""
         if tokens is None:
-            self._held.pop(slot, None)
+            self._tokens.pop(slot, None)
         else:
-            self._held[slot] = tokens
+            self._tokens[slot] = tokens
         self._entry.pop(slot, None)
 
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
-        self._held[slot], self._entry[slot] = tokens, key
+        self._tokens[slot], self._entry[slot] = tokens, key
 
     def restored(self, slot: int, tokens: list[int], key: str | None) -> None:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it."""
-        self._held[slot] = tokens
+        self._tokens[slot] = tokens
         if key is None:
             self._entry.pop(slot, None)
         else:
@@ -100,7 +100,7 @@ class SlotBook:
 
     def forgotten(self) -> None:
         """A request the server put in a slot of its own choosing: any slot may hold something else now."""
-        self._held.clear()
+        self._tokens.clear()
         self._entry.clear()
 
 

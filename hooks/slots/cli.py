@@ -14,10 +14,9 @@ from typing import Any
 import click
 import structlog
 
-from hooks.kvfile import format as slotfile
+from hooks import kvfile
 from hooks.slots.settings import SLOTS
-from hooks.store import Entry, Store
-from hooks.store import layout as slotdir
+from hooks.store import Entry, Store, layout
 from hooks.store.opening import folder_only, opened
 from hooks.store.settings import STORE, StoreSettings
 from wrapper.commands import Commands
@@ -94,19 +93,19 @@ def _rows(stores: list[Store]) -> list[dict[str, Any]]:
     rows = []
     for store in stores:
         folder = store.directory
-        for saved in slotdir.legacy_slots(folder):
+        for saved in layout.legacy_slots(folder):
             row: dict[str, Any] = {"model_id": folder.name, "slot": saved.slot, "file": str(saved.kv_file),
                                    "bytes": saved.kv_file.stat().st_size if saved.kv_file.exists() else 0}
             try:
-                sidecar = slotdir.read_sidecar(saved.sidecar)
+                sidecar = layout.read_sidecar(saved.sidecar)
                 row.update(model=sidecar["model"].get("name"), tokens=sidecar.get("tokens"),
                            saved_at=sidecar.get("saved_at"), build=sidecar.get("build"),
                            cache_types=f"{sidecar.get('cache_type_k')}/{sidecar.get('cache_type_v')}")
-                slotdir.check_pair(sidecar, saved.kv_file)
-            except (slotdir.SidecarError, KeyError, AttributeError) as exc:
+                layout.check_pair(sidecar, saved.kv_file)
+            except (layout.SidecarError, KeyError, AttributeError) as exc:
                 row["problem"] = f"sidecar: {exc}"
             rows.append(row)
-        held = {h.key: h.slot for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content}
+        held = {h.key: h.slot for h in store.held(layout.host_id()) if h.entry is not None and h.entry.by_content}
         for entry in sorted(store.entries(), key=lambda e: (held.get(e.key, 1 << 30), -e.last_used)):
             rows.append(_entry_row(folder, entry, held.get(entry.key, "conv"), store.where(entry)))
     return rows
@@ -159,15 +158,15 @@ def inspect(path: str) -> None:
         click.echo(f"llama-wrapper: no such slot file: {path} (`llama-wrapper slots ls` lists them)", err=True)
         sys.exit(EXIT_FAILED)
     try:
-        summary = slotfile.read(path).summary()
-    except slotfile.SlotFileError as exc:
+        summary = kvfile.read(path).summary()
+    except kvfile.SlotFileError as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_FAILED)
-    for saved in slotdir.legacy_slots(Path(path).parent):
+    for saved in layout.legacy_slots(Path(path).parent):
         if saved.kv_file.name == Path(path).name:
             try:
-                summary["sidecar"] = slotdir.read_sidecar(saved.sidecar)
-            except slotdir.SidecarError as exc:
+                summary["sidecar"] = layout.read_sidecar(saved.sidecar)
+            except layout.SidecarError as exc:
                 summary["sidecar"] = f"unreadable: {exc}"
     for entry in folder_only(Path(path).parent).entries():
         if entry.name == Path(path).name:
@@ -186,19 +185,19 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
     if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
         click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
         sys.exit(EXIT_FAILED)
-    legacy = [saved for saved in slotdir.legacy_slots(folder) if slot is None or saved.slot == slot]
+    legacy = [saved for saved in layout.legacy_slots(folder) if slot is None or saved.slot == slot]
     store = folder_only(folder)
-    noted = [h for h in store.held(slotdir.host_id()) if h.entry is not None and h.entry.by_content
+    noted = [h for h in store.held(layout.host_id()) if h.entry is not None and h.entry.by_content
              and (slot is None or h.slot == slot)]
     if not legacy and not noted:
         click.echo(f"llama-wrapper: model {model_id} has no saved slot {slot}" if slot is not None
                    else f"llama-wrapper: model {model_id} has no saved slots", err=True)
         sys.exit(EXIT_FAILED)
     for saved in legacy:
-        for file in slotdir.remove(saved):
+        for file in layout.remove(saved):
             click.echo(f"removed {file}")
     for held in noted:
         assert held.entry is not None
         store.remove(held.entry)
         click.echo(f"removed {folder / held.entry.name} (slot {held.slot})")
-    slotdir.drop_from_notes(folder, {h.key for h in noted})
+    layout.drop_from_notes(folder, {h.key for h in noted})

@@ -12,7 +12,7 @@ from wrapper import argv as args
 _ON = ("on", "auto", "1", "true", "enabled", "yes")
 
 
-def server_settings(argv: list[str], env: dict[str, str], props: dict[str, Any],
+def server_layout(argv: list[str], env: dict[str, str], props: dict[str, Any],
                     facts: dict[str, Any]) -> dict[str, Any]:
     """The running server's settings that decide a slot file's layout (argv for flags, /props for the rest)."""
     np_given = args.get(argv, args.PARALLEL)

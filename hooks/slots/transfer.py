@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import structlog
 
+from hooks import kvfile
 from hooks.kvfile import convert as kvconvert
-from hooks.kvfile import format as slotfile
 from hooks.slots.book import book_of
-from hooks.slots.restorable import WARMABLE, Mismatch, Skip, server_settings, skip_reason
+from hooks.slots.restorable import WARMABLE, Mismatch, Skip, server_layout, skip_reason
 from hooks.store import Entry, Store, Unavailable, Unreadable
 from wrapper.generation import Generation, ServerLost
 from wrapper.kept import Key
@@ -38,16 +38,16 @@ _LAYOUT = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified
 _SERVER: Key[dict[str, Any]] = Key("slots.server", dict)  # the running server's layout settings
 
 
-async def server_settings_of(generation: Generation) -> dict[str, Any]:
+async def server_layout_of(generation: Generation) -> dict[str, Any]:
     """The running server's settings that decide a state file's layout (asked once per generation)."""
     found = generation.state.get(_SERVER)
     if not found:
         props = await generation.props()
-        found.update(server_settings(generation.launch.argv, generation.launch.env, props, generation.launch.facts))
+        found.update(server_layout(generation.launch.argv, generation.launch.env, props, generation.launch.facts))
     return found
 
 
-def record_for(settings: dict[str, Any], header: slotfile.SlotFile, generation: Generation) -> dict[str, Any]:
+def record_for(settings: dict[str, Any], header: kvfile.SlotFile, generation: Generation) -> dict[str, Any]:
     """What an entry's sidecar says of the state beside its tokens: the model and the KV layout it needs."""
     return {"model": generation.launch.model.as_dict(), "state_version": header.version,
             **{k: settings[k] for k in _LAYOUT}, "media": header.n_media, "saved_at": time.time()}
@@ -63,7 +63,7 @@ class Cost:
 
 
 async def cost_of(generation: Generation, store: Store, entry: Entry) -> Cost:
-    settings = await server_settings_of(generation)
+    settings = await server_layout_of(generation)
     return Cost(entry.bytes, converts(entry.record, settings, book_of(generation).state_version),
                 store.fetch_seconds(entry))
 
@@ -85,7 +85,7 @@ def _rewrites(file_version: int | None, state_version: int | None) -> bool:
 
 
 def _upgrades(file_version: int, state_version: int | None) -> bool:
-    return state_version == kvconvert.WRITES and file_version in slotfile.READS and file_version < kvconvert.WRITES
+    return state_version == kvconvert.WRITES and file_version in kvfile.READS and file_version < kvconvert.WRITES
 
 
 # -- save ---------------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             answer = await generation.client.slot_action(slot, "save", part.name)
             if int(answer.get("n_saved", 0)) < max(1, min_tokens):
                 return None
-            header = slotfile.read(part)  # a file we cannot read back never becomes an entry
+            header = kvfile.read(part)  # a file we cannot read back never becomes an entry
             book.learnt_version(header.version)
             server_ms = (answer.get("timings") or {}).get("save_ms")
             if (known := store.find(header.tokens)) is not None:
@@ -126,9 +126,9 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
                 return Saved(known, False, server_ms, _ms(began))
             if max_bytes is not None and header.bytes > max_bytes:
                 raise NotSaved(f"{header.bytes >> 20} MiB is more than store.entry_max or store.budget")
-            record = {**record_for(await server_settings_of(generation), header, generation), "save_ms": server_ms}
+            record = {**record_for(await server_layout_of(generation), header, generation), "save_ms": server_ms}
             entry = await _uncancelled(asyncio.to_thread(store.commit, part, header.tokens, record))
-        except (LlamaError, slotfile.SlotFileError, Unreadable, OSError) as exc:
+        except (LlamaError, kvfile.SlotFileError, Unreadable, OSError) as exc:
             raise NotSaved(f"save failed: {exc}", failed=True) from exc
     book.saved(slot, header.tokens, entry.key)
     return Saved(entry, True, server_ms, _ms(began))
@@ -142,7 +142,7 @@ class NotRestored(Exception):
     tokens makes up for it (another layout of the same model and tokens)."""
 
     def __init__(self, reason: str, failed: bool = False, kind: Mismatch | None = None,
-                 header: slotfile.SlotFile | None = None, conversion: Any = None, damaged: bool = False) -> None:
+                 header: kvfile.SlotFile | None = None, conversion: Any = None, damaged: bool = False) -> None:
         super().__init__(reason)
         self.reason, self.failed, self.kind, self.header, self.conversion = reason, failed, kind, header, conversion
         self.damaged = damaged  # unreadable or not what its sidecar says: of no use to any server
@@ -155,7 +155,7 @@ class NotRestored(Exception):
 @dataclass(frozen=True)
 class Restored:
     entry: Entry  # what was restored (a converted entry when the cache types differed)
-    header: slotfile.SlotFile
+    header: kvfile.SlotFile
     n_restored: int
     server_ms: float | None
     total_ms: float
@@ -166,7 +166,7 @@ async def restore_into(generation: Generation, store: Store, entry: Entry, slot:
     """Check the entry against the running server, convert it when only the cache types or another build's
     framing differ, restore it. NotRestored with the reason otherwise; ServerLost (the entry set aside) when the
     server died under it. A converted state replaces the entry only once the server has restored it."""
-    settings = await server_settings_of(generation)
+    settings = await server_layout_of(generation)
     try:
         entry = await store.fetch(entry)
         async with store.local(entry) as path:
@@ -181,8 +181,8 @@ async def _restore_from(generation: Generation, store: Store, entry: Entry, slot
                         settings: dict[str, Any]) -> Restored:
     book = book_of(generation)
     try:
-        header = slotfile.read(path)
-    except slotfile.SlotFileError as exc:
+        header = kvfile.read(path)
+    except kvfile.SlotFileError as exc:
         raise NotRestored(f"unreadable file: {exc}", damaged=True) from exc
     model = generation.launch.model.id
     skip = skip_reason(slot, entry.record, header, model, settings, book.state_version)
@@ -191,7 +191,7 @@ async def _restore_from(generation: Generation, store: Store, entry: Entry, slot
         with store.part("converted") as part:
             try:  # the same tokens in other cache types, or another build's framing of them
                 converted, record, conversion = await _convert(generation, entry, path, part, settings, header)
-            except (kvconvert.NotConvertible, slotfile.SlotFileError, OSError) as exc:
+            except (kvconvert.NotConvertible, kvfile.SlotFileError, OSError) as exc:
                 conversion = f"not converted: {exc}"
                 log.info("slots.not_converted", slot=slot, entry=entry.key, reason=str(exc))
             else:
@@ -215,7 +215,7 @@ async def _restore_from(generation: Generation, store: Store, entry: Entry, slot
 
 
 async def _restore_file(generation: Generation, store: Store, entry: Entry, slot: int, path: Path,
-                        header: slotfile.SlotFile, conversion: Any) -> Restored:
+                        header: kvfile.SlotFile, conversion: Any) -> Restored:
     """Restore `path` (the entry's file, or a conversion of it) into `slot`; NotRestored when the server refuses
     it, ServerLost (the entry set aside) when the server died under it."""
     child = generation.child
@@ -238,7 +238,7 @@ async def _restore_file(generation: Generation, store: Store, entry: Entry, slot
                     (answer.get("timings") or {}).get("restore_ms"), _ms(began), conversion)
 
 
-def convertible(skip: Skip, header: slotfile.SlotFile, state_version: int | None) -> bool:
+def convertible(skip: Skip, header: kvfile.SlotFile, state_version: int | None) -> bool:
     """A conversion makes the entry fit: other cache types (into the version the converter writes, which the
     server must read), or an earlier state version (`upgradable`)."""
     if skip.kind is Mismatch.CACHE_TYPES:
@@ -246,14 +246,14 @@ def convertible(skip: Skip, header: slotfile.SlotFile, state_version: int | None
     return upgradable(skip, header, state_version)
 
 
-def upgradable(skip: Skip, header: slotfile.SlotFile, state_version: int | None) -> bool:
+def upgradable(skip: Skip, header: kvfile.SlotFile, state_version: int | None) -> bool:
     """An entry another llama-server build wrote in an earlier state version whose layout converts into the one
     this server reads (b9095's version 2 into b11434's 4)."""
     return skip.kind is Mismatch.STATE_VERSION and header.kv is not None and _upgrades(header.version, state_version)
 
 
 async def _convert(generation: Generation, entry: Entry, source: Path, part: Path, settings: dict[str, Any],
-                   header: slotfile.SlotFile) -> tuple[slotfile.SlotFile, dict[str, Any], dict[str, Any]]:
+                   header: kvfile.SlotFile) -> tuple[kvfile.SlotFile, dict[str, Any], dict[str, Any]]:
     """The entry rewritten into `part` in the server's cache types, rotation and state version (in a thread: the
     wrapper goes on answering), checked against the source; its header, sidecar record and what was done."""
     was = f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"
@@ -263,7 +263,7 @@ async def _convert(generation: Generation, entry: Entry, source: Path, part: Pat
         now += f", state version {kvconvert.WRITES} (build {settings['build']})"
     implied = _implied_rotation(generation, header, bool(entry.record.get("attn_rot_disable")))
     done = await asyncio.to_thread(convert_for, generation, source, part, settings, implied)
-    converted = slotfile.read(part)
+    converted = kvfile.read(part)
     if converted.tokens != header.tokens or converted.kv is None or header.kv is None \
             or converted.kv.cells != header.kv.cells or converted.kv.n_layer != header.kv.n_layer:
         raise kvconvert.NotConvertible("the converted state does not hold what the source held")
@@ -275,7 +275,7 @@ async def _convert(generation: Generation, entry: Entry, source: Path, part: Pat
     return converted, record, conversion
 
 
-def _implied_rotation(generation: Generation, header: slotfile.SlotFile, disabled: bool) -> tuple[int, int]:
+def _implied_rotation(generation: Generation, header: kvfile.SlotFile, disabled: bool) -> tuple[int, int]:
     """The K/V rotation a file of an earlier state version holds without saying: its cache types' default."""
     facts = generation.launch.facts
     kv = header.kv

@@ -21,9 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hooks.kvfile import format as slotfile
-from hooks.store import chunks
-from hooks.store import layout as slotdir
+from hooks import kvfile
+from hooks.store import chunks, layout
 from hooks.store.interface import Unavailable, Unreadable
 
 FOLDER = "chunks"
@@ -108,7 +107,7 @@ class ChunkFolder:
         """Write one chunk whole under its name."""
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path(name)
-        temporary = target.with_name(f"{target.name}.{slotdir.temporary_tag()}.tmp")
+        temporary = target.with_name(f"{target.name}.{layout.temporary_tag()}.tmp")
         try:
             with open(temporary, "wb") as out:
                 out.write(data)
@@ -124,14 +123,14 @@ class ChunkFolder:
         plan = record["chunks"]
         if problem := plan_problem(record):
             raise Unreadable(f"its manifest has {problem}")
-        maps: list[slotfile.Buffer] = []
+        maps: list[kvfile.Buffer] = []
         try:
             for name in names_of(record):
                 try:
-                    maps.append(slotfile.open_map(self.path(name))[0])
+                    maps.append(kvfile.open_map(self.path(name))[0])
                 except FileNotFoundError as exc:
                     raise Unreadable(f"chunk {name} is missing") from exc
-            tail_map, _ = slotfile.open_map(tail)
+            tail_map, _ = kvfile.open_map(tail)
             maps.append(tail_map)
             with open(into, "wb") as out:
                 return chunks.assemble(tail_map, maps[:-1], plan, out)
@@ -171,8 +170,8 @@ class ChunkFolder:
                 found.append(match.group(1))
             elif (temporary := _TEMPORARY.match(path.name)) is not None:
                 pid = int(temporary.group(2))
-                ours = temporary.group(1) == slotdir.host_id()
-                if (ours and pid != os.getpid() and not slotdir.alive(pid)) or slotdir.age(path, now) > ORPHAN_AGE_S:
+                ours = temporary.group(1) == layout.host_id()
+                if (ours and pid != os.getpid() and not layout.alive(pid)) or layout.age(path, now) > ORPHAN_AGE_S:
                     with contextlib.suppress(OSError):
                         path.unlink()
                         removed.append(path.name)

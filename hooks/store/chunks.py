@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from hooks.kvfile import format as slotfile
+from hooks import kvfile
 from hooks.kvfile.format import Buffer, SlotFileError
 
 FORMAT = 1
@@ -53,12 +53,12 @@ class Split:
 
 def split(data: Buffer, tokens: int, salt: str) -> Split:
     """Cut a state file into chunks of `tokens` positions and its tail; `salt` (the model) goes into each name."""
-    head = slotfile.header(data)
+    head = kvfile.header(data)
     whole = Split(b"", [], None)
-    if head.version not in slotfile.READS or head.n_media or tokens <= 0:
+    if head.version not in kvfile.READS or head.n_media or tokens <= 0:
         return whole
     try:
-        sections = list(slotfile.walk(data, head.words_end, head.version))
+        sections = list(kvfile.walk(data, head.words_end, head.version))
     except SlotFileError:
         return whole
     chunked = _chunkable(data, sections)
@@ -103,8 +103,8 @@ def assemble(tail: Buffer, chunks: Sequence[Buffer], plan: dict[str, Any], out: 
         if len(chunk) != size:
             raise NotAssembled(f"chunk {index + 1} of {len(chunks)} has {len(chunk)} bytes, not {size}: damaged")
     try:
-        head = slotfile.header(tail)
-        sections = list(slotfile.walk(tail, head.words_end, head.version))
+        head = kvfile.header(tail)
+        sections = list(kvfile.walk(tail, head.words_end, head.version))
     except SlotFileError as exc:
         raise NotAssembled(f"the tail: {exc}") from exc
     specs = {(int(spec["section"]), int(spec["stream"])): spec for spec in plan["streams"]}
@@ -127,9 +127,9 @@ def assemble(tail: Buffer, chunks: Sequence[Buffer], plan: dict[str, Any], out: 
 # -- which streams, in what order -------------------------------------------------------------------------------
 
 
-def _chunkable(data: Buffer, sections: list[slotfile.Section]) -> list[tuple[int, int, slotfile.Stream]]:
+def _chunkable(data: Buffer, sections: list[kvfile.Section]) -> list[tuple[int, int, kvfile.Stream]]:
     """The streams holding one sequence from position 0, one cell per position, as many cells as the first."""
-    found: list[tuple[int, int, slotfile.Stream]] = []
+    found: list[tuple[int, int, kvfile.Stream]] = []
     for i, section in enumerate(sections):
         for s, stream in enumerate(section.streams):
             if not stream.cells or not stream.one_sequence or (found and stream.cells != found[0][2].cells):
@@ -140,28 +140,28 @@ def _chunkable(data: Buffer, sections: list[slotfile.Section]) -> list[tuple[int
     return found
 
 
-def _record(stream: slotfile.Stream) -> int:
+def _record(stream: kvfile.Stream) -> int:
     return 12 + stream.cell_ext  # i32 pos, u32 n_seq_id, [ext], i32 seq_id
 
 
-def _positions(data: Buffer, stream: slotfile.Stream) -> np.ndarray[Any, np.dtype[np.int32]]:
+def _positions(data: Buffer, stream: kvfile.Stream) -> np.ndarray[Any, np.dtype[np.int32]]:
     block = np.frombuffer(data, dtype="<i4", count=stream.cells * _record(stream) // 4, offset=stream.meta_start)
     return np.asarray(block.reshape(stream.cells, -1)[:, 0], dtype=np.int32)
 
 
-def _order(data: Buffer, stream: slotfile.Stream) -> np.ndarray[Any, np.dtype[np.intp]]:
+def _order(data: Buffer, stream: kvfile.Stream) -> np.ndarray[Any, np.dtype[np.intp]]:
     """The stream's cells in position order (llama-server writes them so after a fresh prefill)."""
     return np.argsort(_positions(data, stream), kind="stable")
 
 
-def _spec(section: int, index: int, stream: slotfile.Stream, data: Buffer) -> dict[str, Any]:
+def _spec(section: int, index: int, stream: kvfile.Stream, data: Buffer) -> dict[str, Any]:
     return {"section": section, "stream": index, "cell_ext": stream.cell_ext, "v_trans": stream.v_trans,
             "rot": [stream.n_rot_k, stream.n_rot_v], "rot_written": stream.rot_written,
             "k": [[layer.type_id, layer.row_size] for layer in stream.k],
             "v": [[layer.type_id, layer.row_size, *_transposed(data, layer)] for layer in stream.v]}
 
 
-def _transposed(data: Buffer, layer: slotfile.Layer) -> list[int]:
+def _transposed(data: Buffer, layer: kvfile.Layer) -> list[int]:
     """A transposed V layer's element size and row count (from its header), [] otherwise."""
     return list(_v_header_of(data, layer)) if layer.transposed else []
 
@@ -197,14 +197,14 @@ def _rows(data: Buffer, start: int, cells: int, row: int) -> np.ndarray[Any, np.
     return np.frombuffer(data, dtype=np.uint8, count=cells * row, offset=start).reshape(cells, row)
 
 
-def _columns(data: Buffer, layer: slotfile.Layer, cells: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+def _columns(data: Buffer, layer: kvfile.Layer, cells: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """A transposed V layer as (its rows, cells, element bytes)."""
     element, n_embd = _v_header_of(data, layer)
     return np.frombuffer(data, dtype=np.uint8, count=cells * layer.row_size, offset=layer.start).reshape(
         n_embd, cells, element)
 
 
-def _v_header_of(data: Buffer, layer: slotfile.Layer) -> tuple[int, int]:
+def _v_header_of(data: Buffer, layer: kvfile.Layer) -> tuple[int, int]:
     _, element, n_embd = struct.unpack_from("<iII", data, layer.header)
     return int(element), int(n_embd)
 
@@ -218,7 +218,7 @@ def _take(rows: np.ndarray[Any, Any], picked: np.ndarray[Any, np.dtype[np.intp]]
     return np.take(rows, picked, axis=axis).tobytes()
 
 
-def _fragment(data: Buffer, stream: slotfile.Stream, picked: np.ndarray[Any, np.dtype[np.intp]]) -> bytes:
+def _fragment(data: Buffer, stream: kvfile.Stream, picked: np.ndarray[Any, np.dtype[np.intp]]) -> bytes:
     """The picked cells of a stream: metadata, every K layer's rows, every V layer's rows or columns."""
     parts = [_take(_rows(data, stream.meta_start, stream.cells, _record(stream)), picked)]
     for layer in stream.k:
@@ -231,7 +231,7 @@ def _fragment(data: Buffer, stream: slotfile.Stream, picked: np.ndarray[Any, np.
     return b"".join(parts)
 
 
-def _rest(data: Buffer, stream: slotfile.Stream, picked: np.ndarray[Any, np.dtype[np.intp]]) -> bytes:
+def _rest(data: Buffer, stream: kvfile.Stream, picked: np.ndarray[Any, np.dtype[np.intp]]) -> bytes:
     """A chunked stream's cells after its last whole chunk, framed as llama-server frames a stream."""
     out = bytearray(struct.pack("<I", len(picked)))
     if not len(picked):
@@ -250,11 +250,11 @@ def _rest(data: Buffer, stream: slotfile.Stream, picked: np.ndarray[Any, np.dtyp
     return bytes(out)
 
 
-def _stream_start(stream: slotfile.Stream) -> int:
+def _stream_start(stream: kvfile.Stream) -> int:
     return stream.meta_start - 4  # its u32 cell count
 
 
-def _stream_end(stream: slotfile.Stream) -> int:
+def _stream_end(stream: kvfile.Stream) -> int:
     last = stream.v[-1]
     return last.start + last.row_size * stream.cells
 
@@ -262,7 +262,7 @@ def _stream_end(stream: slotfile.Stream) -> int:
 # -- assembling -------------------------------------------------------------------------------------------------
 
 
-def _assemble_stream(tail: Buffer, stream: slotfile.Stream, spec: dict[str, Any], chunks: Sequence[Buffer],
+def _assemble_stream(tail: Buffer, stream: kvfile.Stream, spec: dict[str, Any], chunks: Sequence[Buffer],
                      offset: int, per: int, out: BinaryIO) -> int:
     rest = stream.cells
     if rest and not _same_layout(stream, spec, tail):
@@ -316,5 +316,5 @@ def _assemble_stream(tail: Buffer, stream: slotfile.Stream, spec: dict[str, Any]
     return written
 
 
-def _same_layout(stream: slotfile.Stream, spec: dict[str, Any], tail: Buffer) -> bool:
+def _same_layout(stream: kvfile.Stream, spec: dict[str, Any], tail: Buffer) -> bool:
     return _spec(int(spec["section"]), int(spec["stream"]), stream, tail) == spec

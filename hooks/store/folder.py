@@ -30,14 +30,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hooks.kvfile import format as slotfile
-from hooks.store import chunks
-from hooks.store import layout as slotdir
+from hooks import kvfile
+from hooks.store import chunks, layout
 from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
-from hooks.store.interface import Entry, Held, Unreadable, best_of, common_prefix, key_of
+from hooks.store.interface import Entry, Noted, Unreadable, best_of, common_prefix, key_of
 
 T = TypeVar("T")
-PREFIX = slotdir.ENTRY_PREFIX
+PREFIX = layout.ENTRY_PREFIX
 RELIST_S = 30.0
 PART_AGE_S = 3600.0  # another host's part this old is litter (a writer that died)
 ORPHAN_AGE_S = 60.0
@@ -57,7 +56,7 @@ def _salt(record: dict[str, Any]) -> str:
 def part_name(what: str) -> str:
     """Where llama-server writes a state before it is committed: host, pid and a count keep writers apart."""
     label = re.sub(r"[^A-Za-z0-9]", "", what)[:24] or "state"
-    return f"{PREFIX}{label}{next(_parts)}.bin.part-{slotdir.host_id()}-{os.getpid()}"
+    return f"{PREFIX}{label}{next(_parts)}.bin.part-{layout.host_id()}-{os.getpid()}"
 
 
 def _locked(method: Callable[..., T]) -> Callable[..., T]:
@@ -92,7 +91,7 @@ class DirectoryStore:
     def get(self, key: str) -> Entry | None:
         if key in self._legacy_entries:
             return self._legacy_entries[key]
-        sidecar = slotdir.entry_sidecar(self.directory, key)
+        sidecar = layout.entry_sidecar(self.directory, key)
         if not sidecar.exists():
             self._forget(key)
             return None
@@ -105,11 +104,11 @@ class DirectoryStore:
         found = self._look().get(key_of(tokens))
         return found if found is not None and found.n_tokens == len(tokens) else None
 
-    def held(self, host: str) -> list[Held]:
-        found = {saved.slot: self._legacy(saved) for saved in slotdir.legacy_slots(self.directory)}
-        _, noted = slotdir.note_of(self.directory, host)
+    def held(self, host: str) -> list[Noted]:
+        found = {saved.slot: self._legacy(saved) for saved in layout.legacy_slots(self.directory)}
+        _, noted = layout.note_of(self.directory, host)
         for slot, each in noted.items():
-            found[slot] = Held(slot, each.key, each.n_tokens, self.get(each.key))
+            found[slot] = Noted(slot, each.key, each.n_tokens, self.get(each.key))
         return [found[slot] for slot in sorted(found)]
 
     # -- writes ----------------------------------------------------------------------------------------------
@@ -126,12 +125,12 @@ class DirectoryStore:
     def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
         """Safe on a worker thread: the cutting and writing take no lock, the listing's update does."""
         key = key_of(tokens)
-        sidecar = slotdir.entry_sidecar(self.directory, key)
+        sidecar = layout.entry_sidecar(self.directory, key)
         previous = None
-        with contextlib.suppress(OSError, slotdir.SidecarError):
-            previous = self._kv_file(sidecar, slotdir.read_sidecar(sidecar))
+        with contextlib.suppress(OSError, layout.SidecarError):
+            previous = self._kv_file(sidecar, layout.read_sidecar(sidecar))
         record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k not in _OURS}}
-        data, size = slotfile.open_map(written)
+        data, size = kvfile.open_map(written)
         try:
             cut = chunks.split(data, self.chunk_tokens, _salt(record)) if self.chunk_tokens > 0 \
                 else chunks.Split(b"", [], None)
@@ -140,7 +139,7 @@ class DirectoryStore:
                 if cut.plan is not None:
                     record["chunks"] = cut.plan
                     tail.write_bytes(cut.tail)
-                final = slotdir.commit_pair(self.directory, f"{PREFIX}{key}", tail if cut.plan else written,
+                final = layout.commit_pair(self.directory, f"{PREFIX}{key}", tail if cut.plan else written,
                                             record, previous, size if cut.plan else None)
             wrote += self.chunks.rewrite_missing(cut)  # another host's eviction found them unnamed meanwhile
         finally:
@@ -163,7 +162,7 @@ class DirectoryStore:
 
     @_locked
     def touch(self, entry: Entry) -> None:
-        sidecar, _ = self._files.get(entry.key, (slotdir.entry_sidecar(self.directory, entry.key), None))
+        sidecar, _ = self._files.get(entry.key, (layout.entry_sidecar(self.directory, entry.key), None))
         with contextlib.suppress(OSError):
             os.utime(sidecar)
             entry.last_used = sidecar.stat().st_mtime
@@ -218,18 +217,18 @@ class DirectoryStore:
     @_locked
     def set_aside(self, entry: Entry, reason: str) -> str:
         sidecar, kv_file = self._where(entry)
-        folder = slotdir.set_aside(sidecar, kv_file, reason)
+        folder = layout.set_aside(sidecar, kv_file, reason)
         self._forget(entry.key)
         return str(folder)
 
     def note(self, host: str, slots: dict[int, Entry]) -> bool:
-        path, noted = slotdir.note_of(self.directory, host)
-        merged = {**noted, **{slot: slotdir.Noted(slot, e.key, e.n_tokens) for slot, e in slots.items()}}
-        superseded = {slot for slot in slots if slot in {s.slot for s in slotdir.legacy_slots(self.directory)}}
+        path, noted = layout.note_of(self.directory, host)
+        merged = {**noted, **{slot: layout.NoteLine(slot, e.key, e.n_tokens) for slot, e in slots.items()}}
+        superseded = {slot for slot in slots if slot in {s.slot for s in layout.legacy_slots(self.directory)}}
         if merged == noted and path is not None and path.name == f"held-{host}.json" and not superseded:
             return False
-        slotdir.write_note(self.directory, host, merged)
-        slotdir.remove_legacy(self.directory, superseded)  # after the note: the slot's state is named there
+        layout.write_note(self.directory, host, merged)
+        layout.remove_legacy(self.directory, superseded)  # after the note: the slot's state is named there
         return True
 
     # -- the tiers: nothing behind the folder --------------------------------------------------------------
@@ -265,9 +264,9 @@ class DirectoryStore:
     async def local(self, entry: Entry) -> AsyncIterator[Path]:
         sidecar, kv_file = self._where(entry)
         try:
-            record = slotdir.read_sidecar(sidecar)
-            slotdir.check_pair(record, kv_file)
-        except slotdir.SidecarError as exc:
+            record = layout.read_sidecar(sidecar)
+            layout.check_pair(record, kv_file)
+        except layout.SidecarError as exc:
             raise Unreadable(f"no usable sidecar: {exc}") from exc
         if not names_of(record):
             yield kv_file
@@ -294,14 +293,14 @@ class DirectoryStore:
         now = time.time() if now is None else now
         self._seen = None
         named = {self._where(e)[1].name for e in self.entries()}
-        host = slotdir.host_id()
-        removed = slotdir.sweep(self.directory, now) + self.chunks.sweep(self._named(), now)
+        host = layout.host_id()
+        removed = layout.sweep(self.directory, now) + self.chunks.sweep(self._named(), now)
         for path in self.directory.iterdir():
             part = _PART.match(path.name)
-            age = slotdir.age(path, now)
+            age = layout.age(path, now)
             if part:
                 pid = int(part.group(2))
-                litter = (part.group(1) == host and pid != os.getpid() and not slotdir.alive(pid)) or age > PART_AGE_S
+                litter = (part.group(1) == host and pid != os.getpid() and not layout.alive(pid)) or age > PART_AGE_S
             else:
                 litter = bool(_KV_FILE.match(path.name)) and path.name not in named and age > ORPHAN_AGE_S
             if litter:
@@ -339,9 +338,9 @@ class DirectoryStore:
             known = self._index.get(key)
             if known is not None and known.last_used == mtime and self._files[key][0] == sidecar:
                 return known
-            record = slotdir.read_sidecar(sidecar)
+            record = layout.read_sidecar(sidecar)
             kv_file = self._kv_file(sidecar, record)
-        except (OSError, slotdir.SidecarError, ValueError, TypeError):
+        except (OSError, layout.SidecarError, ValueError, TypeError):
             return None
         if tokens is None and known is not None and self._files[key][1] == kv_file:
             tokens = known._tokens  # the same file: its tokens are known
@@ -357,22 +356,22 @@ class DirectoryStore:
         self._index[key], self._files[key] = entry, (sidecar, kv_file)
         return entry
 
-    def _legacy(self, saved: slotdir.SavedSlot) -> Held:
+    def _legacy(self, saved: layout.SavedSlot) -> Noted:
         """A slot's pair of the earlier layout, as an entry of its own (named by its slot: it is not in lookups)."""
         key = f"slot{saved.slot}"
         try:
-            record = slotdir.read_sidecar(saved.sidecar)
-        except slotdir.SidecarError:
+            record = layout.read_sidecar(saved.sidecar)
+        except layout.SidecarError:
             record = {}
         entry = Entry(key, int(record.get("tokens") or 0), int(record.get("bytes") or 0), 0.0, record,
                       saved.kv_file.name, False, _tokens_of(saved.kv_file))
         self._files[key], self._legacy_entries[key] = (saved.sidecar, saved.kv_file), entry
-        return Held(saved.slot, key, entry.n_tokens, entry)
+        return Noted(saved.slot, key, entry.n_tokens, entry)
 
     def _where(self, entry: Entry) -> tuple[Path, Path]:
         if entry.key in self._files:
             return self._files[entry.key]
-        sidecar = slotdir.entry_sidecar(self.directory, entry.key)
+        sidecar = layout.entry_sidecar(self.directory, entry.key)
         return sidecar, self.directory / entry.name
 
     def _forget(self, key: str) -> None:
@@ -383,20 +382,20 @@ class DirectoryStore:
     def _kv_file(self, sidecar: Path, record: dict[str, Any]) -> Path:
         name = record.get("file")
         if not isinstance(name, str) or not _KV_FILE.match(name):
-            raise slotdir.SidecarError(f"{sidecar.name} names an odd file: {name!r}")
+            raise layout.SidecarError(f"{sidecar.name} names an odd file: {name!r}")
         return sidecar.parent / name
 
 
 def _tokens_of(kv_file: Path) -> Callable[[], list[int]]:
     def load() -> list[int]:
         try:
-            data, _ = slotfile.open_map(kv_file)
+            data, _ = kvfile.open_map(kv_file)
             try:
-                return slotfile.header(data, str(kv_file)).tokens
+                return kvfile.header(data, str(kv_file)).tokens
             finally:
                 if isinstance(data, mmap.mmap):
                     data.close()
-        except (OSError, slotfile.SlotFileError) as exc:
+        except (OSError, kvfile.SlotFileError) as exc:
             raise Unreadable(f"{kv_file.name}: {exc}") from exc
     return load
 

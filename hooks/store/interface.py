@@ -82,7 +82,7 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Held:
+class Noted:
     """One slot of a host's note: the entry it held at that host's last stop (None: that entry is gone)."""
 
     slot: int
@@ -163,7 +163,7 @@ class Store(Protocol):
         """Remove what dead writers left; says what went."""
         ...
 
-    def held(self, host: str) -> list[Held]:
+    def held(self, host: str) -> list[Noted]:
         """What each slot held at that host's last stop (another host's latest when it has none)."""
         ...
 

@@ -55,7 +55,7 @@ class SavedSlot:
 
 
 @dataclass(frozen=True)
-class Noted:
+class NoteLine:
     """One slot of a host's note."""
 
     slot: int
@@ -117,7 +117,7 @@ def saved_slots(directory: Path, host: str | None = None) -> list[SavedSlot]:
     return [found[slot] for slot in sorted(found)]
 
 
-def note_of(directory: Path, host: str) -> tuple[Path | None, dict[int, Noted]]:
+def note_of(directory: Path, host: str) -> tuple[Path | None, dict[int, NoteLine]]:
     """The host's note (else the newest of another host's: a host of a new name takes over) and its slots."""
     notes = {match.group(1): path for path in (directory.glob("held-*.json") if directory.is_dir() else [])
              if (match := _NOTE.match(path.name))}
@@ -126,13 +126,13 @@ def note_of(directory: Path, host: str) -> tuple[Path | None, dict[int, Noted]]:
         return None, {}
     try:
         data = read_sidecar(chosen)
-        return chosen, {int(slot): Noted(int(slot), str(held["entry"]), int(held.get("tokens") or 0))
+        return chosen, {int(slot): NoteLine(int(slot), str(held["entry"]), int(held.get("tokens") or 0))
                         for slot, held in dict(data["slots"]).items() if _KEY.match(str(held["entry"]))}
     except (SidecarError, KeyError, TypeError, ValueError, AttributeError):
         return chosen, {}
 
 
-def write_note(directory: Path, host: str, slots: dict[int, Noted]) -> None:
+def write_note(directory: Path, host: str, slots: dict[int, NoteLine]) -> None:
     """Replace the host's note in one step."""
     data = {"format": SIDECAR_FORMAT, "host": host, "saved_at": time.time(),
             "slots": {str(n.slot): {"entry": n.key, "tokens": n.n_tokens} for n in sorted(slots.values(),

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hooks.store import layout as slotdir
+from hooks.store import layout
 from hooks.store.bucket import Bucket, Conflict, NotFound
 from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
 from hooks.store.interface import Entry, Unreadable
@@ -97,10 +97,10 @@ class Remote:
     def upload(self, directory: Path, entry: Entry, host: str) -> int | None:
         """Put the entry's chunks, tail and manifest; the bytes sent (0 when the bucket held it already), None when
         the folder no longer holds it."""
-        sidecar = slotdir.entry_sidecar(directory, entry.key)
+        sidecar = layout.entry_sidecar(directory, entry.key)
         try:
-            record = slotdir.read_sidecar(sidecar)
-        except slotdir.SidecarError:
+            record = layout.read_sidecar(sidecar)
+        except layout.SidecarError:
             return None  # gone meanwhile (replaced by a longer state, evicted): nothing to upload
         known = self.index.get(entry.key)
         if known is not None and known.record.get("file") == record.get("file"):
@@ -174,12 +174,12 @@ class Remote:
         wanted = self.missing(directory, record)
         (directory / "chunks").mkdir(parents=True, exist_ok=True)
         got = sum(map_on(PARALLEL, lambda name: self._get_file(directory, name), wanted))
-        slotdir.write_sidecar(slotdir.entry_sidecar(directory, known.key), record)
+        layout.write_sidecar(layout.entry_sidecar(directory, known.key), record)
         return got
 
     def _get_file(self, directory: Path, name: str) -> int:
         target = directory / name
-        temporary = target.with_name(f"{target.name}.{slotdir.temporary_tag()}.tmp")  # swept if it dies
+        temporary = target.with_name(f"{target.name}.{layout.temporary_tag()}.tmp")  # swept if it dies
         try:
             size = self.bucket.get_to(self.folder + name, temporary)
             os.replace(temporary, target)

@@ -26,10 +26,10 @@ from typing import Any
 
 import structlog
 
-from hooks.store import threads as daemons
+from hooks.store import threads
 from hooks.store.bucket import BucketError, NotFound
 from hooks.store.folder import DirectoryStore
-from hooks.store.interface import Entry, Held, Unavailable, Unreadable, best_of, key_of
+from hooks.store.interface import Entry, Noted, Unavailable, Unreadable, best_of, key_of
 from hooks.store.remote import PARALLEL, Remote
 from wrapper.metrics import METRICS
 
@@ -98,9 +98,9 @@ class TieredStore:
         known = self.remote.index.get(key_of(tokens))
         return known.entry() if known is not None and len(known.tokens) == len(tokens) else None
 
-    def held(self, host: str) -> list[Held]:
+    def held(self, host: str) -> list[Noted]:
         """The host's note, its keys resolved in both tiers (a save may have found a state in the bucket only)."""
-        return [h if h.entry is not None else Held(h.slot, h.key, h.n_tokens, self.get(h.key))
+        return [h if h.entry is not None else Noted(h.slot, h.key, h.n_tokens, self.get(h.key))
                 for h in self.folder.held(host)]
 
     @property
@@ -178,7 +178,7 @@ class TieredStore:
         began = time.monotonic()
         deadline = max(FETCH_MIN_S, FETCH_MARGIN * self.fetch_seconds(entry))
         try:
-            got = await asyncio.wait_for(daemons.run(self.remote.fetch, self.folder.directory, known),
+            got = await asyncio.wait_for(threads.run(self.remote.fetch, self.folder.directory, known),
                                          timeout=deadline)
         except NotFound as exc:  # a manifest naming what the bucket lacks: that entry is damaged, not the bucket
             self.refused.add(entry.key)
@@ -284,7 +284,7 @@ class TieredStore:
         now = time.monotonic()
         if not force and self.looked_at is not None and now - self.looked_at < self.refresh_s:
             return
-        await daemons.run(self.remote.refresh)
+        await threads.run(self.remote.refresh)
         self.looked_at = time.monotonic()
         self._up()
         if not self._reconciled:  # what the folder holds and the bucket does not: committed before a stop
@@ -300,7 +300,7 @@ class TieredStore:
             key, entry = next(iter(self.pending.items()))
             began = time.monotonic()
             try:
-                sent = await daemons.run(self.remote.upload, self.folder.directory, entry, self.host)
+                sent = await threads.run(self.remote.upload, self.folder.directory, entry, self.host)
             except Unreadable:
                 sent = None  # gone from the folder meanwhile (replaced by a longer state): nothing to upload
             except BucketError as exc:
@@ -324,7 +324,7 @@ class TieredStore:
                          ms=round((time.monotonic() - began) * 1000, 1))
             if key in self.remote.index:  # the bucket holds it: its shorter states there are of no more use
                 with contextlib.suppress(BucketError):
-                    await daemons.run(self.remote.forget_shorter, entry)
+                    await threads.run(self.remote.forget_shorter, entry)
         return done
 
     async def flush(self, budget_s: float) -> dict[str, Any]:

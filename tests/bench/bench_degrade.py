@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hooks.degrade.memory import MiB, ModelShape, Settings, largest_ctx, plan, read_shape
+from hooks.degrade.memory import Choices, MiB, ModelShape, largest_ctx, plan, read_shape
 from tests import models
 from tests.helpers import Wrapper, http
 from tests.unit.degrade.test_memory import h200_model
@@ -37,7 +37,7 @@ STORY = "The lighthouse keeper counted the ships that passed the northern cape e
 
 
 def capacity(name: str, shape: ModelShape, budget: int, gpu_layers: int, swa_full: bool) -> dict[str, Any]:
-    base = Settings(n_ctx=0, gpu_layers=gpu_layers, swa_full=swa_full)
+    base = Choices(n_ctx=0, gpu_layers=gpu_layers, swa_full=swa_full)
     ceiling = 1 << 20  # the budget decides, not the training context
     static = largest_ctx(shape, base, budget, ceiling)
     q8 = largest_ctx(shape, replace(base, type_k="q8_0", type_v="q8_0"), budget, ceiling)
@@ -54,7 +54,7 @@ def timed(method: str, url: str, body: Any) -> tuple[float, int, Any]:
 
 def growth_wait(tmp: Path, server: str, gemma: str) -> dict[str, Any]:
     shape = read_shape(gemma)
-    budget = plan(shape, Settings(n_ctx=15104, type_k="q4_0", type_v="q4_0", swa_full=True)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=15104, type_k="q4_0", type_v="q4_0", swa_full=True)).total() + MiB
     wrapper = Wrapper(tmp, [server, "-m", gemma, "-np", "1"], CONFIG.format(dir=tmp / "slots", budget=budget))
     try:
         wrapper.wait_ready(300)

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hooks.degrade.memory import MiB, Settings, plan, read_shape
+from hooks.degrade.memory import Choices, MiB, plan, read_shape
 from tests.helpers import Wrapper, http, running
 
 TOKEN = "conversations-token"
@@ -201,7 +201,7 @@ def test_a_growth_after_a_cache_restore_brings_back_what_the_slot_held(tmp_path:
                                                                        demo_path: str) -> None:
     """A conversation back from the cache counted as unchanged since the last save, so the growth's save skipped
     it and the new server got the slot's older saved state (as-given holds 2k tokens, the request needs more)."""
-    budget = plan(read_shape(demo_path), Settings(n_ctx=2048)).total() + MiB
+    budget = plan(read_shape(demo_path), Choices(n_ctx=2048)).total() + MiB
     grows = config(tmp_path) + f"degrade: {{budget: {budget}}}\n"
     one = [server_bin, "-m", demo_path, "-np", "1"]
     text = "Chapter one. " + FILLER * 30  # ~600 tokens

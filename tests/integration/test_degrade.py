@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hooks.degrade.calibration import Measured
-from hooks.degrade.memory import MiB, Settings, largest_ctx, plan, read_shape
+from hooks.degrade.memory import Choices, MiB, largest_ctx, plan, read_shape
 from tests.helpers import ROOT, Wrapper, http, running, wait_for
 
 TOKEN = "degrade-token-1c9e"
@@ -90,7 +90,7 @@ def test_the_plan_matches_what_the_server_allocates(server_bin: str, demo_path: 
         for kind in ("f16", "q8_0", "q4_0"):
             measured = server_buffers(server_bin, ["-m", path, "-c", str(n_ctx), "-ctk", kind, "-ctv", kind,
                                                    "-np", "1", "-kvu", "--swa-full"])
-            planned = plan(shape, Settings(n_ctx=n_ctx, type_k=kind, type_v=kind, swa_full=True)).devices["CPU"]
+            planned = plan(shape, Choices(n_ctx=n_ctx, type_k=kind, type_v=kind, swa_full=True)).devices["CPU"]
             seen = measured.devices["CPU"]
             what = f"{model} -c {n_ctx} {kind}"
             assert planned["kv"] == pytest.approx(seen["kv"], rel=0.01), what
@@ -104,9 +104,9 @@ def test_the_plan_matches_what_the_server_allocates(server_bin: str, demo_path: 
 def gemma_budget(path: str) -> int:
     """A budget under which f16 fits about 5k tokens and q4_0 15k (the sliding window kept full, two slots)."""
     shape = read_shape(path)
-    at_15k = Settings(n_ctx=15104, type_k="q4_0", type_v="q4_0", swa_full=True, n_parallel=2)
+    at_15k = Choices(n_ctx=15104, type_k="q4_0", type_v="q4_0", swa_full=True, n_parallel=2)
     budget = plan(shape, at_15k).total() + MiB
-    assert 4096 <= largest_ctx(shape, Settings(n_ctx=0, swa_full=True, n_parallel=2), budget, 32768) < 8192
+    assert 4096 <= largest_ctx(shape, Choices(n_ctx=0, swa_full=True, n_parallel=2), budget, 32768) < 8192
     return budget
 
 
@@ -162,7 +162,7 @@ def test_a_conversation_grows_from_2k_to_14k_tokens_without_an_error(tmp_path: P
 
 def test_what_no_rung_can_hold_is_a_400_that_says_why(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     shape = read_shape(demo_path)
-    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=2048)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget)) as wrapper:
         status, answer = post(wrapper.url, "/completion", {"prompt": STORY * 700, "n_predict": 4})
         assert status == 400 and answer["error"]["type"] == "exceed_context_size_error"
@@ -179,7 +179,7 @@ def test_a_generation_cut_by_a_full_context_is_continued(tmp_path: Path, server_
     every token it asked for (streamed: one role chunk, one finish, one [DONE], the prefix not repeated).
     ignore_eos: the answer runs to its limit wherever the model would have stopped (which depends on the CPU)."""
     shape = read_shape(demo_path)
-    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=2048)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget)) as wrapper:
         n_ctx = degrade_status(wrapper)["n_ctx"]
         text = "Count on: one two three four five six seven eight nine ten " * 150
@@ -213,7 +213,7 @@ def test_a_generation_cut_by_a_full_context_is_continued(tmp_path: Path, server_
 def test_a_smaller_budget_degrades_a_running_server_and_a_larger_one_brings_it_back(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
     shape = read_shape(demo_path)
-    small = plan(shape, Settings(n_ctx=2048, type_k="q4_0", type_v="q4_0")).total() + MiB
+    small = plan(shape, Choices(n_ctx=2048, type_k="q4_0", type_v="q4_0")).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "2"], config(tmp_path, 400 * MiB),
                  env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
         assert degrade_status(wrapper)["n_ctx"] == 8192
@@ -247,7 +247,7 @@ def test_a_refused_budget_leaves_growth_as_it_was(tmp_path: Path, server_bin: st
     """A budget that holds no rung is refused, and nothing of it stays: the ladder, the budget and where it came
     from are as before, and the next growth chooses from the same rungs (it once chose from the refused plan)."""
     shape = read_shape(demo_path)
-    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=2048)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget),
                  env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
         shown = [e["line"] for e in wrapper.events("server.output")]  # info only: -lv 4's extra lines are debug
@@ -274,7 +274,7 @@ def test_a_refused_budget_leaves_growth_as_it_was(tmp_path: Path, server_bin: st
 
 def test_an_idle_server_relaxes_back_up(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     shape = read_shape(demo_path)
-    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=2048)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "1"], config(tmp_path, budget, relax="3s")) as wrapper:
         complete(wrapper.url, STORY * 200)  # ~3k tokens: grows past f16's 2k
         assert degrade_status(wrapper)["rung"] != "as-given"
@@ -297,7 +297,7 @@ def test_without_degrade_its_endpoints_say_so(tmp_path: Path, server_bin: str, t
 def test_a_restart_starts_on_a_rung_that_holds_the_saved_conversation(tmp_path: Path, server_bin: str,
                                                                        demo_path: str) -> None:
     shape = read_shape(demo_path)
-    budget = plan(shape, Settings(n_ctx=2048)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=2048)).total() + MiB
     argv = [server_bin, "-m", demo_path, "-np", "1"]
     history = STORY * 200  # ~3.4k tokens: past f16's 2k
     with running(tmp_path, argv, config(tmp_path, budget)) as wrapper:
@@ -315,7 +315,7 @@ def test_a_restart_starts_on_a_rung_that_holds_the_saved_conversation(tmp_path: 
 def test_overflows_at_once_cause_one_reload(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     """Three clients overflow the context together (two slots, a third queued): one growth, three answers."""
     shape = read_shape(demo_path)
-    budget = plan(shape, Settings(n_ctx=2048, n_parallel=2)).total() + MiB
+    budget = plan(shape, Choices(n_ctx=2048, n_parallel=2)).total() + MiB
     with running(tmp_path, [server_bin, "-m", demo_path, "-np", "2"], config(tmp_path, budget)) as wrapper:
         answers: list[int] = []
 
@@ -345,7 +345,7 @@ def test_plan_prints_the_ladder_without_a_server(tmp_path: Path, server_bin: str
     assert "on the CPU (--budget)" in table.stdout  # not degrade.budget: there is no config
     report = json.loads(plan_cli("--budget", "200MiB", "--json").stdout)
     shape = read_shape(demo_path)
-    assert report["current"]["bytes"]["kv"] == plan(shape, Settings(n_ctx=8192)).component("kv")
+    assert report["current"]["bytes"]["kv"] == plan(shape, Choices(n_ctx=8192)).component("kv")
     assert report["budget"]["source"] == "--budget"
     rungs = {r["name"]: r for r in report["rungs"]}
     assert 0 < rungs["as-given"]["max_ctx"] < rungs["quantize-kv-q8"]["max_ctx"] <= 8192

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from hooks.kvfile import format as slotfile
-from hooks.store import layout as slotdir
+from hooks import kvfile
+from hooks.store import layout
 from tests.helpers import Wrapper, http, running, wait_for
 from wrapper.model import fingerprint
 
@@ -62,7 +62,7 @@ def model_dir(slots_dir: Path) -> Path:
 
 def sidecar_file(folder: Path, slot: int = 0) -> Path:
     """The sidecar of the entry this host's note says slot `slot` held."""
-    (saved,) = [saved for saved in slotdir.saved_slots(folder) if saved.slot == slot]
+    (saved,) = [saved for saved in layout.saved_slots(folder) if saved.slot == slot]
     assert saved.key is not None and saved.sidecar.exists(), saved
     return saved.sidecar
 
@@ -178,13 +178,13 @@ def test_a_sliding_window_file_cut_in_its_second_section_is_skipped(
     argv = [server_bin, "-m", gemma_path, "-c", "4096", "-np", "1"]
     folder = save_one(tmp_path, argv, slots_dir)
     data = kv_file(folder).read_bytes()
-    sections = list(slotfile.walk(data, slotfile.header(data).words_end))
+    sections = list(kvfile.walk(data, kvfile.header(data).words_end))
     assert len(sections) == 2  # the global layers, then the sliding-window ones
     kv_file(folder).write_bytes(data[:int(len(data) * 0.6)])
     reseal(folder)
     reason = skipped_reason(tmp_path, argv, slots_dir)
     assert reason.startswith("unreadable file") and "truncated" in reason, reason
-    assert not (folder / slotdir.SET_ASIDE).exists()
+    assert not (folder / layout.SET_ASIDE).exists()
 
 
 def save_one(tmp_path: Path, argv: list[str], slots_dir: Path, words: int = 300) -> Path:

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hooks.store import layout as slotdir
+from hooks.store import layout
 from tests.helpers import Wrapper, http, pid_alive, running, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,
@@ -147,7 +147,7 @@ hooks:
         saves = json.loads(raw)["on_will_stop"]
         assert saves[0]["action"] == "slots.save" and saves[0]["detail"].startswith("saved 1 slot(s)")
         folder = next((tmp_path / "slots").iterdir())
-        (saved,) = slotdir.saved_slots(folder)
+        (saved,) = layout.saved_slots(folder)
         assert json.loads(saved.sidecar.read_text())["tokens"] > 300
         began = time.monotonic()
         assert wrapper.stop() == 0

@@ -10,7 +10,7 @@ from typing import cast
 import pytest
 
 from hooks.registry import BUILTINS, Builtin, ordered
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.config import Config
 from wrapper.generation import Generation
 from wrapper.kept import Kept, Key
@@ -47,12 +47,12 @@ class _Counting:
 
 def test_what_a_generation_uses_is_settled_once(monkeypatch: pytest.MonkeyPatch) -> None:
     counting = _Counting()
-    monkeypatch.setattr(extensions, "BUILTINS", (Builtin(family="counted", in_use=counting),))
-    generation = cast(Generation, type("G", (), {"config": extensions.parse(""), "state": Kept()})())
+    monkeypatch.setattr(built_ins, "BUILTINS", (Builtin(family="counted", in_use=counting),))
+    generation = cast(Generation, type("G", (), {"config": built_ins.parse(""), "state": Kept()})())
     for _ in range(5):
-        assert [b.family for b in extensions.in_use(generation)] == ["counted"]
-        extensions.before(generation)
-        extensions.growth(generation)
+        assert [b.family for b in built_ins.in_use(generation)] == ["counted"]
+        built_ins.before(generation)
+        built_ins.growth(generation)
     assert counting.asked == 1
 
 

@@ -13,7 +13,7 @@ from hooks.degrade.ladder import RungPlan
 from hooks.degrade.move import move
 from hooks.degrade.planning import ladder_for
 from hooks.degrade.plans import GrowTo, TooLarge, plan_growth
-from hooks.degrade.pool import member as share
+from hooks.degrade.pool import member
 from hooks.degrade.pool.folder import Request
 from hooks.degrade.pool.plans import (
     Refuse,
@@ -37,7 +37,7 @@ log = structlog.get_logger()
 
 
 def _free(generation: Generation) -> int:
-    pool = share.pool_of_generation(generation)
+    pool = member.pool_of_generation(generation)
     assert pool is not None
     with pool.locked() as held:
         return held.free(os.getpid())
@@ -53,14 +53,14 @@ async def grow(host: Host, state: DegradeState, fit: Fitted, wanted: int, why: s
     others first; then the best rung that fits what is free now. None when grown, else why not."""
     generation = host.current
     settings = DEGRADE.of(generation.config)
-    pool = share.pool_of(settings)
+    pool = member.pool_of(settings)
     assert pool is not None
     free = _free(generation)
     planner, rungs = ladder_for(fit.rungs[0].argv, generation.launch, generation.config, state, free)
     need = planner.plan(fit.rungs[fit.index].argv, wanted).total(_device(fit))
     asked = None
     if need > free:
-        asked = await share.ask(pool, share.record(generation, fit, busy=True), need - free, settings.pool_wait)
+        asked = await member.ask(pool, member.record(generation, fit, busy=True), need - free, settings.pool_wait)
         free = _free(host.current)
         planner, rungs = ladder_for(fit.rungs[0].argv, generation.launch, generation.config, state, free)
     plan = plan_growth(0, wanted, rungs)  # what is free now plans the rung: the one it runs may no longer fit
@@ -72,7 +72,7 @@ async def grow(host: Host, state: DegradeState, fit: Fitted, wanted: int, why: s
     assert isinstance(plan, GrowTo)
     problem = await move(host, state, Wanted(rung=plan.rung, ctx=wanted),
                          f"{why} ({format_size(free)} for it in the pool)")
-    share.publish(host.current, busy=True)  # what runs now, whether the move took effect or not
+    member.publish(host.current, busy=True)  # what runs now, whether the move took effect or not
     return problem
 
 
@@ -82,11 +82,11 @@ async def give(host: Host, asked: Request) -> None:
     flight is drained first by the reload."""
     began = time.monotonic()
     generation = host.current
-    pool = share.pool_of_generation(generation)
+    pool = member.pool_of_generation(generation)
     fit = fitted(generation.launch)
     assert pool is not None
     if fit is None:
-        await share.answer(pool, asked, "refused", 0, "this member runs without a plan", 0.0)
+        await member.answer(pool, asked, "refused", 0, "this member runs without a plan", 0.0)
         return
     state = state_of(generation.shared)
     settings = DEGRADE.of(generation.config)
@@ -104,7 +104,7 @@ async def give(host: Host, asked: Request) -> None:
     smallest = smallest_context(planner.ceiling, settings.context, serving, fit.n_ctx)
     plan = plan_give(running, asked.bytes, rungs, smallest)
     if isinstance(plan, Refuse):
-        await share.answer(pool, asked, "refused", 0, plan.reason, _since(began))
+        await member.answer(pool, asked, "refused", 0, plan.reason, _since(began))
         return
     state.giving = True  # its own climb back waits: what it frees is the asker's once answered
     try:
@@ -112,10 +112,10 @@ async def give(host: Host, asked: Request) -> None:
                              f"give {format_size(asked.bytes)} to {asked.asker_model}[{asked.asker}]")
         now = fitted(host.current.launch) or fit
         given = max(0, fit.share - now.share) if problem is None else 0
-        share.publish(host.current, host.in_flight > 0)
+        member.publish(host.current, host.in_flight > 0)
         state.gave = state.gave or given > 0
         what = _what(fit, now, projector) if problem is None else str(problem)
-        await share.answer(pool, asked, "given" if given else "refused", given, what, _since(began))
+        await member.answer(pool, asked, "given" if given else "refused", given, what, _since(began))
     finally:
         state.giving = False
 
@@ -165,7 +165,7 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
         return None
     problem = await move(host, state, Wanted(rung=plan.rung, ctx=plan.ctx, up=True, projector=plan.projector),
                          f"relax to {plan.rung}, n_ctx {plan.ctx} ({why}; {format_size(free)} for it in the pool)")
-    share.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
+    member.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
     if problem is not None:
         state.climb_after = time.monotonic() + settings.relax_after  # not again at once: each try is a reload
         state.looked = None  # the same look tries again then

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hooks.degrade.ladder import Planner, build, choose
-from hooks.degrade.memory import Settings, plan
+from hooks.degrade.memory import Choices, plan
 from hooks.degrade.settings import Rung
 from hooks.degrade.state import DegradeState, context_for
 from tests.unit.degrade.test_memory import h200_model
@@ -16,7 +16,7 @@ def planner(budget: int) -> Planner:
 
 
 def test_each_rung_fits_more_context_under_the_same_budget() -> None:
-    budget = plan(h200_model(), Settings(n_ctx=32768, gpu_layers=99)).total("GPU")
+    budget = plan(h200_model(), Choices(n_ctx=32768, gpu_layers=99)).total("GPU")
     argv = ["llama-server", "-m", "m.gguf", "-ngl", "99", "-c", "32768"]
     rungs = build(argv, (*LADDER, Rung("small-batch", {"-ub": "256"})), planner(budget), None, argv, False)
     by_name = {r.name: r for r in rungs}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hooks.degrade.calibration import Measured, calibrated, device_of, load, remember
-from hooks.degrade.memory import MiB, ModelShape, Plan, Settings, largest_ctx, plan
+from hooks.degrade.memory import Choices, MiB, ModelShape, Plan, largest_ctx, plan
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200-kv-sweep.csv"  # a copy of ../shared/data
 
@@ -44,7 +44,7 @@ def h200_rows() -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("row", h200_rows(), ids=lambda r: f"{r['ctx']}-{r['cache']}")
 def test_the_plan_matches_the_h200_table(row: dict[str, str]) -> None:
-    settings = Settings(n_ctx=int(row["ctx"]), type_k=row["cache"], type_v=row["cache"], gpu_layers=99)
+    settings = Choices(n_ctx=int(row["ctx"]), type_k=row["cache"], type_v=row["cache"], gpu_layers=99)
     planned = plan(h200_model(), settings)
     gpu, cpu = planned.devices["GPU"], planned.devices["CPU"]
     assert gpu["weights"] / MiB == pytest.approx(mib(row["model_buf_MiB"], "CUDA0"), rel=0.01)
@@ -79,7 +79,7 @@ def test_calibration_reads_the_servers_buffer_lines() -> None:
 def test_a_plan_takes_measured_figures_where_it_has_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     shape = h200_model()
-    at_4k = Settings(n_ctx=4096, gpu_layers=99)
+    at_4k = Choices(n_ctx=4096, gpu_layers=99)
     measured = Measured()
     for line in ("llama_context: n_ctx = 4096", "load_tensors: CUDA0 model buffer size = 2000.00 MiB",
                  "sched_reserve: CUDA0 compute buffer size = 70.00 MiB"):
@@ -88,22 +88,22 @@ def test_a_plan_takes_measured_figures_where_it_has_them(tmp_path: Path, monkeyp
     runs = load("model-a")
     assert len(runs) == 1 and runs[0].settings["n_ctx"] == 4096
 
-    def predict(s: Settings) -> Plan:
+    def predict(s: Choices) -> Plan:
         return plan(shape, s)
 
-    at_8k = Settings(n_ctx=8192, gpu_layers=99)
+    at_8k = Choices(n_ctx=8192, gpu_layers=99)
     adjusted = calibrated(predict(at_8k), at_8k, runs, predict)
     assert adjusted.devices["GPU"]["weights"] == 2000 * MiB and "GPU.weights" in adjusted.measured
     moved = predict(at_8k).devices["GPU"]["compute"] - predict(at_4k).devices["GPU"]["compute"]
     assert adjusted.devices["GPU"]["compute"] == 70 * MiB + moved  # measured, moved by the predicted slope
-    other_types = Settings(n_ctx=8192, type_k="q8_0", type_v="q8_0", gpu_layers=99)
+    other_types = Choices(n_ctx=8192, type_k="q8_0", type_v="q8_0", gpu_layers=99)
     assert "GPU.compute" not in calibrated(predict(other_types), other_types, runs, predict).measured
 
 
 def test_the_largest_context_is_the_last_that_fits() -> None:
     shape = h200_model()
-    settings = Settings(n_ctx=4096, gpu_layers=99)
-    budget = plan(shape, Settings(n_ctx=32768, gpu_layers=99)).total("GPU")
+    settings = Choices(n_ctx=4096, gpu_layers=99)
+    budget = plan(shape, Choices(n_ctx=32768, gpu_layers=99)).total("GPU")
     assert largest_ctx(shape, settings, budget, ceiling=131072) == 32768
     assert largest_ctx(shape, settings, budget - 1, ceiling=131072) == 32768 - 256
     assert largest_ctx(shape, settings, budget, ceiling=8192) == 8192
@@ -116,10 +116,10 @@ def test_tied_embeddings_are_copied_to_the_gpu_with_the_output_layer() -> None:
     full = h200_model()
     tied = replace(full, tensors=tuple(t for t in full.tensors if t[0] != "output.weight"))
     embeddings = 2048 * 32000 * 2
-    layers_only, with_output = (plan(tied, Settings(n_ctx=4096, gpu_layers=n)) for n in (24, 25))
+    layers_only, with_output = (plan(tied, Choices(n_ctx=4096, gpu_layers=n)) for n in (24, 25))
     assert with_output.devices["GPU"]["weights"] - layers_only.devices["GPU"]["weights"] == embeddings + 2048 * 4
     assert with_output.devices["CPU"]["weights"] == embeddings  # token_embd stays on the CPU as well
-    on_cpu = plan(tied, Settings(n_ctx=4096))
+    on_cpu = plan(tied, Choices(n_ctx=4096))
     assert on_cpu.devices["CPU"]["weights"] == tied.weights_bytes
-    untied = plan(full, Settings(n_ctx=4096, gpu_layers=25))
+    untied = plan(full, Choices(n_ctx=4096, gpu_layers=25))
     assert untied.devices["GPU"]["weights"] == with_output.devices["GPU"]["weights"]  # output.weight's place

@@ -13,7 +13,7 @@ from hooks.media.detect import media_in
 from hooks.media.fit import fit
 from hooks.media.report import shown
 from hooks.media.state import STATE
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.config import Listen
 from wrapper.generation import Generation
 from wrapper.kept import Kept
@@ -70,7 +70,7 @@ ARGV = ["llama-server", "-m", "m.gguf", "--mmproj", "p.gguf", "-c", "4096"]
 
 
 def test_on_demand_the_projector_is_in_the_argv_only_while_wanted() -> None:
-    config, shared = extensions.parse("media: {projector: on_demand}\n"), Kept()
+    config, shared = built_ins.parse("media: {projector: on_demand}\n"), Kept()
     left_out = fit(ARGV, _launch(ARGV), config, shared, {})
     assert left_out.argv == ["llama-server", "-m", "m.gguf", "-c", "4096"] and left_out.fitted is False
     assert "--mmproj p.gguf left out" in left_out.notes[0]["change"]
@@ -84,12 +84,12 @@ def test_on_demand_the_projector_is_in_the_argv_only_while_wanted() -> None:
     shared.get(STATE).in_flight = 0  # unused: the first thing a memory move gives up
     assert fit(ARGV, _launch(ARGV), config, shared, asking(MemoryMove())).argv == left_out.argv
     assert shared.get(STATE).decisions[-1]["change"] == "given up"
-    always = extensions.parse("")
+    always = built_ins.parse("")
     assert fit(ARGV, _launch(ARGV), always, Kept(), {}).argv == ARGV
 
 
 def _generation(config_text: str, argv: list[str]) -> Generation:
-    config = extensions.parse(config_text)
+    config = built_ins.parse(config_text)
     config = replace(config, argv=tuple(argv))
     return cast(Generation, type("G", (), {"config": config, "launch": _launch(argv), "shared": Kept(),
                                            "state": Kept()})())
@@ -118,11 +118,11 @@ def test_what_a_server_with_the_projector_said_is_what_is_promised_later() -> No
 
 
 def test_check_warns_of_a_projector_on_demand_with_nothing_to_load() -> None:
-    config = replace(extensions.parse("media: {projector: on_demand}\n"), argv=("llama-server", "-m", "m.gguf"))
-    (warning,) = extensions.warnings(config)
+    config = replace(built_ins.parse("media: {projector: on_demand}\n"), argv=("llama-server", "-m", "m.gguf"))
+    (warning,) = built_ins.warnings(config)
     assert "names no --mmproj" in warning and "add --mmproj FILE" in warning
-    assert extensions.warnings(replace(config, argv=tuple(ARGV))) == []
-    assert extensions.warnings(extensions.parse("media: {projector: on_demand}\n")) == []  # argv after --
+    assert built_ins.warnings(replace(config, argv=tuple(ARGV))) == []
+    assert built_ins.warnings(built_ins.parse("media: {projector: on_demand}\n")) == []  # argv after --
 
 
 def test_a_body_nested_deeper_than_the_parser_goes_is_passed_on() -> None:

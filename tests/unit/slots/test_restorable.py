@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 from hooks.kvfile.format import read
-from hooks.slots.restorable import Mismatch, server_settings, skip_reason
+from hooks.slots.restorable import Mismatch, server_layout, skip_reason
 from hooks.slots.reuse import ReuseTracker
 from hooks.slots.transfer import upgradable
 from tests.slotfiles import slot_bytes
@@ -21,7 +21,7 @@ PROPS = {"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}, "buil
 
 def settings(*extra: str, env: dict[str, str] | None = None, window: int | None = None) -> dict[str, Any]:
     argv = ["llama-server", "-m", "m.gguf", "-kvu", "--swa-full", *extra]
-    return server_settings(argv, env or {}, PROPS, {"sliding_window": window})
+    return server_layout(argv, env or {}, PROPS, {"sliding_window": window})
 
 
 def sidecar(**overrides: Any) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def test_a_matching_file_is_restored(header: Any) -> None:
     ({"flash_attn": "off"}, "flash attention off in the file, on on the server"),
     ({"server": settings("-no-kvu")}, "the file has 1 KV stream(s), the server 2 (-kvu / -np)"),
     ({"server": settings(window=512)}, None),
-    ({"server": server_settings(["s", "-kvu"], {}, PROPS, {"sliding_window": 512})},
+    ({"server": server_layout(["s", "-kvu"], {}, PROPS, {"sliding_window": 512})},
      "sliding-window model without --swa-full"),
 ])
 def test_each_reason_to_skip(header: Any, kwargs: dict[str, Any], expected: str | None) -> None:
@@ -88,9 +88,9 @@ def test_rotation_matters_only_for_quantized_keys(header: Any) -> None:
 
 
 def test_server_settings_defaults() -> None:
-    got = server_settings(["s"], {}, {"total_slots": 4, "default_generation_settings": {"n_ctx": 8192}}, {})
+    got = server_layout(["s"], {}, {"total_slots": 4, "default_generation_settings": {"n_ctx": 8192}}, {})
     assert (got["cache_type_k"], got["flash_attn"], got["kv_unified"], got["kv_streams"]) == ("f16", "on", True, 1)
-    explicit = server_settings(["s", "-np", "3", "-fa", "off"], {}, {"total_slots": 3}, {})
+    explicit = server_layout(["s", "-np", "3", "-fa", "off"], {}, {"total_slots": 3}, {})
     assert (explicit["kv_unified"], explicit["kv_streams"], explicit["flash_attn"]) == (False, 3, "off")
 
 

@@ -55,7 +55,7 @@ class Client:
         return {"n_restored": 3, "timings": {"restore_ms": 1.0}}
 
 
-def generation(folder: Path, restore: str = "ok", saves: list[int] | None = None) -> Generation:
+def fake_generation(folder: Path, restore: str = "ok", saves: list[int] | None = None) -> Generation:
     child = Child()
     launch = SimpleNamespace(argv=["llama-server"], env={}, facts={}, model=SimpleNamespace(
         id="m1", as_dict=lambda: {"id": "m1", "name": "m"}))
@@ -71,19 +71,20 @@ def entry_in(store: DirectoryStore, tokens: list[int], **record: Any) -> Entry:
 
 
 async def test_a_restore_tells_the_book_what_the_slot_holds(tmp_path: Path) -> None:
-    store, rt = DirectoryStore(tmp_path), generation(tmp_path)
+    store, generation = DirectoryStore(tmp_path), fake_generation(tmp_path)
     entry = entry_in(store, [1, 2, 3])
-    book_of(rt).pinned()
-    done = await restore_into(rt, store, entry, 0)
-    assert done.n_restored == 3 and book_of(rt).entry_of(0) == entry.key and book_of(rt).holds(0) == [1, 2, 3]
-    assert cast(Client, rt.client).calls == [("restore", entry.name)]
+    book_of(generation).pinned()
+    done = await restore_into(generation, store, entry, 0)
+    book = book_of(generation)
+    assert done.n_restored == 3 and book.entry_of(0) == entry.key and book.holds(0) == [1, 2, 3]
+    assert cast(Client, generation.client).calls == [("restore", entry.name)]
 
 
 async def test_a_server_that_dies_under_a_restore_is_noticed_and_the_entry_set_aside(tmp_path: Path) -> None:
-    store, rt = DirectoryStore(tmp_path), generation(tmp_path, restore="die")
+    store, generation = DirectoryStore(tmp_path), fake_generation(tmp_path, restore="die")
     entry = entry_in(store, [1, 2, 3])
     with pytest.raises(ServerLost, match="set aside"):
-        await restore_into(rt, store, entry, 0)
+        await restore_into(generation, store, entry, 0)
     assert store.get(entry.key) is None and not store.entries()  # no lookup finds it again
     (reason,) = (tmp_path / "set-aside").glob("*.reason.txt")
     assert "llama-server died restoring it" in reason.read_text() and "GGML_ASSERT" in reason.read_text()
@@ -93,27 +94,27 @@ async def test_a_refusal_and_a_damaged_entry_are_not_restored_and_say_why(tmp_pa
     store = DirectoryStore(tmp_path)
     entry = entry_in(store, [1, 2, 3])
     with pytest.raises(NotRestored) as refused:
-        await restore_into(generation(tmp_path, restore="refuse"), store, entry, 0)
+        await restore_into(fake_generation(tmp_path, restore="refuse"), store, entry, 0)
     assert refused.value.failed and "the server refused it" in refused.value.reason
     assert store.get(entry.key) is not None  # a refusal is not the entry's fault
     (tmp_path / entry.name).write_bytes(b"cut")
     with pytest.raises(NotRestored) as damaged:
-        await restore_into(generation(tmp_path), store, entry, 0)
+        await restore_into(fake_generation(tmp_path), store, entry, 0)
     assert damaged.value.damaged and "an interrupted save?" in damaged.value.reason
     other = entry_in(store, [7, 8], model={"id": "m2", "name": "other"})
     with pytest.raises(NotRestored) as foreign:
-        await restore_into(generation(tmp_path), store, other, 0)
+        await restore_into(fake_generation(tmp_path), store, other, 0)
     assert not foreign.value.damaged and foreign.value.reason.startswith("other model")
 
 
 async def test_a_save_of_what_the_store_holds_writes_nothing(tmp_path: Path) -> None:
-    store, rt = DirectoryStore(tmp_path), generation(tmp_path, saves=[1, 2, 3])
-    saved = await save_into(rt, store, 0)
-    assert saved is not None and saved.new and book_of(rt).holds(0) == [1, 2, 3]
-    again = await save_into(generation(tmp_path, saves=[1, 2, 3]), store, 0)
+    store, generation = DirectoryStore(tmp_path), fake_generation(tmp_path, saves=[1, 2, 3])
+    saved = await save_into(generation, store, 0)
+    assert saved is not None and saved.new and book_of(generation).holds(0) == [1, 2, 3]
+    again = await save_into(fake_generation(tmp_path, saves=[1, 2, 3]), store, 0)
     assert again is not None and not again.new and again.entry.key == saved.entry.key
     assert len(store.entries()) == 1 and not list(tmp_path.glob("*.part-*"))  # parts never stay
-    assert await save_into(generation(tmp_path, saves=[]), store, 0) is None  # an empty slot
+    assert await save_into(fake_generation(tmp_path, saves=[]), store, 0) is None  # an empty slot
 
 
 def old_entry(store: DirectoryStore, tokens: list[int], k_type: int = 1, **record: Any) -> Entry:
@@ -126,7 +127,7 @@ def old_entry(store: DirectoryStore, tokens: list[int], k_type: int = 1, **recor
 async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_server_took_it(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     entry = old_entry(store, [1, 2, 3])
-    refusing = generation(tmp_path, restore="refuse")
+    refusing = fake_generation(tmp_path, restore="refuse")
     book_of(refusing).learnt_version(4)
     with pytest.raises(NotRestored) as refused:
         await restore_into(refusing, store, entry, 0)
@@ -134,7 +135,7 @@ async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_ser
     kept = store.get(entry.key)
     assert kept is not None and (tmp_path / kept.name).read_bytes()[4:8] == (2).to_bytes(4, "little")
     assert [e.key for e in store.entries()] == [entry.key] and not list(tmp_path.glob("*.tmp"))
-    taking = generation(tmp_path)
+    taking = fake_generation(tmp_path)
     book_of(taking).learnt_version(4)
     done = await restore_into(taking, store, entry, 0)
     assert done.conversion is not None and "state version 2 (build b9095)" in done.conversion["from"]
@@ -147,9 +148,9 @@ async def test_an_older_builds_entry_is_converted_and_replaced_only_once_the_ser
 async def test_a_quantized_entry_of_an_older_build_is_not_converted_without_the_head_size(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     entry = old_entry(store, [1, 2, 3], k_type=8, cache_type_k="q8_0", cache_type_v="q8_0")
-    rt = generation(tmp_path)  # facts: {} (a model the wrapper could not read): the rotation is not known
-    book_of(rt).learnt_version(4)
+    generation = fake_generation(tmp_path)  # facts: {} (a model the wrapper could not read): the rotation is not known
+    book_of(generation).learnt_version(4)
     with pytest.raises(NotRestored) as skipped:
-        await restore_into(rt, store, entry, 0)
+        await restore_into(generation, store, entry, 0)
     assert skipped.value.warmable and "head size is not known" in str(skipped.value.conversion)
-    assert cast(Client, rt.client).calls == [] and store.get(entry.key) is not None
+    assert cast(Client, generation.client).calls == [] and store.get(entry.key) is not None

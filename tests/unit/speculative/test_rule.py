@@ -10,7 +10,7 @@ import pytest
 from hooks.speculative.fit import speculates
 from hooks.speculative.rule import Rates, decide
 from hooks.speculative.state import SpecState, Track
-from wrapper import extensions
+from wrapper import built_ins
 
 TABLE = [
     # case, crowd, running, rates, given, reload_s, (draft, switch), reason starts with
@@ -78,10 +78,10 @@ def test_what_counts_as_speculative_decoding(argv: list[str], drafting: bool) ->
 
 
 def test_check_warns_of_a_draft_that_drafts_nothing() -> None:
-    config = extensions.parse("spec: {when: alone}\n")
-    (warning,) = extensions.warnings(replace(config, argv=("llama-server", "-m", "m", "-md", "d")))
+    config = built_ins.parse("spec: {when: alone}\n")
+    (warning,) = built_ins.warnings(replace(config, argv=("llama-server", "-m", "m", "-md", "d")))
     assert "drafts nothing" in warning and "--spec-type draft-simple" in warning
-    (nothing,) = extensions.warnings(replace(config, argv=("llama-server", "-m", "m")))
+    (nothing,) = built_ins.warnings(replace(config, argv=("llama-server", "-m", "m")))
     assert "no speculative decoding to switch" in nothing
 
 

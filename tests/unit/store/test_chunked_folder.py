@@ -165,14 +165,14 @@ def test_a_kill_between_the_chunks_and_the_manifest_leaves_the_store_whole(tmp_p
 import os, signal, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
 from pathlib import Path
-from hooks.store import layout as slotdir
+from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
 from tests.unit.store.test_chunks import state
 store = DirectoryStore(Path({str(tmp_path)!r}), chunk_tokens={CHUNK})
 tokens = list(range(1000, 1100))
 part = store.directory / part_name("killed")
 part.write_bytes(state(tokens))
-slotdir.commit_pair = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+layout.commit_pair = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 store.commit(part, tokens, {{"model": {{"id": "m1", "name": "m"}}, "cache_type_k": "f16", "cache_type_v": "f16"}})
 """
     done = subprocess.run([sys.executable, "-c", script], check=False)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hooks.kvfile import format as slotfile
+from hooks import kvfile
 from hooks.kvfile.format import MAGIC
 from hooks.store import chunks
 
@@ -83,9 +83,9 @@ def test_split_then_assemble_gives_back_the_state(layout: dict[str, object]) -> 
     assert len(cut.chunks) == 4  # 64 of 70 positions in chunks, 6 in the tail
     assert len(cut.tail) < len(data) / 4
     assert all(len(c.make()) == c.size == chunks.chunk_size(cut.plan or {}) for c in cut.chunks)
-    head = slotfile.header(cut.tail)
+    head = kvfile.header(cut.tail)
     assert head.tokens == TOKENS
-    assert [s.cells for sec in slotfile.walk(cut.tail, head.words_end, head.version) for s in sec.streams if s.cells]
+    assert [s.cells for sec in kvfile.walk(cut.tail, head.words_end, head.version) for s in sec.streams if s.cells]
 
 
 def test_a_sliding_window_section_that_no_longer_begins_at_0_stays_whole_in_the_tail() -> None:
@@ -102,13 +102,13 @@ def test_cells_out_of_position_order_come_back_in_order() -> None:
     order = order[35:] + order[:35]
     data = state(TOKENS, order=order)
     _, back = roundtrip(data, 16)
-    head = slotfile.header(back)
-    (section,) = slotfile.walk(back, head.words_end, head.version)
+    head = kvfile.header(back)
+    (section,) = kvfile.walk(back, head.words_end, head.version)
     stream = section.streams[0]
     positions = np.frombuffer(back, dtype="<i4", count=70 * 3, offset=stream.meta_start).reshape(70, 3)[:, 0]
     assert positions.tolist() == list(range(70))
     # every cell's K row moved with its position
-    original = slotfile.walk(data, slotfile.header(data).words_end)
+    original = kvfile.walk(data, kvfile.header(data).words_end)
     src = next(iter(original)).streams[0]
     k0 = np.frombuffer(data, dtype=np.uint8, count=70 * 16, offset=src.k[0].start).reshape(70, 16)
     k0_back = np.frombuffer(back, dtype=np.uint8, count=70 * 16, offset=stream.k[0].start).reshape(70, 16)
@@ -137,7 +137,7 @@ def test_a_longer_state_of_the_conversation_names_the_same_chunks() -> None:
 ])
 def test_what_is_not_chunked_is_its_tail_alone(data: bytes) -> None:
     if not data:
-        with pytest.raises(slotfile.SlotFileError):
+        with pytest.raises(kvfile.SlotFileError):
             chunks.split(data, 16, "model")
         return
     cut = chunks.split(data, 16, "model")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hooks.store import layout as slotdir
+from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.interface import common_prefix
 from tests.slotfiles import make_pair, slot_bytes
@@ -114,12 +114,12 @@ def test_a_pair_of_the_earlier_layout_is_held_until_its_slot_is_noted(tmp_path: 
     make_pair(tmp_path, "m1", 0, [1, 2])
     make_pair(tmp_path, "m1", 1, [3, 4])
     store = DirectoryStore(tmp_path)
-    held = store.held(slotdir.host_id())
+    held = store.held(layout.host_id())
     assert [(h.slot, h.entry is not None and h.entry.by_content) for h in held] == [(0, False), (1, False)]
     assert held[0].entry is not None and held[0].entry.tokens == [1, 2] and not store.entries()
     entry = store.commit(written(store, [1, 2, 9]), [1, 2, 9], RECORD)
-    store.note(slotdir.host_id(), {0: entry})
-    assert [(h.slot, h.key) for h in store.held(slotdir.host_id())] == [(0, entry.key), (1, "slot1")]
+    store.note(layout.host_id(), {0: entry})
+    assert [(h.slot, h.key) for h in store.held(layout.host_id())] == [(0, entry.key), (1, "slot1")]
     assert not (tmp_path / "slot0.json").exists() and (tmp_path / "slot1.json").exists()
 
 

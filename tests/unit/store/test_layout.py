@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from hooks.store import layout as slotdir
+from hooks.store import layout
 from tests.helpers import ROOT, wait_for
 from tests.slotfiles import make_pair, slot_bytes
 
 
 def current_pair(folder: Path) -> tuple[dict[str, object], Path]:
-    (saved,) = slotdir.saved_slots(folder)
-    sidecar = slotdir.read_sidecar(saved.sidecar)
-    slotdir.check_pair(sidecar, saved.kv_file)  # raises unless the sidecar describes the file as it is
+    (saved,) = layout.saved_slots(folder)
+    sidecar = layout.read_sidecar(saved.sidecar)
+    layout.check_pair(sidecar, saved.kv_file)  # raises unless the sidecar describes the file as it is
     return sidecar, saved.kv_file
 
 
@@ -49,7 +49,7 @@ def test_a_commit_that_dies_midway_leaves_the_old_pair_whole(tmp_path: Path, fai
 
     monkeypatch.setattr(os, "replace", dying_replace)
     with pytest.raises(OSError):
-        slotdir.commit(tmp_path, 0, written, {"tokens": 4})
+        layout.commit(tmp_path, 0, written, {"tokens": 4})
     monkeypatch.undo()
     sidecar, kv_file = current_pair(tmp_path)
     assert kv_file == old and sidecar["tokens"] == 3
@@ -59,13 +59,13 @@ def test_sigkill_at_any_moment_of_saves_leaves_a_whole_pair(tmp_path: Path) -> N
     """A real process saving in a loop, SIGKILLed 12 times at random moments: each time a consistent pair."""
     script = (
         "import sys, os; sys.path.insert(0, sys.argv[2])\n"
-        "from pathlib import Path\nfrom hooks.store import layout as slotdir\n"
+        "from pathlib import Path\nfrom hooks.store import layout\n"
         "folder = Path(sys.argv[1]); n = 0\n"
         "while True:\n"
         "    n += 1\n"
         "    written = folder / f'slot0.bin.{os.getpid()}.tmp'\n"
         "    written.write_bytes(os.urandom(3 << 20) + n.to_bytes(8, 'little'))\n"
-        "    slotdir.commit(folder, 0, written, {'tokens': n})\n"
+        "    layout.commit(folder, 0, written, {'tokens': n})\n"
         "    print(n, flush=True)\n"
     )
     make_pair(tmp_path, "m", 0, [1])
@@ -85,7 +85,7 @@ def test_sigkill_at_any_moment_of_saves_leaves_a_whole_pair(tmp_path: Path) -> N
         tokens = sidecar["tokens"]
         assert isinstance(tokens, int) and tokens >= done
         seen_tokens.add(sidecar["tokens"])
-        slotdir.sweep(tmp_path, now=time.time() + 2 * slotdir.ORPHAN_AGE_S)
+        layout.sweep(tmp_path, now=time.time() + 2 * layout.ORPHAN_AGE_S)
         names = sorted(p.name for p in tmp_path.iterdir())
         assert len(names) == 2 and "slot0.json" in names, names  # the pair, nothing else left behind
     assert len(seen_tokens) > 1  # the kills landed at different saves
@@ -103,8 +103,8 @@ def test_sweep_removes_litter_of_dead_processes_only(tmp_path: Path) -> None:
     orphan, young_orphan = tmp_path / "slot0-0123456789ab.bin", tmp_path / "slot0-ba9876543210.bin"
     for path in (*litter, *kept, orphan, young_orphan):
         path.write_bytes(b"x")
-    os.utime(orphan, (time.time() - 2 * slotdir.ORPHAN_AGE_S,) * 2)
-    removed = slotdir.sweep(tmp_path)
+    os.utime(orphan, (time.time() - 2 * layout.ORPHAN_AGE_S,) * 2)
+    removed = layout.sweep(tmp_path)
     assert sorted(removed) == sorted(p.name for p in (*litter, orphan))
     assert kv_file.exists() and (tmp_path / "slot0.json").exists() and young_orphan.exists() and kept[0].exists()
 

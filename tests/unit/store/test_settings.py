@@ -12,8 +12,8 @@ import pytest
 
 from hooks.store.settings import SECRET, STORE
 from hooks.store.threads import map_on
+from wrapper.built_ins import parse as parse_config
 from wrapper.config import ConfigError
-from wrapper.extensions import parse as parse_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -46,10 +46,10 @@ def test_a_hung_store_request_never_keeps_the_process_alive() -> None:
     script = f"""
 import asyncio, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-from hooks.store import threads as daemons
+from hooks.store import threads
 async def main():
     try:
-        await asyncio.wait_for(daemons.run(time.sleep, 60), timeout=0.2)
+        await asyncio.wait_for(threads.run(time.sleep, 60), timeout=0.2)
     except TimeoutError:
         print("given up", flush=True)
 asyncio.run(main())

@@ -10,10 +10,10 @@ import yaml
 
 from hooks.degrade.settings import DEGRADE
 from hooks.slots.settings import SLOTS
-from wrapper import extensions
+from wrapper import built_ins
+from wrapper.built_ins import load as load_config
+from wrapper.built_ins import parse as parse_config
 from wrapper.config import ConfigError, Listen, parse_listen
-from wrapper.extensions import load as load_config
-from wrapper.extensions import parse as parse_config
 from wrapper.units import parse_duration, parse_size
 
 FULL = """\
@@ -103,7 +103,7 @@ def test_bad_configs_name_file_and_line(text: str, message: str) -> None:
 def test_builtins_and_their_options_are_checked_at_load(tmp_path: Path, text: str, message: str) -> None:
     (tmp_path / "c.yaml").write_text("hooks:\n  on_startup:\n" + text)
     with pytest.raises(ConfigError) as caught:
-        extensions.load(tmp_path / "c.yaml")
+        built_ins.load(tmp_path / "c.yaml")
     assert message in str(caught.value).replace(str(tmp_path) + "/", "")
 
 
@@ -112,7 +112,7 @@ def test_builtin_options_are_kept() -> None:
                           "'http://127.0.0.1:8081', n_ctx: 4096}\n", "c.yaml")
     action = config.hooks["on_will_start"][0]
     assert action.options == {"url": "http://127.0.0.1:8081", "n_ctx": 4096}
-    assert extensions.problems(config) == []
+    assert built_ins.problems(config) == []
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import structlog
 
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.actions import ActionError, BuiltinFn
 from wrapper.config import Listen, parse_config
 from wrapper.generation import Generation, StartFailed
@@ -22,7 +22,7 @@ from wrapper.model import Model
 
 
 def generation(hooks_yaml: str, name: str = "a") -> Generation:
-    config = parse_config(f"hooks:\n{hooks_yaml}", "t.yaml", extensions.sections())
+    config = parse_config(f"hooks:\n{hooks_yaml}", "t.yaml", built_ins.sections())
     launch = Launch(argv=["llama-server", "-c", "2048"], port=1, listen=Listen("127.0.0.1", 8080),
                     model=Model(None, name, name), env={})
     return Generation(config, launch, cast(LlamaClient, None))
@@ -41,7 +41,7 @@ class Builtins:
         self.bound: list[tuple[str, Generation, Mapping[str, Any]]] = []
         self.started = asyncio.Event()
         self.work: Any = None
-        monkeypatch.setattr(extensions, "bind", self.bind)
+        monkeypatch.setattr(built_ins, "bind", self.bind)
 
     def bind(self, name: str, options: Mapping[str, Any], generation: Generation) -> BuiltinFn:
         self.bound.append((name, generation, options))

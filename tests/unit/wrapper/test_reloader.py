@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 
 from wrapper import argv as args
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.config import Config, parse_config
 from wrapper.generation import Generation, StartFailed
 from wrapper.kept import Kept
@@ -85,10 +85,10 @@ class Serving:
 
 
 def serving(overlap: str = "never") -> Serving:
-    config = parse_config(f"reload: {{overlap: {overlap}}}\n", "t.yaml", extensions.sections())
+    config = parse_config(f"reload: {{overlap: {overlap}}}\n", "t.yaml", built_ins.sections())
     config = replace(config, argv=("llama-server-not-installed", "-c", "2048"))
     with planning():  # a llama-server that is not installed is taken for one with every flag
-        return Serving(config, extensions.launch_for(config, Kept()))
+        return Serving(config, built_ins.launch_for(config, Kept()))
 
 
 async def until(condition: Callable[[], bool], turns: int = 1000) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hooks.conversations.settings import CACHE
 from hooks.store.settings import STORE
 from tests.helpers import ROOT
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.config import ConfigError, parse_config
 from wrapper.settings import BOOL, DURATION, Section, choice, setting
 
@@ -43,7 +43,7 @@ def test_its_errors_name_file_and_line() -> None:
 
 def test_the_readme_tables_are_the_declarations() -> None:
     readme = (Path(ROOT) / "README.md").read_text()
-    for section in extensions.sections():
+    for section in built_ins.sections():
         assert section.table() in readme, f"README.md lacks the table of {section.name}:, which is now:\n" + \
             section.table()
 
@@ -52,7 +52,7 @@ def test_a_key_that_moved_names_its_new_place() -> None:
     text = ("slots:\n  dir: /tmp/s\n  cache_budget: 1GiB\n  restore_rate: 1MB\n  store: s3://b/p\n"
             "  store_flush: 2s\ncache:\n  entry_max: 2GiB\n  chunk_tokens: 64\n")
     with pytest.raises(ConfigError) as caught:
-        extensions.parse(text, "t.yaml")
+        built_ins.parse(text, "t.yaml")
     message = str(caught.value)
     assert "t.yaml:3: slots.cache_budget has moved: write it as store.budget" in message
     assert "t.yaml:4: slots.restore_rate has moved: write it as cache.restore_rate" in message
@@ -60,5 +60,5 @@ def test_a_key_that_moved_names_its_new_place() -> None:
     assert "t.yaml:6: slots.store_flush has moved: write it as store.flush" in message
     assert "t.yaml:8: cache.entry_max has moved: write it as store.entry_max" in message
     assert "t.yaml:9: cache.chunk_tokens has moved: write it as store.chunk_tokens" in message
-    config = extensions.parse("cache:\n  enabled: false\nstore:\n  budget: 1GiB\n", "t.yaml")
+    config = built_ins.parse("cache:\n  enabled: false\nstore:\n  budget: 1GiB\n", "t.yaml")
     assert CACHE.of(config).enabled is False and STORE.of(config).budget == 1 << 30

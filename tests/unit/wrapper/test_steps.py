@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from hooks.registry import Builtin
-from wrapper import extensions
+from wrapper import built_ins
 from wrapper.config import Listen, parse_config
 from wrapper.forwarding import forward_request
 from wrapper.generation import Generation, Host
@@ -42,7 +42,7 @@ async def _answers_images(host: Host, out: Outgoing) -> Outgoing | Reply:
 @pytest.fixture
 async def client(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     step = Builtin(family="media", in_use=lambda config: True, before=(Before(("/completion",), _answers_images),))
-    monkeypatch.setattr(extensions, "BUILTINS", (step,))
+    monkeypatch.setattr(built_ins, "BUILTINS", (step,))
     launch = Launch(argv=["llama-server"], port=1, listen=Listen("127.0.0.1", 8080), model=Model(None, "m", "m"),
                     env={})
     async with aiohttp.ClientSession() as session:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hooks.store import layout as slotdir
+from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
 from tests.helpers import Wrapper, child_argv, http, running, wait_for
 from tests.slotfiles import slot_bytes
@@ -32,10 +32,10 @@ def test_a_file_that_kills_the_server_is_set_aside_and_the_start_goes_on(tmp_pat
     written.write_bytes(slot_bytes([1, 2, 3]))
     record = {"model": {"id": fingerprint(str(model)), "name": "m", "path": str(model)}, "tokens": 3,
               "cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "on", "kv_streams": 1, "build": "b0"}
-    slotdir.commit(folder, 0, written, record)
+    layout.commit(folder, 0, written, record)
     argv = child_argv("--die-on-restore", "-m", str(model), "--slot-save-path", str(folder))
     with running(tmp_path, argv, CONFIG.format(dir=tmp_path / "slots"), timeout=60) as wrapper:
-        aside = folder / slotdir.SET_ASIDE
+        aside = folder / layout.SET_ASIDE
         assert len(list(aside.glob("*slot0-*.bin"))) == 1 and len(list(aside.glob("*slot0.json"))) == 1
         assert "llama-server died restoring it" in next(aside.glob("*.reason.txt")).read_text()
         assert not (folder / "slot0.json").exists()
@@ -71,7 +71,7 @@ def test_a_conversation_that_kills_the_server_before_a_request_is_set_aside_and_
         (restarted,) = wrapper.events("wrapper.restarting_server")
         assert restarted["on"] == "request" and "set aside" in restarted["reason"]
         assert len(wrapper.events("child.spawned")) == 2 and wrapper.events("conversations.server_lost")
-        aside = folder / slotdir.SET_ASIDE
+        aside = folder / layout.SET_ASIDE
         assert len(list(aside.glob("*conv-*.bin"))) == 1
         assert "llama-server died restoring it" in next(aside.glob("*.reason.txt")).read_text()
         assert store.find(kept) is None
