@@ -107,7 +107,14 @@ def _rows(stores: list[Store]) -> list[dict[str, Any]]:
             rows.append(row)
         held = {h.key: h.slot for h in store.held(layout.host_id()) if h.entry is not None and h.entry.by_content}
         for entry in sorted(store.entries(), key=lambda e: (held.get(e.key, 1 << 30), -e.last_used)):
-            rows.append(_entry_row(folder, entry, held.get(entry.key, "conv"), store.where(entry)))
+            row = _entry_row(folder, entry, held.get(entry.key, "conv"), store.where(entry))
+            if (problem := store.problem(entry)) is not None:
+                row["problem"] = problem
+            rows.append(row)
+        for noted in store.held(layout.host_id()):  # a note naming a sidecar no lookup is offered
+            if noted.entry is not None and noted.entry.problem is not None:
+                rows.append({**_entry_row(folder, noted.entry, noted.slot, "local"), "tokens": noted.n_tokens,
+                             "problem": noted.entry.problem})
     return rows
 
 
@@ -168,9 +175,12 @@ def inspect(path: str) -> None:
                 summary["sidecar"] = layout.read_sidecar(saved.sidecar)
             except layout.SidecarError as exc:
                 summary["sidecar"] = f"unreadable: {exc}"
-    for entry in folder_only(Path(path).parent).entries():
+    store = folder_only(Path(path).parent)
+    for entry in store.entries():
         if entry.name == Path(path).name:
             summary["sidecar"] = entry.record
+            if (problem := store.problem(entry)) is not None:
+                summary["problem"] = problem
     click.echo(json.dumps(summary, indent=2))
 
 

@@ -48,16 +48,31 @@ def plan_problem(record: dict[str, Any]) -> str | None:
     plan = record.get("chunks")
     if plan is None:
         return None
+    if not isinstance(plan, dict):
+        return f"a chunk plan that is not one ({type(plan).__name__})"
     try:
         names = plan["names"]
-        if not isinstance(names, list) or len(names) != int(plan["count"]) or \
-                not all(isinstance(n, str) and _NAME.match(n) for n in names):
+        if not isinstance(names, list) or not all(isinstance(n, str) and _NAME.match(n) for n in names):
             return "names that are not chunk names"
+        if len(names) != int(plan["count"]):
+            return f"{len(names)} chunk names for a count of {plan['count']}"
         if chunks.chunk_size(plan) <= 0 or int(record.get("tail_bytes", -1)) < 0:
             return "no sizes"
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         return f"a damaged chunk plan ({exc!r})"
     return None
+
+
+def _misnamed(named: list[str], expected: list[str]) -> str | None:
+    """How the names a manifest gives differ from those its tokens give (None: they are the same)."""
+    if len(named) != len(expected):
+        return f"names {len(named)} chunks where its tokens make {len(expected)}"
+    wrong = [i for i, (a, b) in enumerate(zip(named, expected, strict=True)) if a != b]
+    if not wrong:
+        return None
+    first = wrong[0]
+    return (f"names chunk {first + 1} of {len(named)} {named[first]}, which its tokens name {expected[first]} "
+            f"({len(wrong)} chunk(s) misnamed)")
 
 
 def size_of(record: dict[str, Any]) -> int:
@@ -117,23 +132,28 @@ class ChunkFolder:
                 temporary.unlink()
         return len(data)
 
-    def assemble(self, tail: Path, record: dict[str, Any], into: Path) -> int:
+    def assemble(self, tail: Path, record: dict[str, Any], into: Path, salt: str) -> int:
         """Write the state of a chunked entry (its tail and its chunks) to `into`; Unreadable when a chunk is
-        missing or damaged."""
+        missing or damaged, or the manifest names chunks its tokens do not name (`salt`: what the names are
+        chained over beside the tokens)."""
         plan = record["chunks"]
         if problem := plan_problem(record):
             raise Unreadable(f"its manifest has {problem}")
         maps: list[kvfile.Buffer] = []
         try:
+            tail_map, _ = kvfile.open_map(tail)
+            maps.append(tail_map)
+            if problem := _misnamed(names_of(record), chunks.names_for(salt, plan, kvfile.header(tail_map).tokens)):
+                raise Unreadable(f"its manifest {problem}: it is not this conversation's state")
             for name in names_of(record):
                 try:
                     maps.append(kvfile.open_map(self.path(name))[0])
                 except FileNotFoundError as exc:
                     raise Unreadable(f"chunk {name} is missing") from exc
-            tail_map, _ = kvfile.open_map(tail)
-            maps.append(tail_map)
             with open(into, "wb") as out:
-                return chunks.assemble(tail_map, maps[:-1], plan, out)
+                return chunks.assemble(tail_map, maps[1:], plan, out)
+        except kvfile.SlotFileError as exc:
+            raise Unreadable(f"its tail: {exc}") from exc
         except (chunks.NotAssembled, KeyError, TypeError, ValueError) as exc:
             raise Unreadable(f"its chunks do not make a state: {exc}") from exc
         except OSError as exc:  # a full disk, an I/O error: not the entry's fault

@@ -89,6 +89,12 @@ def split(data: Buffer, tokens: int, salt: str) -> Split:
     return Split(bytes(tail), pieces, plan)
 
 
+def names_for(salt: str, plan: dict[str, Any], tokens: list[int]) -> list[str]:
+    """The names a plan's chunks have when they hold these tokens' KV (what `split` named them): a manifest whose
+    names are not these names is not this conversation's state."""
+    return _names(salt, plan["streams"], tokens, int(plan["tokens"]), int(plan["count"]))
+
+
 def chunk_size(plan: dict[str, Any]) -> int:
     """The bytes of each of the plan's chunks."""
     return int(plan["tokens"]) * sum(_cell_bytes(spec) for spec in plan["streams"])

@@ -95,7 +95,12 @@ class DirectoryStore:
         if not sidecar.exists():
             self._forget(key)
             return None
-        return self._read(sidecar, key) or Entry(key, 0, 0, 0.0, {}, sidecar.name, True, _unreadable(sidecar.name))
+        found = self._read(sidecar, key)
+        if found is not None:
+            return found
+        problem = self._why_unusable(sidecar)
+        return Entry(key, 0, 0, 0.0, {}, sidecar.name, True, _unreadable(f"{sidecar.name}: {problem}"),
+                     problem=problem)
 
     def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
         return best_of(self.entries(), tokens)
@@ -262,18 +267,62 @@ class DirectoryStore:
 
     @contextlib.asynccontextmanager
     async def local(self, entry: Entry) -> AsyncIterator[Path]:
-        sidecar, kv_file = self._where(entry)
-        try:
-            record = layout.read_sidecar(sidecar)
-            layout.check_pair(record, kv_file)
-        except layout.SidecarError as exc:
-            raise Unreadable(f"no usable sidecar: {exc}") from exc
+        if entry.problem is not None:
+            raise Unreadable(f"no usable sidecar: {entry.problem}")
+        record, kv_file = self._checked(entry)
         if not names_of(record):
             yield kv_file
             return
         with self.part("restore") as state:  # in the page cache: removed once restored
-            await asyncio.to_thread(self.chunks.assemble, kv_file, record, state)
+            await asyncio.to_thread(self.chunks.assemble, kv_file, record, state, _salt(record))
             yield state
+
+    def _checked(self, entry: Entry) -> tuple[dict[str, Any], Path]:
+        """The entry's sidecar as it is now, and the file it names, once they are checked against each other
+        (the file a sidecar names, never one beside or outside the folder); Unreadable with the cause."""
+        sidecar, _ = self._where(entry)
+        try:
+            record = layout.read_sidecar(sidecar)
+            kv_file = self._kv_file(sidecar, record) if entry.by_content else self._where(entry)[1]
+            if problem := plan_problem(record):
+                raise layout.SidecarError(f"{sidecar.name} has {problem}")
+            layout.check_pair(record, kv_file)
+        except layout.SidecarError as exc:
+            raise Unreadable(f"no usable sidecar: {exc}") from exc
+        return record, kv_file
+
+    def problem(self, entry: Entry) -> str | None:
+        if entry.problem is not None:
+            return entry.problem
+        try:
+            record, kv_file = self._checked(entry)
+            if not (names := names_of(record)):
+                return None
+            size = size_of(record)
+            missing = [n for n in names if not self.chunks.has(n, size)]
+            if missing:
+                return f"{len(missing)} of its {len(names)} chunks missing or cut (the first: {missing[0]})"
+            data, _ = kvfile.open_map(kv_file)
+            try:
+                tokens = kvfile.header(data, str(kv_file)).tokens
+            finally:
+                if isinstance(data, mmap.mmap):
+                    data.close()
+            named = chunks.names_for(_salt(record), record["chunks"], tokens)
+        except Unreadable as exc:
+            return str(exc)
+        except (OSError, kvfile.SlotFileError) as exc:
+            return f"its tail: {exc}"
+        return None if named == names else "its chunk names are not its tokens' (not this conversation's state)"
+
+    def _why_unusable(self, sidecar: Path) -> str:
+        """Why the sidecar of an entry yields no entry: what `get` says of it."""
+        try:
+            record = layout.read_sidecar(sidecar)
+            self._kv_file(sidecar, record)
+        except layout.SidecarError as exc:
+            return str(exc)
+        return f"{sidecar.name} has {plan_problem(record) or 'no usable token count or size'}"
 
     def fetch_seconds(self, entry: Entry) -> float:
         return 0.0  # on local disk (or a mounted share) already

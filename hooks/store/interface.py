@@ -68,6 +68,7 @@ class Entry:
     load_tokens: Callable[[], list[int]] = field(repr=False, default=list)
     _tokens: list[int] | None = field(default=None, repr=False)
     written: int = 0  # the bytes its commit wrote (only what the store did not hold: new chunks, tail, manifest)
+    problem: str | None = None  # why its sidecar cannot be used (an entry asked for by key: a note names it)
 
     @property
     def tokens(self) -> list[int]:
@@ -151,6 +152,12 @@ class Store(Protocol):
 
     def fetch_seconds(self, entry: Entry) -> float:
         """The predicted time `local` takes before a restore can begin (0 for an entry on local disk)."""
+        ...
+
+    def problem(self, entry: Entry) -> str | None:
+        """What is wrong with the entry as this host holds it (its files are not what its sidecar says, a chunk
+        is missing or cut, its chunk names are not its tokens'); None when it is sound or only another tier has
+        it. Reads its files: for `slots ls`, not for a request."""
         ...
 
     def free_bytes(self) -> int: ...

@@ -219,6 +219,9 @@ class TieredStore:
     def local(self, entry: Entry) -> AbstractAsyncContextManager[Path]:
         return self.folder.local(entry)
 
+    def problem(self, entry: Entry) -> str | None:
+        return self.folder.problem(entry) if self.folder.get(entry.key) is not None else None
+
     def fetch_seconds(self, entry: Entry) -> float:
         here = self.folder.get(entry.key)
         record = here.record if here is not None else entry.record

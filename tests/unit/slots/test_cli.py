@@ -8,7 +8,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from tests.slotfiles import make_pair, slot_bytes
+from hooks.store import layout
+from hooks.store.folder import DirectoryStore, part_name
+from tests.slotfiles import kv_state, make_pair, slot_bytes
 from wrapper.cli import main
 
 
@@ -74,3 +76,48 @@ def test_messages_say_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
     assert removed.exit_code == 1 and "model aaaa has no saved slot 4" in removed.output
     inspected = runner.invoke(main, ["slots", "inspect", str(tmp_path / "aaaa" / "slot0.json")])
     assert inspected.exit_code == 1 and "not their .json sidecars" in inspected.output
+
+
+def test_ls_and_inspect_name_an_entry_that_is_not_what_its_sidecar_says(tmp_path: Path) -> None:
+    folder = tmp_path / "aaaa"
+    folder.mkdir()
+    store = DirectoryStore(folder, chunk_tokens=16)
+    entries = []
+    for start in (1000, 2000, 3000):
+        tokens = list(range(start, start + 70))
+        part = folder / part_name("test")
+        part.write_bytes(kv_state(tokens))
+        entries.append(store.commit(part, tokens, {"model": {"id": "aaaa", "name": "chat"},
+                                                   "cache_type_k": "f16", "cache_type_v": "f16"}))
+    sound, changed, cut = entries
+    tail = folder / changed.name
+    data = bytearray(tail.read_bytes())
+    data[-1] ^= 0xFF  # the same size, other bytes: only the fingerprint tells
+    tail.write_bytes(bytes(data))
+    (folder / "chunks" / f"{cut.record['chunks']['names'][2]}.kv").unlink()
+    runner = CliRunner()
+    rows = {row["entry"]: row for row in (json.loads(line) for line in
+            runner.invoke(main, ["slots", "ls", "--dir", str(tmp_path), "--json"]).output.splitlines())}
+    assert "problem" not in rows[sound.key]
+    assert "fingerprint differs" in rows[changed.key]["problem"]
+    assert "1 of its 4 chunks missing or cut" in rows[cut.key]["problem"]
+    table = runner.invoke(main, ["slots", "ls", "--dir", str(tmp_path)]).output
+    assert "fingerprint differs" in table
+    inspected = json.loads(runner.invoke(main, ["slots", "inspect", str(folder / cut.name)]).output)
+    assert "chunks missing" in inspected["problem"]
+    assert "problem" not in json.loads(runner.invoke(main, ["slots", "inspect", str(folder / sound.name)]).output)
+
+
+def test_ls_names_a_noted_slot_whose_sidecar_cannot_be_used(tmp_path: Path) -> None:
+    folder = tmp_path / "aaaa"
+    folder.mkdir()
+    store = DirectoryStore(folder)
+    part = folder / part_name("test")
+    part.write_bytes(slot_bytes([1, 2, 3]))
+    entry = store.commit(part, [1, 2, 3], {"model": {"id": "aaaa", "name": "chat"}})
+    store.note(layout.host_id(), {0: entry})
+    sidecar = folder / f"conv-{entry.key}.json"
+    sidecar.write_text(sidecar.read_text().replace(entry.name, "../outside.bin"))
+    (row,) = [json.loads(line) for line in
+              CliRunner().invoke(main, ["slots", "ls", "--dir", str(tmp_path), "--json"]).output.splitlines()]
+    assert row["slot"] == 0 and row["tokens"] == 3 and "names an odd file: '../outside.bin'" in row["problem"]

@@ -11,13 +11,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from hooks.store import chunk_folder as chunkdir
 from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.interface import Entry, Unreadable
-from tests.unit.store.test_chunks import state
+from tests.slotfiles import kv_state as state
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
 CHUNK = 16
@@ -167,7 +168,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
 from pathlib import Path
 from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
-from tests.unit.store.test_chunks import state
+from tests.slotfiles import kv_state as state
 store = DirectoryStore(Path({str(tmp_path)!r}), chunk_tokens={CHUNK})
 tokens = list(range(1000, 1100))
 part = store.directory / part_name("killed")
@@ -222,3 +223,54 @@ def test_threads_committing_one_shared_beginning_at_once_leave_every_entry_whole
     for n, tail in enumerate(tails):
         assert restored(store, [*system, *tail]) == datas[n]
     assert not list((tmp_path / "chunks").glob("*.tmp"))
+
+
+def _sidecar(store: DirectoryStore, tokens: list[int]) -> tuple[Entry, Path, dict[str, object]]:
+    entry = store.find(tokens)
+    assert entry is not None
+    path = store.directory / f"conv-{entry.key}.json"
+    return entry, path, json.loads(path.read_text())
+
+
+def test_a_manifest_whose_chunk_names_are_not_its_tokens_is_refused(tmp_path: Path) -> None:
+    """A manifest naming its second chunk twice would restore positions 16-31 twice and 0-15 never."""
+    store = DirectoryStore(tmp_path, chunk_tokens=CHUNK)
+    save(store, conversation(70))
+    entry, path, record = _sidecar(store, conversation(70))
+    plan = cast(dict[str, Any], record["chunks"])
+    plan["names"] = [plan["names"][1], *plan["names"][1:]]
+    path.write_text(json.dumps(record))
+    again = store.get(entry.key)
+    assert again is not None
+    with pytest.raises(Unreadable, match=r"names chunk 1 of 4 .* not this conversation's state"):
+        read(store, again)
+    assert store.problem(again) == "its chunk names are not its tokens' (not this conversation's state)"
+    assert not list(tmp_path.glob("*.part-*"))  # nothing assembled is left behind
+
+
+@pytest.mark.parametrize(("damage", "cause"), [
+    (lambda r: r.update(file="../outside.bin"), "names an odd file: '../outside.bin'"),
+    (lambda r: r["chunks"]["names"].__setitem__(0, "../../outside"), "names that are not chunk names"),
+    (lambda r: r["chunks"].update(count=r["chunks"]["count"] + 1), "4 chunk names for a count of 5"),
+    (lambda r: r.update(chunks="a string"), "a chunk plan that is not one (str)"),
+])
+def test_a_sidecar_the_folder_rejects_says_why_and_touches_nothing_outside(
+        tmp_path: Path, damage: Any, cause: str) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not ours")
+    store = DirectoryStore(folder, chunk_tokens=CHUNK)
+    save(store, conversation(70))
+    entry, path, record = _sidecar(store, conversation(70))
+    damage(record)
+    path.write_text(json.dumps(record))
+    store = DirectoryStore(folder, chunk_tokens=CHUNK)  # another process reads it as it is now
+    assert store.entries() == []  # never offered to a lookup
+    noted = store.get(entry.key)  # but a host's note may name it
+    assert noted is not None and noted.problem is not None and cause in noted.problem
+    with pytest.raises(Unreadable) as refused:
+        read(store, noted)
+    assert cause in str(refused.value) and "bytes recorded" not in str(refused.value)
+    store.remove(noted)
+    assert outside.read_bytes() == b"not ours" and not path.exists()

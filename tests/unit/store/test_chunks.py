@@ -4,58 +4,13 @@ a longer state of the same conversation names the same chunks, damaged chunks ar
 from __future__ import annotations
 
 import io
-import struct
-from typing import Any
 
 import numpy as np
 import pytest
 
 from hooks import kvfile
-from hooks.kvfile.format import MAGIC
 from hooks.store import chunks
-
-
-def state(tokens: list[int], n_layer: int = 3, row: int = 16, k_type: int = 1, v_trans: bool = False,
-          version: int = 4, cell_ext: int = 0, order: list[int] | None = None,
-          swa: tuple[int, int] | None = None, seed: int = 0, media: int = 0, streams: int = 1) -> bytes:
-    """A state file in llama.cpp's layout with random KV, the same for a position in every state (as a model's
-    is for the same tokens): one cell per token (in `order`, else position order);
-    `swa` (first position, layers): a second section holding the cells from that position on; `streams`: the
-    sequence in the last of that many streams (the others empty, as without a unified cache)."""
-    words = [-1, 1, len(tokens), *tokens, media]
-    out = struct.pack("<III", MAGIC, version, len(words)) + struct.pack(f"<{len(words)}i", *words)
-    positions = order if order is not None else list(range(len(tokens)))
-    out += _section(positions, n_layer, row, k_type, v_trans, version, cell_ext, seed, streams)
-    if swa is not None:
-        out += _section([p for p in positions if p >= swa[0]], swa[1], row, k_type, v_trans, version, cell_ext,
-                        seed + 1, streams)
-    return out
-
-
-def _section(positions: list[int], n_layer: int, row: int, k_type: int, v_trans: bool, version: int,
-             cell_ext: int, seed: int, streams: int) -> bytes:
-    cells = len(positions)
-
-    def values(what: int, width: int) -> np.ndarray[Any, np.dtype[np.uint8]]:  # per position, whatever the state
-        table = np.random.default_rng([seed, what]).integers(0, 255, (MAX_POSITIONS, width), dtype=np.uint8)
-        return table[positions]
-
-    out = struct.pack("<I", streams) + struct.pack("<I", 0) * (streams - 1) + struct.pack("<I", cells)
-    ext = values(0, cell_ext)
-    for index, pos in enumerate(positions):
-        out += struct.pack("<iI", pos, 1) + ext[index].tobytes() + struct.pack("<i", 0)
-    out += struct.pack("<IIII", int(v_trans), n_layer, 64 if k_type == 8 else 0, 0) if version >= 4 \
-        else struct.pack("<II", int(v_trans), n_layer)
-    for layer in range(n_layer):
-        out += struct.pack("<iQ", k_type, row) + values(1 + layer, row).tobytes()
-    for layer in range(n_layer):
-        rows = values(1000 + layer, row)
-        if v_trans:  # each of its row // 2 rows holds one 2-byte element of every cell
-            out += struct.pack("<iII", k_type, 2, row // 2)
-            out += rows.reshape(cells, row // 2, 2).transpose(1, 0, 2).tobytes()
-        else:
-            out += struct.pack("<iQ", k_type, row) + rows.tobytes()
-    return out
+from tests.slotfiles import kv_state as state
 
 
 def roundtrip(data: bytes, per: int) -> tuple[chunks.Split, bytes]:
@@ -69,7 +24,6 @@ def roundtrip(data: bytes, per: int) -> tuple[chunks.Split, bytes]:
 
 
 TOKENS = list(range(1000, 1000 + 70))
-MAX_POSITIONS = 4096
 
 
 @pytest.mark.parametrize("layout", [

@@ -18,7 +18,7 @@ from hooks.store.interface import Unreadable
 from hooks.store.remote import Remote
 from hooks.store.tiered import TieredStore
 from tests.s3server import S3Server, skip_without_weed
-from tests.unit.store.test_chunks import state
+from tests.slotfiles import kv_state as state
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
 
