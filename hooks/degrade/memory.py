@@ -6,7 +6,7 @@ e.g. Gemma) then gets a copy of `token_embd` there), plus the CPU's repacked cop
 layer tensors. KV follows llama.cpp's allocation exactly: per layer KV heads * head size * bytes per value *
 cells, cells = n_ctx padded to 256, sliding-window layers `min(n_ctx, window * n_seq + n_ubatch)` unless
 `--swa-full`. The compute buffer is an estimate (the ubatch's feed-forward activations, the attention mask
-per cell, and on a GPU the dequantized K/V of a quantized cache); `hooks/calibration.py` replaces it with
+per cell, and on a GPU the dequantized K/V of a quantized cache); `hooks/degrade/calibration.py` replaces it with
 what the server reported once it has seen a start. `other`: the logits buffer and a GPU's context (~600 MiB
 with CUDA, measured on an H200).
 """
