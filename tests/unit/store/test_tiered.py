@@ -6,11 +6,13 @@ going away and coming back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from hooks.store.bucket import Bucket
 from hooks.store.folder import DirectoryStore, part_name
@@ -19,6 +21,7 @@ from hooks.store.remote import Remote
 from hooks.store.tiered import TieredStore
 from tests.s3server import S3Server, skip_without_weed
 from tests.slotfiles import kv_state as state
+from wrapper.cli import main
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
 
@@ -163,3 +166,19 @@ async def test_what_a_killed_wrapper_had_not_uploaded_goes_up_after_its_restart(
     b = host(server, tmp_path / "b", prefix, "b")
     await b.look(force=True)
     assert await restored(b, TOKENS) == data
+
+
+async def test_slots_ls_opens_the_store_as_the_wrapper_does_and_says_where(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    a, b = host(server, tmp_path / "a", prefix, "a"), host(server, tmp_path / "b", prefix, "b")
+    save(a, TOKENS[:40])
+    await a.upload_pending()
+    save(b, TOKENS[:70])  # b's own, not uploaded
+    config = tmp_path / "c.yaml"
+    config.write_text(f"slots: {{dir: {tmp_path / 'b'}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
+                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
+                      "region: us-east-1, timeout: 3s}\n")
+    listed = await asyncio.to_thread(CliRunner().invoke, main, ["slots", "ls", "--config", str(config), "--json"])
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    assert sorted((r["tokens"], r["where"]) for r in rows) == [(40, "store"), (70, "local")], listed.output
+    assert not any("problem" in r for r in rows)
