@@ -90,17 +90,18 @@ class Gate:
             exchange.cancel()
         return len(pending)
 
-    async def drain(self, timeout: float, force: asyncio.Event) -> None:
+    async def drain(self, timeout: float, force: asyncio.Event, cut: bool = True) -> bool:
         """Let requests in flight finish within `timeout` (or until `force`), then cut the rest so that slots are
-        idle for a save."""
+        idle for a save; without `cut`, leave them be. Whether none is left in flight."""
         if not self.in_flight:
-            return
+            return True
         log.info("wrapper.draining", in_flight=self.in_flight, timeout_s=timeout)
         await first_of(self.drained(timeout), force.wait())
-        if self.in_flight:
+        if self.in_flight and cut:
             # Cut what is left: llama-server frees those slots, so the save that follows runs on idle ones.
             log.warning("wrapper.drain_timeout", in_flight=self.in_flight, cut=self.cut())
             await self.drained(CUT_GRACE)
+        return not self.in_flight
 
     async def drained(self, timeout: float) -> bool:
         """Wait up to `timeout` for in-flight requests to finish; True if none is left."""

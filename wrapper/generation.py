@@ -51,9 +51,10 @@ class Host(Protocol):
         ...
 
     async def reload(self, body: dict[str, Any], why: str | None = None,
-                     asks: Asks | None = None) -> dict[str, Any]:
+                     asks: Asks | None = None, cut: bool = True) -> dict[str, Any]:
         """A reload as POST /wrapper/reload asks for it; with `why` and an empty body, the built-ins' own argv
-        changes (their fit for the new generation, given `asks`) are the whole change. Raises
+        changes (their fit for the new generation, given `asks`) are the whole change. Without `cut`, answers
+        still in flight at the drain's deadline are left to finish and the reload is given up (`success` false). Raises
         ReloadRefused. Built-ins ask through wrapper/reload_ask.py, which waits for a reload that runs."""
         ...
 

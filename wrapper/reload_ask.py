@@ -55,11 +55,13 @@ Asked = Reloaded | RolledBack | Unchanged | NotReloaded
 
 
 async def ask_reload(host: Host, why: str, asks: Asks | None = None,
-                     body: Mapping[str, Any] | None = None, wait: float | None = None) -> Asked:
+                     body: Mapping[str, Any] | None = None, wait: float | None = None, cut: bool = True) -> Asked:
+    """`cut` False: a move made for another's sake (a pool member giving memory) never cuts an answer in flight;
+    it is RolledBack when they do not finish within reload.drain_timeout."""
     deadline = time.monotonic() + (wait if wait is not None else host.current.config.reload_hold_timeout)
     while True:
         try:
-            answer = await host.reload(dict(body or {}), why, asks)
+            answer = await host.reload(dict(body or {}), why, asks, cut)
             if not answer.get("success"):
                 return RolledBack(str(answer.get("message") or "the new llama-server did not come up"), answer)
             return Reloaded(answer)

@@ -56,7 +56,7 @@ class ReloadHost(Protocol):
 
     def install(self, generation: Generation) -> None: ...
 
-    async def drain(self, timeout: float) -> None: ...
+    async def drain(self, timeout: float, cut: bool = True) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class NextGeneration:
     overlap_why: str
     asked_ctx: int | None = None  # the -c asked for: the config's after a body's edits, else the fit's
     before_ctx: str | None = None  # the -c the previous generation ran with
+    cut: bool = True  # answers still in flight at the drain's deadline are cut; else the reload is given up
 
 
 class Reloader:
@@ -75,9 +76,10 @@ class Reloader:
         self.host = host
 
     def settle(self, body: dict[str, Any], why: str | None = None,
-                asks: Asks | None = None) -> NextGeneration:
+                asks: Asks | None = None, cut: bool = True) -> NextGeneration:
         """Check the request and settle the new generation's argv; ReloadRefused before anything stops.
-        `why` (a built-in's reload, empty body): the built-ins' fit for the new generation is the change."""
+        `why` (a built-in's reload, empty body): the built-ins' fit for the new generation is the change; not
+        `cut`: answers in flight at the drain's deadline are not cut, the reload is given up instead."""
         current = self.host.current
         config = current.config
         if why is not None and not body:
@@ -109,7 +111,7 @@ class Reloader:
             raise ReloadRefused(f"nothing to change: {said}", reason=Refusal.NOTHING_TO_CHANGE)
         overlap, overlap_why = self._overlap(config, launch)
         return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why, asked,
-                              args.get(current.launch.argv, args.CTX_SIZE))
+                              args.get(current.launch.argv, args.CTX_SIZE), cut)
 
     def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
         policy = config.reload_overlap
@@ -141,7 +143,8 @@ class Reloader:
             began = time.monotonic()
             host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
             PROGRESS.begin("reloading: draining")
-            await host.drain(old.config.reload_drain_timeout)
+            if not await host.drain(old.config.reload_drain_timeout, nxt.cut):
+                return await self._given_up(nxt, old, began)
             drain_ms = round((time.monotonic() - began) * 1000, 1)
             PROGRESS.begin("reloading: saving slots")
             saved = await built_ins.hand_over(old)
@@ -168,6 +171,16 @@ class Reloader:
     async def _take_over(self, generation: Generation) -> str | None:
         """The built-ins' restore into the new generation, surviving a server that dies under it."""
         return await surviving(generation, built_ins.server_output, lambda: built_ins.take_over(generation))
+
+    async def _given_up(self, nxt: NextGeneration, old: Generation, began: float) -> dict[str, Any]:
+        """A reload that may cut nothing, whose requests in flight did not finish within reload.drain_timeout:
+        nothing stopped, the held requests go on to the server that ran."""
+        reason = (f"requests in flight did not finish within reload.drain_timeout "
+                  f"({old.config.reload_drain_timeout:g}s), and this reload cuts none")
+        log.info("reload.given_up", reason=reason)
+        self.host.lifecycle.to(State.READY)
+        return await self._answer(nxt, False, f"reload given up: {reason}", 0.0, None, None, old,
+                                  round((time.monotonic() - began) * 1000, 1))
 
     async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
                          reason: str) -> dict[str, Any]:

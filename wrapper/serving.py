@@ -62,12 +62,13 @@ class Serving:
         """Make a new generation the current one: requests released from now on go to it."""
         self.current = generation
 
-    async def drain(self, timeout: float) -> None:
-        """Let the requests in flight finish within `timeout` (a second signal ends the wait), cut the rest."""
-        await self.gate.drain(timeout, self._hooks.forced)
+    async def drain(self, timeout: float, cut: bool = True) -> bool:
+        """Let the requests in flight finish within `timeout` (a second signal ends the wait), cut the rest (unless
+        not `cut`); whether none is left."""
+        return await self.gate.drain(timeout, self._hooks.forced, cut)
 
     async def reload(self, body: dict[str, Any], why: str | None = None,
-                     asks: Asks | None = None) -> dict[str, Any]:
+                     asks: Asks | None = None, cut: bool = True) -> dict[str, Any]:
         """Reconfigure the running llama-server (see wrapper/reloader.py); one at a time, only when ready."""
         if self._reloading is not None:
             raise ReloadRefused(BUSY_RELOADING, 409, Refusal.BUSY)
@@ -75,7 +76,7 @@ class Serving:
             raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: it reloads only when ready", 409,
                                 Refusal.NOT_READY)
         reloader = Reloader(self)
-        nxt = reloader.settle(body, why, asks)  # refusals come before anything stops
+        nxt = reloader.settle(body, why, asks, cut)  # refusals come before anything stops
         task = asyncio.ensure_future(self._reload(reloader.run(nxt)))
         self._reloading = task
         task.add_done_callback(self._reload_ended)

@@ -129,7 +129,7 @@ async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, 
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
         return None
     return await move(host, state, Wanted(rung=target.name, up=True),
-                      f"relax to {target.name}, n_ctx {target.max_ctx} ({why})")
+                      f"relax to {target.name}, n_ctx {target.max_ctx} ({why})", cut=False)
 
 
 async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -15,11 +15,13 @@ from wrapper.reload_ask import NotReloaded, RolledBack, Unchanged, ask_reload
 log = structlog.get_logger()
 
 
-async def move(host: Host, state: DegradeState, ask: Wanted, why: str) -> str | None:
+async def move(host: Host, state: DegradeState, ask: Wanted, why: str, cut: bool = True) -> str | None:
     """Reload to what `ask` asks for; None when done (or nothing had to change), else why not. The rung and
-    budget in force change only when the reload succeeds."""
+    budget in force change only when the reload succeeds. Not `cut`: a move no request waits for (giving memory
+    to another member, a relax) leaves every answer in flight to finish, and is given up if they outlast the
+    drain."""
     began = time.monotonic()
-    asked = await ask_reload(host, f"degrade: {why}", ask.as_asks())
+    asked = await ask_reload(host, f"degrade: {why}", ask.as_asks(), cut=cut)
     if isinstance(asked, Unchanged):
         commit(state, ask)
         return None

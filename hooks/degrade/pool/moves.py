@@ -79,7 +79,7 @@ async def grow(host: Host, state: DegradeState, fit: Fitted, wanted: int, why: s
 async def give(host: Host, asked: Request) -> None:
     """Another member asked for `asked.bytes`: give them up in the ladder's order (an unused projector, the
     draft, K/V precision, then context only idle conversations hold), never below the floor; a request in
-    flight is drained first by the reload."""
+    flight is left to finish first: a give never cuts an answer (it is refused if they outlast the drain)."""
     began = time.monotonic()
     generation = host.current
     pool = member.pool_of_generation(generation)
@@ -98,7 +98,7 @@ async def give(host: Host, asked: Request) -> None:
     planner, rungs = ladder_for(base, generation.launch, generation.config, state,
                                 give_limit(running, asked.bytes))
     serving = None
-    if host.in_flight:  # it serves requests: it keeps what its conversations hold (the reload drains them first)
+    if host.in_flight:  # it serves requests: it keeps what its conversations hold (the reload lets them finish)
         conversations = [t + settings.headroom for t in state.conversation.values()]
         serving = context_for(generation.launch.argv, state, conversations)
     smallest = smallest_context(planner.ceiling, settings.context, serving, fit.n_ctx)
@@ -109,7 +109,7 @@ async def give(host: Host, asked: Request) -> None:
     state.giving = True  # its own climb back waits: what it frees is the asker's once answered
     try:
         problem = await move(host, state, Wanted(rung=plan.rung, ctx=plan.ctx, limit=plan.limit),
-                             f"give {format_size(asked.bytes)} to {asked.asker_model}[{asked.asker}]")
+                             f"give {format_size(asked.bytes)} to {asked.asker_model}[{asked.asker}]", cut=False)
         now = fitted(host.current.launch) or fit
         given = max(0, fit.share - now.share) if problem is None else 0
         member.publish(host.current, host.in_flight > 0)
@@ -164,7 +164,8 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
             state.gave = state.gave and plan.index > 0
         return None
     problem = await move(host, state, Wanted(rung=plan.rung, ctx=plan.ctx, up=True, projector=plan.projector),
-                         f"relax to {plan.rung}, n_ctx {plan.ctx} ({why}; {format_size(free)} for it in the pool)")
+                         f"relax to {plan.rung}, n_ctx {plan.ctx} ({why}; {format_size(free)} for it in the pool)",
+                         cut=False)
     member.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
     if problem is not None:
         state.climb_after = time.monotonic() + settings.relax_after  # not again at once: each try is a reload

@@ -69,6 +69,7 @@ class Serving:
         self.current.context = server_context(launch.argv, int(ctx(self.current)), 1, None)
         self.failing: list[str] = []  # the -c of servers that will not come up
         self.draining: asyncio.Event | None = None  # a drain that lasts until it is set
+        self.outlasting = False  # answers in flight outlast the drain's deadline
 
     def new_generation(self, config: Config, launch: Launch) -> Generation:
         return Server(config, launch, NO_CLIENT, journal=self.journal,
@@ -78,10 +79,11 @@ class Serving:
         self.journal.append(f"install {ctx(generation)}")
         self.current = generation
 
-    async def drain(self, timeout: float) -> None:
-        self.journal.append(f"drain {timeout:g}s")
+    async def drain(self, timeout: float, cut: bool = True) -> bool:
+        self.journal.append(f"drain {timeout:g}s" + ("" if cut else ", cutting none"))
         if self.draining is not None:
             await self.draining.wait()
+        return cut or not self.outlasting
 
 
 def serving(overlap: str = "never") -> Serving:
@@ -174,3 +176,15 @@ async def test_nothing_to_change_is_refused_before_anything_stops() -> None:
         await reload(host, {"n_ctx": 2048})
     assert refused.value.reason is Refusal.NOTHING_TO_CHANGE
     assert host.journal == [] and host.states == []
+
+
+async def test_a_reload_that_cuts_nothing_is_given_up_when_answers_outlast_the_drain() -> None:
+    host = serving()
+    host.outlasting = True
+    reloader = Reloader(host)
+    with planning():
+        nxt = replace(reloader.settle({"n_ctx": 4096}), cut=False)
+    answer = await reloader.run(nxt)
+    assert not answer["success"] and "this reload cuts none" in answer["message"]
+    assert host.journal == ["drain 30s, cutting none"]  # nothing stopped, nothing started
+    assert host.lifecycle.state is State.READY and ctx(host.current) == "2048"

@@ -50,7 +50,8 @@ class Reloader:
     def __init__(self, host: Serving) -> None:
         self.host = host
 
-    def settle(self, body: dict[str, Any], why: str | None = None, asks: Any = None) -> dict[str, Any]:
+    def settle(self, body: dict[str, Any], why: str | None = None, asks: Any = None,
+               cut: bool = True) -> dict[str, Any]:
         if body.get("refuse"):
             raise ReloadRefused("nothing to change", 409, Refusal.NOTHING_TO_CHANGE)
         return body

@@ -76,7 +76,7 @@ class Reloading:
         self.current = cast(Generation, type("G", (), {"config": parse_config("", "t.yaml")})())
 
     async def reload(self, body: dict[str, Any], why: str | None = None,
-                     asks: Mapping[type[Any], Any] | None = None) -> dict[str, Any]:
+                     asks: Mapping[type[Any], Any] | None = None, cut: bool = True) -> dict[str, Any]:
         self.asked.append((body, why, asks))
         if self.busy:
             self.busy -= 1
@@ -105,8 +105,8 @@ async def test_a_reload_that_changes_nothing_or_is_refused_says_so() -> None:
 async def test_a_reload_that_rolled_back_is_its_own_outcome() -> None:
     class RollingBack(Reloading):
         async def reload(self, body: dict[str, Any], why: str | None = None,
-                         asks: Mapping[type[Any], Any] | None = None) -> dict[str, Any]:
-            await super().reload(body, why, asks)
+                         asks: Mapping[type[Any], Any] | None = None, cut: bool = True) -> dict[str, Any]:
+            await super().reload(body, why, asks, cut)
             return {"success": False, "message": "llama-server exited with status 1 before it was ready"}
 
     asked = await ask_reload(cast(Host, RollingBack()), "degrade: grow")
