@@ -36,7 +36,7 @@ def fit_for_slots(argv: list[str], launch: Launch, config: Config, shared: Kept)
             slot_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"slots.dir: cannot create {slot_dir}: {exc.strerror}") from exc
-        open_for(shared, slot_dir, config)
+    open_for(shared, slot_dir, config, local=is_planning())  # a plan sizes by what this host saved, too
     if has("--slot-save-path"):
         old = args.get(fit.argv, args.SLOT_SAVE_PATH)
         fit.argv = args.replace(fit.argv, args.SLOT_SAVE_PATH, str(slot_dir))

@@ -8,7 +8,7 @@ from pathlib import Path
 from hooks.slots.settings import FAMILY
 from hooks.store import Store
 from hooks.store.layout import host_id
-from hooks.store.opening import open_store
+from hooks.store.opening import folder_only, open_store
 from hooks.store.settings import STORE
 from wrapper.config import Config
 from wrapper.generation import Generation
@@ -18,11 +18,12 @@ from wrapper.launch import Launch
 _OPENED: Key[dict[Path, Store]] = Key("slots.stores", dict)
 
 
-def open_for(shared: Kept, folder: Path, config: Config) -> Store:
-    """The folder's store, opened the first time a fit names the folder."""
+def open_for(shared: Kept, folder: Path, config: Config, local: bool = False) -> Store:
+    """The folder's store, opened the first time a fit names the folder; `local`: the folder alone, whatever
+    `store.url` says (`llama-wrapper plan` reads what this host saved, and asks no bucket)."""
     opened = shared.get(_OPENED)
     if folder not in opened:
-        opened[folder] = open_store(folder, STORE.of(config))
+        opened[folder] = folder_only(folder) if local else open_store(folder, STORE.of(config))
     return opened[folder]
 
 
