@@ -34,7 +34,7 @@ async def drop_when_idle(host: Host) -> None:
         if quiet < idle:
             continue
         asked = await ask_reload(host, f"media: no request with media for {quiet:.0f}s (media.idle {idle:g}s)",
-                                 asking(Projector(wanted=False)))
+                                 asking(Projector(wanted=False)), cut=False)  # an answer in flight finishes
         if not loaded(host.current) and isinstance(asked, Reloaded):
             kept.drops += 1
             METRICS.projector_changes.labels(change="dropped").inc()

@@ -44,7 +44,8 @@ async def switch_when_calm(host: Host) -> None:
             last = (crowd, running, decision.reason)
         if not decision.switch:
             continue
-        asked = await ask_reload(host, f"spec: {decision.reason}", asking(Draft(decision.draft)))
+        # no request waits for a switch: it never cuts the streams it is for (given up if they outlast the drain)
+        asked = await ask_reload(host, f"spec: {decision.reason}", asking(Draft(decision.draft)), cut=False)
         if not isinstance(asked, Reloaded):
             kept.off = not speculates(host.current.launch.argv)  # what runs, not what the failed switch asked
             kept.alone_since = time.monotonic()  # tried again after a calm period, not at the next look
