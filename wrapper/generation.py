@@ -169,6 +169,6 @@ async def surviving(generation: Generation, on_line: Callable[[Generation, str],
             if attempt == RESTARTS_AFTER_LOSS:
                 raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
             log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
-            METRICS.server_restarts.inc()
+            METRICS.server_restarts.labels(reason="restore").inc()
             await generation.start(on_line)
     raise AssertionError("unreachable")

@@ -16,7 +16,8 @@ from wrapper.lifecycle import State
 log = structlog.get_logger()
 
 _STATE_STATUS = {State.STARTING: "starting: loading the model", State.READY: "ready",
-                 State.RELOADING: "reloading", State.DRAINING: "draining: refusing new requests",
+                 State.RELOADING: "reloading", State.RESTARTING: "restarting llama-server: requests held",
+                 State.DRAINING: "draining: refusing new requests",
                  State.STOPPING: "stopping", State.STOPPED: "stopped"}
 
 

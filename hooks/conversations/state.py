@@ -29,6 +29,7 @@ class Conversations:
     hits: int = 0
     hits_by_entry: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
+    kept_tokens: dict[int, int] = field(default_factory=dict)  # slot -> its tokens when last kept (checkpoints)
 
     def rates_of(self, generation: Generation) -> KeptRates:
         if self.kept is None:

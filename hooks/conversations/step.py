@@ -165,7 +165,7 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     METRICS.conv_bytes_written.inc(entry.written)
     evicted = store.evict(limits.budget, keep={entry.key})
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
-             written=entry.written, ms=saved.total_ms, evicted=[e.key for e in evicted])
+             written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted])
     return entry
 
 
