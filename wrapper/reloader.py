@@ -177,10 +177,10 @@ class Reloader:
         nothing stopped, the held requests go on to the server that ran."""
         reason = (f"requests in flight did not finish within reload.drain_timeout "
                   f"({old.config.reload_drain_timeout:g}s), and this reload cuts none")
-        log.info("reload.given_up", reason=reason)
+        held_ms = round((time.monotonic() - began) * 1000, 1)  # new requests waited for the drain meanwhile
+        log.info("reload.given_up", reason=reason, held_ms=held_ms)
         self.host.lifecycle.to(State.READY)
-        return await self._answer(nxt, False, f"reload given up: {reason}", 0.0, None, None, old,
-                                  round((time.monotonic() - began) * 1000, 1))
+        return await self._answer(nxt, False, f"reload given up: {reason}", held_ms, None, None, old, held_ms)
 
     async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
                          reason: str) -> dict[str, Any]:

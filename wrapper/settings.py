@@ -71,6 +71,14 @@ def _size_or_auto(r: Reader, node: yaml.Node, what: str) -> int | None:
     return None if r.value(node) == "auto" else r.converted(node, what, parse_size)
 
 
+def _positive_duration(r: Reader, node: yaml.Node, what: str) -> float | None:
+    value = r.converted(node, what, parse_duration)
+    if value is not None and not value > 0:
+        r.error(node, f"{what} must be more than 0s")
+        return None
+    return float(value) if value is not None else None
+
+
 def _positive(r: Reader, node: yaml.Node, what: str) -> float | None:
     value = r.scalar(node, what, (int, float))
     if value is not None and not value > 0:
@@ -83,6 +91,7 @@ BOOL = Kind("boolean", _scalar(bool))
 NUMBER = Kind("number > 0", _positive)
 COUNT = Kind("integer ≥ 0", _count)
 DURATION = Kind("duration", _converted(parse_duration), lambda v: f"{v:g}s")
+POSITIVE_DURATION = Kind("duration > 0", _positive_duration, lambda v: f"{v:g}s")
 SIZE = Kind("size", _converted(parse_size), format_size)
 SIZE_OR_AUTO = Kind("size | auto", _size_or_auto, lambda v: "auto" if v is None else format_size(v))
 PATH = Kind("path", _path, str)
@@ -112,6 +121,7 @@ class Section(Generic[T]):
     doc: str
     optional: bool = False
     moved: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a key of old -> where it is now
+    written: str = ""  # how a value of it is written, for the error when one is given where the section goes
 
     def fields(self) -> list[tuple[str, dataclasses.Field[Any]]]:
         return [(f.metadata.get("key") or f.name, f) for f in dataclasses.fields(self.kind)]  # type: ignore[arg-type]
@@ -128,6 +138,9 @@ class Section(Generic[T]):
 
     def read(self, r: Reader, node: yaml.Node) -> T:
         if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+            return self.kind()
+        if isinstance(node, yaml.ScalarNode) and self.written:
+            r.error(node, f"{self.name} is a section, not a value: write it as {self.name}: {self.written}")
             return self.kind()
         keys = r.mapping(node, self.name, tuple(key for key, _ in self.fields()), self.moved)
         values: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from hooks.degrade.pool import moves as pool_moves
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.degrade.wanted import Wanted
-from hooks.slots import held_of
+from hooks.slots import view_of
 from wrapper.config import ConfigError
 from wrapper.generation import Generation, Host
 from wrapper.proxy import error_body
@@ -191,4 +191,4 @@ def _renewed(fit: Fitted, rungs: list[RungPlan], budget: tuple[int, str], target
 def _held(state: DegradeState, generation: Generation) -> list[int]:
     """Tokens held per slot: as the last answers said, or as the slot book has them before any answer (what the
     start restored)."""
-    return list(state.conversation.values()) or list(held_of(generation).tokens_per_slot().values())
+    return list(state.conversation.values()) or list(view_of(generation).tokens_per_slot().values())

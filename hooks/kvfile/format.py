@@ -167,7 +167,8 @@ def header(data: Buffer, name: str = "") -> Header:
     magic = r.u32("the magic") if r.size >= 4 else 0
     if magic != MAGIC:
         raise SlotFileError(f"{name}: not a llama.cpp slot file (magic {magic:#010x}); slot files are the "
-                            "slotN-<fingerprint>.bin files, not their .json sidecars")
+                            "conv-<key>-<fingerprint>.bin (and older slotN-<fingerprint>.bin) files, not their "
+                            ".json sidecars")
     version, n_words = r.unpack("<II", "the header")
     if n_words * 4 > r.size - r.pos:
         raise SlotFileError(f"{name}: token count {n_words} exceeds the file size")

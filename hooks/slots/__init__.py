@@ -3,7 +3,7 @@ transfer between a slot and the store, the store of each slot folder, the argv t
 section, `llama-wrapper slots`. The other built-ins see them through this face only: what each slot holds
 (read-only) and the tokens this host's slots held at its last stop."""
 
-from hooks.slots.book import SlotsHeld, held_of
+from hooks.slots.book import SlotsView, view_of
 from hooks.slots.stores import noted_tokens
 
-__all__ = ["SlotsHeld", "held_of", "noted_tokens"]
+__all__ = ["SlotsView", "noted_tokens", "view_of"]

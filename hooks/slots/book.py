@@ -6,7 +6,7 @@ from): a stop or a leaving conversation then writes nothing. That is only truste
 (`pinned()`: every completion goes to the slot the conversation cache chose for it); otherwise a request may
 have run in any slot.
 
-The slot built-ins and the conversation cache change the book; the other built-ins read it through `SlotsHeld`.
+The slot built-ins and the conversation cache change the book; the other built-ins read it through `SlotsView`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from wrapper.generation import Generation
 from wrapper.kept import Key
 
 
-class SlotsHeld(Protocol):
+class SlotsView(Protocol):
     """The book as the other built-ins see it: read-only."""
 
     def holds(self, slot: int) -> list[int]: ...
@@ -111,6 +111,6 @@ def book_of(generation: Generation) -> SlotBook:
     return generation.state.get(_KEY)
 
 
-def held_of(generation: Generation) -> SlotsHeld:
+def view_of(generation: Generation) -> SlotsView:
     """What each slot of the generation holds, for a built-in that only reads it."""
     return book_of(generation)

@@ -111,10 +111,15 @@ def _rows(stores: list[Store]) -> list[dict[str, Any]]:
             if (problem := store.problem(entry)) is not None:
                 row["problem"] = problem
             rows.append(row)
-        for noted in store.held(layout.host_id()):  # a note naming a sidecar no lookup is offered
+        for noted in store.held(layout.host_id()):  # a note naming a sidecar no lookup is offered, or none
             if noted.entry is not None and noted.entry.problem is not None:
                 rows.append({**_entry_row(folder, noted.entry, noted.slot, "local"), "tokens": noted.n_tokens,
                              "problem": noted.entry.problem})
+            elif noted.entry is None:
+                rows.append({"model_id": folder.name, "slot": noted.slot, "entry": noted.key, "tokens": noted.n_tokens,
+                             "bytes": 0, "where": "gone", "file": str(layout.entry_sidecar(folder, noted.key)),
+                             "problem": f"no sidecar: the state this slot held ({noted.key}) is gone (evicted, "
+                                        "replaced by a longer state of its conversation, or removed)"})
     return rows
 
 
@@ -181,6 +186,9 @@ def inspect(path: str) -> None:
             summary["sidecar"] = entry.record
             if (problem := store.problem(entry)) is not None:
                 summary["problem"] = problem
+    if "sidecar" not in summary and Path(path).name.startswith(layout.ENTRY_PREFIX):
+        summary["problem"] = ("no sidecar names this file: it is no entry (a chunked state's tail without its "
+                              "manifest says nothing of its chunks); the next start sweeps it")
     click.echo(json.dumps(summary, indent=2))
 
 

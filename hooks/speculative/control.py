@@ -15,11 +15,12 @@ from hooks.speculative.settings import SPEC, switching
 from hooks.speculative.state import STATE
 from wrapper.generation import Host
 from wrapper.metrics import METRICS
-from wrapper.reload_ask import Reloaded, ask_reload
+from wrapper.reload_ask import Reloaded, RolledBack, ask_reload
 
 log = structlog.get_logger()
 
 LOOK_EVERY_S = 5.0
+RETRY_MAX_S = 600.0  # the longest a failed switch waits before the next try
 
 
 async def switch_when_calm(host: Host) -> None:
@@ -34,7 +35,7 @@ async def switch_when_calm(host: Host) -> None:
         now = time.monotonic()
         crowd = kept.crowd_since is not None
         since = kept.crowd_since if kept.crowd_since is not None else kept.alone_since
-        if now - since < settings.calm:
+        if now - since < settings.calm or now < kept.retry_at:
             continue
         running = speculates(generation.launch.argv)
         decision = decide(crowd, running, kept.measured(), settings.calm, kept.reload_s, settings.alone_speedup)
@@ -50,9 +51,15 @@ async def switch_when_calm(host: Host) -> None:
             kept.off = not speculates(host.current.launch.argv)  # what runs, not what the failed switch asked
             kept.alone_since = time.monotonic()  # tried again after a calm period, not at the next look
             kept.crowd_since = kept.alone_since if kept.crowd_since is not None else None
-            log.warning("spec.switch_failed", draft=decision.draft,
-                        reason=asked.reason)
+            kept.failures += 1  # and each failure waits twice as long: a given-up switch held requests too
+            wait_s = min(RETRY_MAX_S, settings.calm * 2 ** kept.failures)
+            kept.retry_at = time.monotonic() + wait_s
+            if isinstance(asked, RolledBack):
+                kept.reload_s = max(kept.reload_s, float(asked.answer.get("downtime_ms") or 0) / 1000)
+            log.warning("spec.switch_failed", draft=decision.draft, reason=asked.reason, retry_in_s=round(wait_s, 1),
+                        charged_s=round(kept.reload_s, 3))
             continue
+        kept.failures, kept.retry_at = 0, 0.0
         kept.switches += 1
         now = time.monotonic()  # the new configuration is given a calm period of its own to be measured
         kept.alone_since = now

@@ -46,8 +46,10 @@ class SpecState:
     rates: dict[str, float] = field(default_factory=dict)  # alone_with, alone_without, crowd_with, crowd_without
     drafted: int = 0
     accepted: int = 0
-    reload_s: float = 0.0  # the last switch's measured downtime
+    reload_s: float = 0.0  # the last switch's measured downtime (or a failed one's: the requests it held)
     switches: int = 0
+    failures: int = 0  # switches in a row that did not take effect: each waits twice as long as the last
+    retry_at: float = 0.0  # time.monotonic() before which no switch is tried again
     decisions: Decisions = field(default_factory=Decisions)
     file: MeasuredFile | None = None  # where the rates are kept (set by `keep`)
 

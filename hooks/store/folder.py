@@ -286,9 +286,12 @@ class DirectoryStore:
             kv_file = self._kv_file(sidecar, record) if entry.by_content else self._where(entry)[1]
             if problem := plan_problem(record):
                 raise layout.SidecarError(f"{sidecar.name} has {problem}")
-            layout.check_pair(record, kv_file)
         except layout.SidecarError as exc:
             raise Unreadable(f"no usable sidecar: {exc}") from exc
+        try:
+            layout.check_pair(record, kv_file)
+        except layout.SidecarError as exc:  # the sidecar is sound: the file it names is not what was saved
+            raise Unreadable(f"its state file is damaged or incomplete: {exc}") from exc
         return record, kv_file
 
     def problem(self, entry: Entry) -> str | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import yaml
 
 from hooks.store.bucket import Bucket, check_endpoint, parse_url
-from wrapper.settings import COUNT, DURATION, SIZE, Kind, Section, setting
+from wrapper.settings import COUNT, DURATION, POSITIVE_DURATION, SIZE, Kind, Section, setting
 from wrapper.yamlread import Reader
 
 
@@ -30,9 +30,20 @@ def _checked(check: Callable[[str], object]) -> Callable[[Reader, yaml.Node, str
     return read
 
 
+def _secret(r: Reader, node: yaml.Node, what: str) -> str | None:
+    """A text never echoed, also not in an error (an unquoted all-digit password is a YAML number)."""
+    if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:str":
+        kind = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping" if isinstance(
+            node, yaml.MappingNode) else "not a string"
+        r.error(node, f"{what} must be a string, and this is {kind} (its value is not shown): quote it, "
+                      f"e.g. {what.rsplit('.', 1)[-1]}: \"...\"")
+        return None
+    return str(node.value) or None
+
+
 TEXT = Kind("text", _text)
 ENDPOINT = Kind("http(s) URL", _checked(check_endpoint))
-SECRET = Kind("text (secret)", _text, lambda v: "(set)" if v else None)
+SECRET = Kind("text (secret)", _secret, lambda v: "(set)" if v else None)
 STORE_URL = Kind("s3://BUCKET/PREFIX", _checked(parse_url))
 
 
@@ -53,17 +64,18 @@ class StoreSettings:
     access_key: str | None = setting(None, SECRET, "its access key id (else `AWS_ACCESS_KEY_ID`, ~/.aws, a role); "
                                      "never shown")
     secret_key: str | None = setting(None, SECRET, "its secret key (else `AWS_SECRET_ACCESS_KEY`, ...); never shown")
-    refresh: float = setting(5.0, DURATION, "how often the object store's list of conversations is read again "
+    refresh: float = setting(5.0, POSITIVE_DURATION, "how often the object store's list of conversations is read again "
                              "(what other wrappers uploaded is found this soon)")
     flush: float = setting(5.0, DURATION, "at a drain or a stop, upload what is left for at most this long (it "
                            "counts in the stop's time: raise it with the drain's budget)")
-    timeout: float = setting(10.0, DURATION, "one request to the object store gives up after this long")
+    timeout: float = setting(10.0, POSITIVE_DURATION, "one request to the object store gives up after this long")
 
 
 MOVED_FROM_SLOTS = {"store": "store.url", **{f"store_{key}": f"store.{key}" for key in (
     "endpoint", "region", "access_key", "secret_key", "refresh", "flush", "timeout")}}  # slots.<key> ->
 MOVED_FROM_CACHE = {key: f"store.{key}" for key in ("budget", "entry_max", "min_free", "chunk_tokens")}  # cache.<key>
-STORE = Section("store", StoreSettings, "where saved states are kept: the slot folder, and an object store behind it")
+STORE = Section("store", StoreSettings, "where saved states are kept: the slot folder, and an object store behind it",
+                written="{url: s3://BUCKET/PREFIX}")
 
 
 def bucket_for(settings: StoreSettings) -> Bucket:

@@ -121,3 +121,20 @@ def test_ls_names_a_noted_slot_whose_sidecar_cannot_be_used(tmp_path: Path) -> N
     (row,) = [json.loads(line) for line in
               CliRunner().invoke(main, ["slots", "ls", "--dir", str(tmp_path), "--json"]).output.splitlines()]
     assert row["slot"] == 0 and row["tokens"] == 3 and "names an odd file: '../outside.bin'" in row["problem"]
+
+
+def test_ls_names_a_noted_slot_whose_sidecar_is_gone_and_inspect_an_orphan_tail(tmp_path: Path) -> None:
+    folder = tmp_path / "aaaa"
+    folder.mkdir()
+    store = DirectoryStore(folder)
+    part = folder / part_name("test")
+    part.write_bytes(slot_bytes([1, 2, 3]))
+    entry = store.commit(part, [1, 2, 3], {"model": {"id": "aaaa", "name": "chat"}})
+    store.note(layout.host_id(), {1: entry})
+    (folder / f"conv-{entry.key}.json").unlink()
+    runner = CliRunner()
+    (row,) = [json.loads(line) for line in
+              runner.invoke(main, ["slots", "ls", "--dir", str(tmp_path), "--json"]).output.splitlines()]
+    assert (row["slot"], row["tokens"], row["where"]) == (1, 3, "gone") and "no sidecar" in row["problem"]
+    inspected = json.loads(runner.invoke(main, ["slots", "inspect", str(folder / entry.name)]).output)
+    assert "no sidecar names this file" in inspected["problem"]

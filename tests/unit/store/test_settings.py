@@ -68,3 +68,28 @@ def test_map_on_keeps_order_and_raises_the_first_error() -> None:
         return n
     with pytest.raises(ValueError, match="four"):
         map_on(2, fails, range(8))
+
+
+@pytest.mark.parametrize("value", ["12345", "[a, b]", "{x: 1}", "1.5", "true"])
+def test_a_secret_of_the_wrong_type_is_refused_without_its_value(value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"store:\n  secret_key: {value}\n", "c.yaml")
+    message = str(caught.value)
+    assert "c.yaml:2: store.secret_key must be a string" in message and "quote it" in message
+    assert value not in message and "12345" not in message
+
+
+def test_a_quoted_secret_of_digits_is_read() -> None:
+    assert STORE.of(parse_config('store: {access_key: "12345"}\n', "c.yaml")).access_key == "12345"
+
+
+def test_the_store_section_written_as_its_old_value_says_how_to_write_it() -> None:
+    with pytest.raises(ConfigError, match=r"c.yaml:1: store is a section, not a value: write it as store: "
+                                          r"\{url: s3://BUCKET/PREFIX\}"):
+        parse_config("store: s3://bkt/p\n", "c.yaml")
+
+
+@pytest.mark.parametrize("key", ["refresh", "timeout"])
+def test_a_refresh_or_timeout_of_nothing_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"c.yaml:1: store.{key} must be more than 0s"):
+        parse_config(f"store: {{{key}: 0s}}\n", "c.yaml")
