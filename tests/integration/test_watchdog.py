@@ -149,3 +149,47 @@ def test_a_hang_is_noticed_and_the_stream_goes_on(tmp_path: Path, server_bin: st
         assert noticed["on"] == "hang"
         assert time.monotonic() - began < 120
         assert wrapper.stop() == 0
+
+
+def test_a_crash_during_the_stops_save_loses_no_kept_conversation(tmp_path: Path, server_bin: str,
+                                                                   demo_path: str) -> None:
+    first = [{"role": "user", "content": QUESTION}]
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        answer = chat(wrapper, first)
+        history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        pid = server_pid(wrapper)
+        wrapper.signal_group(signal.SIGTERM)  # llama-swap stops the model, and the server dies under the save
+        os.kill(pid, signal.SIGKILL)
+        wrapper.wait(60)
+    turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Thank you."}]
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as again:
+        assert reused(chat(again, turn)) >= 0.9 * history  # the checkpoint, restored at the start
+        assert again.stop() == 0
+
+
+def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    token = "watchdog-token"
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path),
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": token}) as wrapper:
+        answers: list[dict[str, Any]] = []
+        asking = threading.Thread(target=lambda: answers.append(chat(wrapper, [
+            {"role": "user", "content": QUESTION}], max_tokens=150)))
+        asking.start()
+        wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
+                 60, "the answer under way")
+        old = server_pid(wrapper)
+        reloading: list[int] = []
+        reload = threading.Thread(target=lambda: reloading.append(http(
+            "POST", f"{wrapper.url}/wrapper/reload", {"n_ctx": 4096}, timeout=600,
+            headers={"Authorization": f"Bearer {token}"})[0]))
+        reload.start()
+        wait_for(lambda: wrapper.status()["state"] == "reloading", 30, "the reload to drain")
+        os.kill(old, signal.SIGKILL)
+        reload.join(300)
+        asking.join(300)
+        assert answers and answers[0]["choices"][0]["message"]["content"]  # sent again to the new server
+        assert reloading and wrapper.status()["state"] == "ready" and server_pid(wrapper) != old
+        assert wrapper.stop() == 0
