@@ -55,7 +55,7 @@ def checkpoints(wrapper: Wrapper, turns: int = 6) -> list[dict[str, Any]]:
     messages: list[dict[str, str]] = []
     rows = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": f"Part {turn + 1} of the ledger: " + STORY * 12})
+        messages.append({"role": "user", "content": f"Part {turn + 1} of the ledger: " + STORY * 20})
         answer = chat(wrapper.url, messages)
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
         seen = len(wrapper.events("conversations.checkpoint"))
