@@ -40,6 +40,7 @@ class Notifier:
             return
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.setblocking(False)  # a reader that lags (its queue full) never stalls the wrapper's loop
                 sock.sendto("\n".join(lines).encode(), self.address)
         except OSError as exc:
             if not self._failed:

@@ -80,6 +80,7 @@ class Supervisor:
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self._background: list[asyncio.Task[None]] = []
+        self._pinging: asyncio.Task[None] | None = None
         self._stop_requested = asyncio.Event()
         self._signals = 0
         self._first_signal: signal.Signals | None = None
@@ -219,17 +220,20 @@ class Supervisor:
                  start_s=round(self.ready_at - self.started_at, 3))
 
     def _background_work(self) -> list[asyncio.Task[None]]:
-        """The built-ins' work from ready until the stop (again after a restart), and systemd's watchdog."""
+        """The built-ins' work from ready until the stop (again after a restart, which cancels it), and systemd's
+        watchdog, started once: it goes on through a restart."""
         work = [asyncio.ensure_future(each) for each in built_ins.background(self.serving)]
-        if self.notifier.watchdog_s is not None:
-            work.append(asyncio.ensure_future(self._watchdog(self.notifier.watchdog_s)))
+        if self.notifier.watchdog_s is not None and self._pinging is None:
+            self._pinging = asyncio.ensure_future(self._watchdog(self.notifier.watchdog_s))
         return work
 
     async def _watchdog(self, every: float) -> None:
-        """WATCHDOG=1 while llama-server answers (a reload's held moments included: the wrapper is alive)."""
+        """WATCHDOG=1 while llama-server answers, and while the wrapper brings it back (a reload, a restart: both
+        bounded by their own timeouts), so that systemd does not kill the wrapper for a model that loads slowly."""
         serving = self.serving
         while True:
-            if serving.lifecycle.state is State.RELOADING or await serving.current.client.healthy(timeout=every):
+            if serving.lifecycle.state in (State.RELOADING, State.RESTARTING) \
+                    or await serving.current.client.healthy(timeout=every):
                 self.notifier.watchdog()
             await asyncio.sleep(every)
 
@@ -237,7 +241,7 @@ class Supervisor:
         stop_began = time.monotonic()
         serving, hooks, forced = self.serving, self.hooks, self.hooks.forced
         serving.lifecycle.to(State.STOPPING)
-        for task in self._background:
+        for task in [*self._background, *([self._pinging] if self._pinging else [])]:
             task.cancel()
         served = ended is Ended.SERVED and not await self.stop_drain.settled()  # a drain saved all already
         if served and not forced.is_set():
