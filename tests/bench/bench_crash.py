@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests import models
-from tests.helpers import Wrapper, http, wait_for
+from tests.helpers import Wrapper, chat, wait_for
 
 CHECKPOINT = 256
 CONFIG = f"""
@@ -43,20 +43,13 @@ STORY = "The keeper of the northern lighthouse wrote the name of every ship that
 GEMMA_27B_KV_PER_TOKEN = 15.5 * 2**30 / 32768  # f16, --swa-full (the README's recipe): bytes of KV per token
 
 
-def chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16) -> dict[str, Any]:
-    status, _, raw = http("POST", f"{url}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": max_tokens, "temperature": 0}, timeout=600)
-    assert status == 200, raw[:300]
-    answer: dict[str, Any] = json.loads(raw)
-    return answer
-
 
 def checkpoints(wrapper: Wrapper, turns: int = 6) -> list[dict[str, Any]]:
     messages: list[dict[str, str]] = []
     rows = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Part {turn + 1} of the ledger: " + STORY * 20})
-        answer = chat(wrapper.url, messages)
+        answer = chat(wrapper.url, messages, max_tokens=16)
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
         seen = len(wrapper.events("conversations.checkpoint"))
 

@@ -13,7 +13,7 @@ from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import Wrapper, http, pid_alive, running, wait_for
+from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
 
 CONFIG = """
 slots: {{dir: {dir}}}
@@ -38,13 +38,6 @@ def server_pid(wrapper: Wrapper) -> int:
     found: int = wrapper.status()["server"]["pid"]
     return found
 
-
-def chat(wrapper: Wrapper, messages: list[dict[str, str]], max_tokens: int = 24) -> dict[str, Any]:
-    status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": max_tokens, "temperature": 0}, timeout=600)
-    assert status == 200, raw[:400]
-    answer: dict[str, Any] = json.loads(raw)
-    return answer
 
 
 def reused(answer: dict[str, Any]) -> int:
@@ -90,7 +83,7 @@ def test_a_stream_survives_a_sigkill_as_one_answer_and_the_conversation_comes_ba
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
         wrapper_pid = wrapper.process.pid
         first = [{"role": "user", "content": QUESTION}]
-        answer = chat(wrapper, first)
+        answer = chat(wrapper.url, first, max_tokens=24)
         history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
         turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
                 {"role": "user", "content": "Go on with the story, please."}]
@@ -112,8 +105,8 @@ def test_a_stream_survives_a_sigkill_as_one_answer_and_the_conversation_comes_ba
         (lost,) = wrapper.events("wrapper.server_lost")
         assert lost["reason"] == "crash" and lost["why"] == "killed by SIGKILL"
         assert wrapper.events("wrapper.request_again") and wrapper.events("wrapper.stream_resumed")
-        following = chat(wrapper, [*turn, {"role": "assistant", "content": text},
-                                   {"role": "user", "content": "Thank you."}])
+        following = chat(wrapper.url, [*turn, {"role": "assistant", "content": text},
+                                       {"role": "user", "content": "Thank you."}], max_tokens=24)
         assert reused(following) >= 0.9 * history, (reused(following), history)  # the conversation came back
         assert wrapper.status()["restarts"]["count"] == 1
         assert wrapper.stop() == 0
@@ -122,7 +115,7 @@ def test_a_stream_survives_a_sigkill_as_one_answer_and_the_conversation_comes_ba
 def test_a_whole_answer_survives_a_sigkill(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
         answers: list[dict[str, Any]] = []
-        asking = threading.Thread(target=lambda: answers.append(chat(wrapper, [
+        asking = threading.Thread(target=lambda: answers.append(chat(wrapper.url, [
             {"role": "user", "content": QUESTION}], max_tokens=200)))
         pid = server_pid(wrapper)
         asking.start()
@@ -155,7 +148,7 @@ def test_a_crash_during_the_stops_save_loses_no_kept_conversation(tmp_path: Path
                                                                    demo_path: str) -> None:
     first = [{"role": "user", "content": QUESTION}]
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
-        answer = chat(wrapper, first)
+        answer = chat(wrapper.url, first, max_tokens=24)
         history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
         wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
         pid = server_pid(wrapper)
@@ -165,7 +158,7 @@ def test_a_crash_during_the_stops_save_loses_no_kept_conversation(tmp_path: Path
     turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Thank you."}]
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as again:
-        assert reused(chat(again, turn)) >= 0.9 * history  # the checkpoint, restored at the start
+        assert reused(chat(again.url, turn, max_tokens=24)) >= 0.9 * history  # the checkpoint, restored at the start
         assert again.stop() == 0
 
 
@@ -175,7 +168,7 @@ def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path),
                  env={"LLAMA_WRAPPER_ADMIN_TOKEN": token}) as wrapper:
         answers: list[dict[str, Any]] = []
-        asking = threading.Thread(target=lambda: answers.append(chat(wrapper, [
+        asking = threading.Thread(target=lambda: answers.append(chat(wrapper.url, [
             {"role": "user", "content": QUESTION}], max_tokens=150)))
         asking.start()
         wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
