@@ -168,7 +168,7 @@ async def surviving(generation: Generation, on_line: Callable[[Generation, str],
             await generation.stop()
             if attempt == RESTARTS_AFTER_LOSS:
                 raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
-            log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
+            log.warning("wrapper.restarting_server", on="restore", why=str(exc), attempt=attempt + 1)
             METRICS.server_restarts.labels(reason="restore").inc()
             await generation.start(on_line)
     raise AssertionError("unreachable")

@@ -136,7 +136,7 @@ class Serving:
     async def _started_again(self, why: str) -> dict[str, Any]:
         generation, began = self.current, time.monotonic()
         self.lifecycle.to(State.RELOADING)  # requests wait for it, as for a reload
-        log.warning("wrapper.restarting_server", reason=why, attempt=1, on="request")
+        log.warning("wrapper.restarting_server", on="request", why=why, attempt=1)
         METRICS.server_restarts.labels(reason="restore").inc()
         try:
             await generation.stop()
