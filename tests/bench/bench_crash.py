@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from http.client import HTTPConnection
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests import models
-from tests.helpers import Wrapper, chat, wait_for
+from tests.helpers import Wrapper, chat, http, wait_for
 
 CHECKPOINT = 256
 CONFIG = f"""
@@ -62,6 +63,41 @@ def checkpoints(wrapper: Wrapper, turns: int = 6) -> list[dict[str, Any]]:
         rows.append({"turn": turn + 1, "tokens": kept["tokens"], "written": kept["written"],
                      "state": saved["bytes"], "ms": float(saved.get("server_ms") or saved["ms"])})
     return rows
+
+
+def stall(wrapper: Wrapper, slot: int) -> dict[str, Any]:
+    """A stream in the other slot while the checkpointed slot is saved (what a checkpoint does, but with a stream
+    under way, which the checkpoint's idle wait avoids): the longest gap between its tokens against the usual."""
+    server = wrapper.status()["server"]["url"]
+    host, port = server.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=600)
+    body = {"prompt": "Tell me a long story about a lighthouse.", "n_predict": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True, "id_slot": 1 - slot}
+    connection.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    arrivals: list[float] = []
+    saving: list[tuple[float, float, dict[str, Any]]] = []
+    for raw in reply:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        arrivals.append(time.perf_counter())
+        if len(arrivals) == 40:  # mid-stream: the save, from another thread as the wrapper's checkpoint would
+            def save() -> None:
+                began = time.perf_counter()
+                status, _, raw = http("POST", f"{server}/slots/{slot}?action=save", {"filename": "bench-stall.bin"},
+                                      timeout=120)
+                assert status == 200, raw[:300]
+                saving.append((began, time.perf_counter(), json.loads(raw)))
+            threading.Thread(target=save).start()
+    connection.close()
+    wait_for(lambda: saving, 60, "the save")
+    began, ended, answer = saving[0]
+    gaps = [(b - a, a, b) for a, b in itertools.pairwise(arrivals)]
+    during = max(gap for gap, a, b in gaps if b > began and a < ended)
+    usual = sorted(gap for gap, _, _ in gaps[:39])[19]
+    return {"longest": during, "usual": usual, "tokens": answer.get("n_saved"),
+            "save_ms": answer.get("timings", {}).get("save_ms")}
 
 
 def crash(wrapper: Wrapper) -> dict[str, Any]:
@@ -104,6 +140,7 @@ def main() -> None:
         try:
             wrapper.wait_ready(300)
             rows = checkpoints(wrapper)
+            stalled = stall(wrapper, wrapper.events("conversations.checkpoint")[-1]["slot"])
             crashed = crash(wrapper)
         finally:
             wrapper.stop(120)
@@ -117,6 +154,9 @@ def main() -> None:
     big = GEMMA_27B_KV_PER_TOKEN * 16384
     print(f"save rate {rate / 1e6:.0f} MB/s: a Gemma 3 27B slot of 16k tokens ({big / 2**30:.1f} GiB) would take "
           f"{big / rate:.1f} s, the longest a request arriving at that moment waits")
+    print(f"a save under a stream in the other slot ({stalled['tokens']} tokens, {stalled['save_ms']:.1f} ms): its "
+          f"longest gap {stalled['longest'] * 1000:.1f} ms against {stalled['usual'] * 1000:.1f} ms usually — the "
+          "stall a checkpoint would cause, which waiting until no request is in flight avoids")
     print(f"crash: the client waited {crashed['pause']:.2f} s for the next token after the kill (a token usually "
           f"comes every {crashed['usual'] * 1000:.0f} ms: x{crashed['pause'] / crashed['usual']:.0f}); "
           f"{crashed['tokens']} tokens, one stream to its end: {crashed['whole']}")
