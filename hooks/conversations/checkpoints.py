@@ -20,7 +20,7 @@ from hooks.conversations.state import Conversations, enabled, state
 from hooks.conversations.step import save_slot
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
-from hooks.store import Store, layout
+from hooks.store import Store, common_prefix, layout
 from wrapper.generation import Generation, Host
 
 log = structlog.get_logger()
@@ -49,13 +49,25 @@ async def keep_while_idle(host: Host) -> None:
             log.exception("conversations.checkpoint_failed")
 
 
+def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -> int:
+    """How much a slot holding `held` tokens for `prompt` grew since it was kept as `kept_as` (its prompt then,
+    the tokens it held then): from what it held when this conversation goes on from that one, else from what
+    the two share (another conversation took the slot)."""
+    if kept_as is None:
+        return held
+    kept_prompt, kept_held = kept_as
+    shared = common_prefix(kept_prompt, prompt)
+    return held - (kept_held if shared == len(kept_prompt) else shared)
+
+
 async def _keep_grown(host: Host, generation: Generation, conv: Conversations, store: Store, every: int) -> None:
     book = book_of(generation)
     for slot, tokens in book.known().items():
         if host.in_flight or host.current is not generation:
             return  # a request came: it goes first
-        kept = conv.kept_tokens.get(slot, 0)
-        if len(tokens) - kept < every or book.entry_of(slot) is not None:
+        held = max(len(tokens), conv.left.get(slot, 0))  # the prompt, and the answer it generated
+        growth = grown(conv.kept_as.get(slot), tokens, held)
+        if growth < every or book.entry_of(slot) is not None:
             continue  # not grown enough, or the store holds what it holds
         conv.busy.add(slot)  # a request for this slot waits for the save (the server is busy with it anyway)
         began = time.monotonic()
@@ -64,10 +76,10 @@ async def _keep_grown(host: Host, generation: Generation, conv: Conversations, s
         finally:
             conv.busy.discard(slot)
             conv.freed.set()
-        conv.kept_tokens[slot] = len(tokens)
+        conv.kept_as[slot] = (tokens, entry.n_tokens if entry is not None else held)
         if entry is not None or (key := book.entry_of(slot)) is not None:
             kept_entry = entry or store.get(str(key))
             if kept_entry is not None:
                 store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
-        log.info("conversations.checkpoint", slot=slot, tokens=len(tokens), grown=len(tokens) - kept,
+        log.info("conversations.checkpoint", slot=slot, tokens=conv.kept_as[slot][1], grown=growth,
                  written=entry.written if entry is not None else 0, ms=round((time.monotonic() - began) * 1000, 1))

@@ -12,7 +12,7 @@ import structlog
 
 from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
 from hooks.conversations.settings import CACHE
-from hooks.conversations.state import Conversations, enabled, state
+from hooks.conversations.state import ANSWERING, Conversations, enabled, state
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
@@ -62,6 +62,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         log.exception("conversations.internal_error", slot=slot)
     out.payload["id_slot"] = slot
     out.body = json.dumps(out.payload).encode()
+    ANSWERING.set(slot)
     return out
 
 

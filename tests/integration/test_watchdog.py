@@ -162,6 +162,26 @@ def test_a_crash_during_the_stops_save_loses_no_kept_conversation(tmp_path: Path
         assert again.stop() == 0
 
 
+def test_a_crash_between_turns_loses_nothing_when_the_answer_made_the_growth(tmp_path: Path, server_bin: str,
+                                                                             demo_path: str) -> None:
+    """A prompt under cache.checkpoint_tokens (1024) whose answer takes the slot past it is kept while idle: the
+    answer's tokens count, as the next turn reads them again."""
+    first = [{"role": "user", "content": "A story: " + STORY * 40 + "\nTell it again."}]  # ~760 tokens
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        answer = chat(wrapper.url, first, max_tokens=320, ignore_eos=True)
+        history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        assert answer["usage"]["prompt_tokens"] < 1024 <= history
+        (kept,) = wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        assert kept["tokens"] >= history - 1
+        pid = server_pid(wrapper)
+        os.kill(pid, signal.SIGKILL)  # between turns
+        wait_for(lambda: wrapper.events("wrapper.server_back"), 60, "the server started again")
+        turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Thank you."}]
+        assert reused(chat(wrapper.url, turn, max_tokens=8)) >= 0.9 * history
+        assert wrapper.stop() == 0
+
+
 def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
     token = "watchdog-token"
