@@ -26,9 +26,10 @@ from aiohttp import web
 from wrapper import paths
 from wrapper.continuation import continued, cut_by_context, merged
 from wrapper.generation import Host
-from wrapper.proxy import Caught, Cut, Held, Wanted, json_error, json_object
+from wrapper.proxy import Caught, Cut, Held, Wanted, json_object
 from wrapper.sse import Events, as_answer
 from wrapper.steps import CannotGrow, Grown, Growth
+from wrapper.watchdog import GONE_WHY, Loss
 
 log = structlog.get_logger()
 
@@ -40,9 +41,9 @@ MAX_LOSSES = 2  # in flight at this many losses of the server: a prompt that kil
 Exchange = Callable[[bytes, Wanted, Events | None, web.StreamResponse | None],
                     Awaitable[web.StreamResponse | Caught | Held | Cut]]
 """(the body to send, which whole answers to catch, the events filter, the client's response it continues)"""
-Lost = Callable[[], Awaitable[bool]]
-"""After a Cut: whether llama-server was lost under it and the wrapper will serve again (the next pass waits at
-the gate for the new server)."""
+Lost = Callable[[], Awaitable[Loss]]
+"""After a Cut: whether llama-server was lost under it, and whether the wrapper will serve again (the next pass
+waits at the gate for the new server)."""
 
 
 class AnswerLoop:
@@ -56,6 +57,7 @@ class AnswerLoop:
             and path in paths.CONTINUABLE  # an answer cut by a full context goes on
         self.resumable = lost is not None and self.original is not None and path in paths.CONTINUABLE
         self.losses = 0
+        self.gone = False  # the server was lost and is not started again
 
     async def run(self) -> web.StreamResponse:
         streamed = self.original is not None and self.original.get("stream") is True
@@ -77,7 +79,7 @@ class AnswerLoop:
             if isinstance(result, Cut):
                 if result.response is None and await self._go_on_after(result):
                     continue  # the same request again, to the server started again
-                return self._refused_after_loss(result)
+                return await self._told_after_loss(result)
             if not isinstance(result, Caught):
                 return result.response if isinstance(result, Held) else result
             if result.status >= 400:
@@ -133,7 +135,7 @@ class AnswerLoop:
                 text += "".join(events.content)
                 generated += events.tokens
                 if not await self._go_on_after(result):
-                    return self._refused_after_loss(result) if response is None else result.answer()
+                    return await self._told_after_loss(result)
                 if response is not None:  # what the client has is the prefix the new server goes on from
                     request_now = continued(self.path, original, _so_far(chat, text, generated))
                     sent = json.dumps(request_now).encode()
@@ -177,7 +179,11 @@ class AnswerLoop:
     async def _go_on_after(self, cut: Cut) -> bool:
         """Whether to send again (or go on) after a cut: the server was lost under it and another serves now, and
         this request was not in flight at MAX_LOSSES losses."""
-        if self.lost is None or not await self.lost():
+        if self.lost is None:
+            return False
+        loss = await self.lost()
+        if loss is not Loss.BACK:
+            self.gone = loss is Loss.GONE
             return False
         self.losses += 1
         if self.losses >= MAX_LOSSES:
@@ -187,11 +193,13 @@ class AnswerLoop:
         log.warning("wrapper.request_again", path=self.path, started=cut.response is not None)
         return True
 
-    def _refused_after_loss(self, cut: Cut) -> web.StreamResponse:
+    async def _told_after_loss(self, cut: Cut) -> web.StreamResponse:
+        """A 502 for a request whose answer had not begun; an error event in a stream that had (then the
+        connection is closed)."""
         if self.losses >= MAX_LOSSES:
-            return json_error(502, f"llama-server was lost {self.losses} times while it served this request (a "
-                              "prompt that makes it crash or hang?): it is not sent again", "bad_gateway")
-        return json_error(502, f"llama-server could not be reached: {cut.error}", "bad_gateway")
+            return await cut.answer(f"llama-server was lost {self.losses} times while it served this request (a "
+                                    "prompt that makes it crash or hang?): it is not sent again")
+        return await cut.answer(GONE_WHY if self.gone else None)
 
     # -- growing --------------------------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from wrapper.proxy import (
 from wrapper.serving import Serving
 from wrapper.sse import Events
 from wrapper.steps import Outgoing, Reply, Shown
-from wrapper.watchdog import WATCHDOG
+from wrapper.watchdog import GONE_WHY, WATCHDOG, Loss
 
 log = structlog.get_logger()
 
@@ -124,26 +124,21 @@ class _Passes:
     def __init__(self, request: web.Request, serving: Serving, path: str) -> None:
         self.request, self.serving, self.path = request, serving, path
         self.generation: Generation | None = None
+        self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
 
     async def through(self, send: Callable[[Upstream], Awaitable[web.StreamResponse | Cut]],
                       again: bool) -> web.StreamResponse:
         """One pass streamed through (`again`: once more when llama-server was lost under it before its answer
         began); a cut the request does not go on from is told to its client."""
-        result = await self.send(send)
-        if isinstance(result, Cut) and result.response is None and again and await self.lost():
-            log.warning("wrapper.request_again", path=self.path, started=False)
-            result = await self.send(send)
-        return result.answer() if isinstance(result, Cut) else result
+        result = await self._passed(send, again)
+        return await result.answer(self._why) if isinstance(result, Cut) else result
 
     async def caught(self, send: Callable[[Upstream], Awaitable[web.StreamResponse | Caught | Held | Cut]],
                      again: bool) -> web.StreamResponse | Caught:
         """As `through`, for a pass that may catch a whole answer (without an events filter: nothing is held)."""
-        result = await self.send(send)
-        if isinstance(result, Cut) and result.response is None and again and await self.lost():
-            log.warning("wrapper.request_again", path=self.path, started=False)
-            result = await self.send(send)
+        result = await self._passed(send, again)
         if isinstance(result, Cut):
-            return result.answer()
+            return await result.answer(self._why)
         return result.response if isinstance(result, Held) else result
 
     async def exchange(self, body: bytes, wanted: Wanted, events: Events | None,
@@ -152,9 +147,25 @@ class _Passes:
         request, path = self.request, self.path
         return await self.send(lambda to: catch(request, to, wanted, path, body, events, going_on))
 
-    async def lost(self) -> bool:
-        """After a cut pass: its server was lost, and another will serve (the next pass waits at the gate)."""
-        return self.generation is not None and await self.serving.lost_under(self.generation)
+    async def lost(self) -> Loss:
+        """After a cut pass: whether its server was lost, and whether another will serve (the next pass waits at
+        the gate)."""
+        if self.generation is None:
+            return Loss.NONE
+        loss = await self.serving.lost_under(self.generation)
+        self._why = GONE_WHY if loss is Loss.GONE else None
+        return loss
+
+    async def _passed(self, send: Callable[[Upstream], Awaitable[R]], again: bool) -> R | web.StreamResponse:
+        """One pass, and (`again`) once more to the server started again when the one it went to was lost under it
+        before its answer began. A cut pass learns whether its server was lost, which says what its client is
+        told."""
+        result = await self.send(send)
+        if not isinstance(result, Cut) or await self.lost() is not Loss.BACK or not again \
+                or result.response is not None:
+            return result
+        log.warning("wrapper.request_again", path=self.path, started=False)
+        return await self.send(send)
 
     async def send(self, send: Callable[[Upstream], Awaitable[R]]) -> R | web.StreamResponse:
         """One pass through the gate to what serves now: `send` there, counted in flight, cut by the stop's drain
@@ -178,7 +189,8 @@ class _Passes:
             started = request.get(STARTED)
             log.warning("proxy.cut", method=request.method, path=self.path, mid_response=started is not None)
             if started is not None:
-                return broken_off(request, started)
+                return await broken_off(request, started, "llama-wrapper is stopping: the answer was cut at the "
+                                        "drain deadline")
             return json_error(503, "llama-wrapper is stopping: the request was cut at the drain deadline",
                               "unavailable_error", {"Retry-After": RETRY_AFTER_S})
         finally:

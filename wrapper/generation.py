@@ -101,8 +101,9 @@ class Generation:
         while not await self.client.healthy(timeout=1.0):
             if not child.alive:
                 finished = await child.wait()
+                said = " | ".join(list(child.tail)[-3:])
                 raise StartFailed(f"llama-server exited with status {finished.status} before it was ready "
-                                  f"(last output: {' | '.join(list(child.tail)[-3:])})")
+                                  + (f"(last output: {said})" if said else "(it printed nothing)"))
             if time.monotonic() > deadline:
                 await child.stop(config.stop_timeout)
                 raise StartFailed(f"llama-server was not ready within server.ready_timeout "

@@ -81,8 +81,13 @@ async def _once(raw: bytes) -> AsyncIterator[bytes]:
         yield raw
 
 
-def broken_off(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
-    """Headers are gone already: close the connection so the client sees a truncated answer, not a whole one."""
+async def broken_off(request: web.BaseRequest, response: web.StreamResponse, why: str) -> web.StreamResponse:
+    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it), then
+    the connection is closed so that the client sees a truncated answer, not a whole one."""
+    if response.content_type == "text/event-stream":
+        event = {"error": {"code": 502, "message": why, "type": "server_error"}}
+        with contextlib.suppress(ConnectionError, RuntimeError):  # a client gone already
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
     if request.transport is not None:
         request.transport.close()
     return response
@@ -137,16 +142,18 @@ class Upstream:
 class Cut:
     """llama-server went away under the exchange: before any of its answer reached the client (`response` None),
     or in the middle of it (the client's response, still open). `answer()` is what a caller that does not
-    go on tells the client: a 502, or a closed connection once the answer had begun."""
+    go on tells the client: a 502, or (once the answer had begun) an error event and a closed connection."""
 
     error: str
     request: web.BaseRequest
     response: web.StreamResponse | None = None
 
-    def answer(self) -> web.StreamResponse:
+    async def answer(self, why: str | None = None) -> web.StreamResponse:
+        """`why`: what the client is told (default: that llama-server could not be reached, and the error)."""
+        told = why or f"llama-server could not be reached: {self.error}"
         if self.response is not None and self.response.prepared:
-            return broken_off(self.request, self.response)
-        return json_error(502, f"llama-server could not be reached: {self.error}", "bad_gateway")
+            return await broken_off(self.request, self.response, told)
+        return json_error(502, told, "bad_gateway")
 
 
 Wanted = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its status): keep it from the client

@@ -28,7 +28,7 @@ from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
-from wrapper.watchdog import WATCHDOG, Lost, WatchdogSettings, died, hung
+from wrapper.watchdog import WATCHDOG, Loss, Lost, WatchdogSettings, died, hung
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -55,6 +55,7 @@ class Serving:
         self._risky_ended = asyncio.Event()
         self._restart_failed = False
         self.heard_at = time.monotonic()  # a request in flight last sent to llama-server or heard from it
+        self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
 
     def heard(self) -> None:
         """A request in flight sent to llama-server, or a byte of an answer came back (the watchdog's stall)."""
@@ -176,21 +177,27 @@ class Serving:
             if child is self.current.child and not child.alive:
                 return died(await child.wait())
 
-    async def lost_under(self, generation: Generation, within: float = LOSS_SEEN_S) -> bool:
-        """After an exchange with `generation` was cut: whether its server was lost and the watchdog starts another
-        (the caller's next pass waits at the gate for it). Its end may be seen a moment after the cut."""
-        if not WATCHDOG.of(generation.config).enabled:
-            return False
+    async def lost_under(self, generation: Generation, within: float = LOSS_SEEN_S) -> Loss:
+        """After an exchange with `generation` was cut: whether its server was lost, and if so whether the watchdog
+        starts another (the caller's next pass waits at the gate for it). Its end may be seen a moment after the
+        cut. Counted in `cut_by_loss` meanwhile."""
         child = generation.child
         if child is None:
-            return False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(child.wait(), within)
-        if child.alive and self.lifecycle.state is not State.RESTARTING:
-            return False  # it is well: the cut was another failure
-        with contextlib.suppress(TimeoutError):  # the supervisor holds the gate before the next pass reaches it
-            await asyncio.wait_for(self._moved_on(generation), within)
-        return True
+            return Loss.NONE
+        self.cut_by_loss += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child.wait(), within)
+            if child.alive and self.lifecycle.state is not State.RESTARTING:
+                return Loss.NONE  # it is well: the cut was another failure
+            if not WATCHDOG.of(generation.config).enabled:
+                return Loss.GONE
+            with contextlib.suppress(TimeoutError):  # the supervisor holds the gate before the next pass reaches it
+                await asyncio.wait_for(self._moved_on(generation), within)
+            serving_again = (State.READY, State.RESTARTING, State.RELOADING)
+            return Loss.BACK if self.lifecycle.state in serving_again else Loss.GONE  # given up: it stops
+        finally:
+            self.cut_by_loss -= 1
 
     async def _moved_on(self, generation: Generation) -> None:
         """Until the wrapper no longer serves with `generation` as if it were well (restarting, stopping, or

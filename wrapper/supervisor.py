@@ -53,6 +53,7 @@ class Ended(Enum):
     SERVED = "served"  # ready once: drain, on_will_stop
     START_FAILED = "start failed"  # exit 3, result start-failed
     ABORTED = "aborted"  # a signal during the start
+    HUNG = "hung"  # served, then llama-server hung and the watchdog, out of restarts, killed it: result watchdog
 
 
 Serve = Callable[["Supervisor"], AbstractAsyncContextManager[None]]
@@ -81,6 +82,7 @@ class Supervisor:
         self.ready_at: float | None = None
         self._background: list[asyncio.Task[None]] = []
         self._pinging: asyncio.Task[None] | None = None
+        self._killed_hung = False  # the watchdog gave up on a hung server and killed it
         self._stop_requested = asyncio.Event()
         self._signals = 0
         self._first_signal: signal.Signals | None = None
@@ -133,7 +135,7 @@ class Supervisor:
             if not restart.done() or restart.cancelled() or not restart.result():
                 break  # a stop asked for (the restart is cancelled), or given up
         await self.serving.abandon_reload()  # SIGTERM mid-reload: the stop then saves what is there
-        return await self._stop(Ended.SERVED)
+        return await self._stop(Ended.HUNG if self._killed_hung else Ended.SERVED)
 
     async def _watch(self) -> Lost | None:
         """Until a stop is asked for (None) or llama-server is lost: dead on its own, or (with the watchdog) hung."""
@@ -150,13 +152,19 @@ class Supervisor:
         serving, settings = self.serving, WATCHDOG.of(self.serving.current.config)
         old = serving.current
         up_s = round(time.monotonic() - (self.ready_at or self.started_at), 3)
-        log.error("wrapper.server_lost", reason=lost.reason, why=lost.why, in_flight=serving.in_flight,
+        in_flight = serving.in_flight + serving.cut_by_loss  # those cut by it already wait to learn what it was
+        log.error("wrapper.server_lost", reason=lost.reason, why=lost.why, in_flight=in_flight,
                   held=serving.gate.held, up_s=up_s, pid=old.child.pid if old.child else None)
         if not settings.enabled or not self.budget.allows():
             log.error("wrapper.giving_up", restarts=self.budget.count, within_s=settings.window,
                       why="watchdog.enabled is false" if not settings.enabled else
+                      "watchdog.restarts is 0" if not settings.restarts else
                       f"{settings.restarts} restart(s) within watchdog.window ({settings.window:g}s) already",
                       hint="the wrapper stops with the server's exit status: llama-swap or systemd take over")
+            if old.child is not None and old.child.alive:  # hung: no stop it could hear (SIGTERM, the save)
+                self._killed_hung = True
+                old.child.end_leftovers()
+                await old.child.wait()
             return False
         began = time.monotonic()
         serving.lifecycle.to(State.RESTARTING)  # requests wait, as during a reload; /health says 503
@@ -328,6 +336,8 @@ def _result(finished: Exit | None, ended: Ended) -> str:
         return "start-failed"
     if finished is None:
         return "success"
+    if ended is Ended.HUNG:
+        return "watchdog"  # as systemd names a service its watchdog killed
     if finished.killed:
         return "timeout"
     if finished.returncode == 0 or (finished.asked and finished.returncode == -signal.SIGTERM):

@@ -16,6 +16,7 @@ from wrapper.generation import Host
 from wrapper.proxy import Caught, Cut, Held, Wanted
 from wrapper.sse import Events
 from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
+from wrapper.watchdog import GONE_WHY, Loss
 
 CHAT = "/v1/chat/completions"
 N_CTX = 512
@@ -65,10 +66,10 @@ class Growing:
 class Losing:
     """Whether the server was lost under each cut pass (and another serves): in turn."""
 
-    answers: list[bool]
+    answers: list[Loss]
     asked: int = 0
 
-    async def lost(self) -> bool:
+    async def lost(self) -> Loss:
         self.asked += 1
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
@@ -156,21 +157,21 @@ async def test_a_continuation_that_cannot_grow_answers_what_came() -> None:
 
 
 async def test_a_request_the_server_was_lost_under_is_sent_again_to_the_next_one() -> None:
-    script, losing = Script(["Server disconnected", chat("after the restart")]), Losing([True])
+    script, losing = Script(["Server disconnected", chat("after the restart")]), Losing([Loss.BACK])
     response = await loop(script, None, ASKED, losing=losing).run()
     assert answer(response)["choices"][0]["message"]["content"] == "after the restart"
     assert script.sent == [ASKED, ASKED] and losing.asked == 1
 
 
 async def test_a_cut_with_no_server_lost_is_the_clients_502() -> None:
-    script, losing = Script(["Connection refused"]), Losing([False])
+    script, losing = Script(["Connection refused"]), Losing([Loss.NONE])
     response = await loop(script, None, ASKED, losing=losing).run()
     assert response.status == 502 and "Connection refused" in answer(response)["error"]["message"]
     assert len(script.sent) == 1
 
 
 async def test_a_request_in_flight_at_two_losses_is_not_sent_a_third_time() -> None:
-    script, losing = Script(["Server disconnected"]), Losing([True])
+    script, losing = Script(["Server disconnected"]), Losing([Loss.BACK])
     response = await loop(script, None, ASKED, losing=losing).run()
     error = answer(response)["error"]
     assert response.status == 502 and "lost 2 times while it served this request" in error["message"]
@@ -181,3 +182,10 @@ async def test_without_the_watchdog_a_cut_is_a_502_and_nothing_is_sent_again() -
     script = Script(["Server disconnected"])
     response = await loop(script, None, ASKED).run()
     assert response.status == 502 and len(script.sent) == 1
+
+
+async def test_a_server_lost_and_not_started_again_is_said_so() -> None:
+    script, losing = Script(["Server disconnected"]), Losing([Loss.GONE])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert response.status == 502 and answer(response)["error"]["message"] == GONE_WHY
+    assert len(script.sent) == 1

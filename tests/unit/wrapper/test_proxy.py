@@ -82,7 +82,7 @@ async def test_unreachable_upstream_is_a_502_json_error() -> None:
         async def handler(request: web.Request) -> web.StreamResponse:
             answer = await forward(request, Upstream(dead, session))
             assert isinstance(answer, Cut) and answer.response is None  # nothing of an answer had begun
-            return answer.answer()
+            return await answer.answer()
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handler)

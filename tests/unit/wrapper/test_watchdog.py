@@ -5,11 +5,13 @@ rules on their own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import threading
 from collections.abc import Sequence
+from http.client import HTTPConnection, IncompleteRead
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -18,7 +20,7 @@ import pytest
 
 from tests.helpers import Wrapper, child_argv, http, pid_alive, running, wait_for
 from wrapper.lifecycle import State
-from wrapper.watchdog import Budget, Lost, WatchdogSettings, Watched, hung, progress
+from wrapper.watchdog import GONE_WHY, Budget, Lost, WatchdogSettings, Watched, hung, progress
 
 FAST = "watchdog: {health_timeout: 1s, stall: 2s}\n"
 
@@ -73,6 +75,35 @@ def test_a_server_that_dies_at_every_start_is_given_up_with_its_status(tmp_path:
     failed = wrapper.events("wrapper.restart_failed")
     assert [e["attempt"] for e in failed] == [1, 2, 3] and "status 5" in failed[0]["error"]
     assert wrapper.events("wrapper.giving_up") and wrapper.events("wrapper.stopped")[0]["result"] == "exit-code"
+
+
+def test_a_stream_cut_by_a_crash_the_wrapper_gives_up_on_is_told_so_in_an_error_event(tmp_path: Path) -> None:
+    with running(tmp_path, child_argv(), "watchdog: {restarts: 0}\n", timeout=30) as wrapper:
+        host, port = wrapper.url.removeprefix("http://").split(":")
+        connection = HTTPConnection(host, int(port), timeout=30)
+        connection.request("GET", "/stream?n=100&delay=0.05")
+        reply = connection.getresponse()
+        assert reply.readline().startswith(b"data: ")  # the stream is under way
+        os.kill(pid(wrapper), signal.SIGKILL)
+        rest = b""
+        with contextlib.suppress(IncompleteRead, ConnectionError):
+            while chunk := reply.read1(65536):
+                rest += chunk
+        errors = [json.loads(line[5:]) for line in rest.split(b"\n") if line.startswith(b"data: {\"error\"")]
+        assert errors and errors[-1]["error"]["message"] == GONE_WHY, rest[-300:]
+        assert wrapper.wait(30) == 137  # the server's status: llama-swap or systemd take over
+    (lost,) = wrapper.events("wrapper.server_lost")
+    assert lost["in_flight"] == 1, lost  # the stream it cut, whether or not its cut was seen first
+
+
+def test_a_hang_given_up_on_is_killed_at_once_not_stopped(tmp_path: Path) -> None:
+    with running(tmp_path, child_argv(), "watchdog: {health_timeout: 1s, stall: 2s, restarts: 0}\n",
+                 timeout=30) as wrapper:
+        os.kill(pid(wrapper), signal.SIGSTOP)
+        assert wrapper.wait(30) == 137
+    assert wrapper.events("wrapper.giving_up") and not wrapper.events("child.stopping")  # no SIGTERM to wait out
+    (stopped,) = wrapper.events("wrapper.stopped")
+    assert stopped["result"] == "watchdog", stopped  # as systemd names it; not a stop that timed out
 
 
 def test_the_budget_counts_restarts_within_the_window() -> None:
