@@ -158,7 +158,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         family=conversations.FAMILY, after=(slot_settings.FAMILY, media.FAMILY), sections=(CACHE,),
         in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
-        observer=conversations.observer, metrics=conversations.metrics,
+        observer=conversations.observer, metrics=conversations.metrics, background=conversations.keep_while_idle,
     ),
     Builtin(
         family="server",

@@ -45,6 +45,15 @@ def http(method: str, url: str, body: Any = None, timeout: float = 30.0,
         return error.code, dict(error.headers.items()), error.read()
 
 
+def chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    """One chat completion at temperature 0 from the wrapper at `url`, asserted to be answered (200)."""
+    status, _, raw = http("POST", f"{url}/v1/chat/completions",
+                          {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}, timeout=600)
+    assert status == 200, raw[:400]
+    answer: dict[str, Any] = json.loads(raw)
+    return answer
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

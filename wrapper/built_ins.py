@@ -11,7 +11,8 @@ from typing import Any
 
 import structlog
 
-from hooks.registry import ACTIONS, BUILTINS, SECTIONS, Builtin, Route
+from hooks.registry import ACTIONS, BUILTINS, Builtin, Route
+from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper import logs
 from wrapper.actions import BuiltinFn
 from wrapper.config import Config, ConfigError, load_config, parse_config
@@ -22,8 +23,11 @@ from wrapper.launch import prepare as prepare_launch
 from wrapper.proxy import Observer
 from wrapper.settings import Section
 from wrapper.steps import Before, Growth, Shown
+from wrapper.watchdog import WATCHDOG
 
 log = structlog.get_logger()
+
+SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, *BUILTIN_SECTIONS)  # the wrapper's own, then the built-ins'
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:

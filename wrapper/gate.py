@@ -43,7 +43,7 @@ class Gate:
         elif state in (State.DRAINING, State.STOPPING, State.STOPPED):
             self._opened.clear()
             self._refusing.set()
-        else:  # starting, reloading: hold
+        else:  # starting, reloading, restarting: hold (a restart's own deadline is server.ready_timeout)
             self._opened.clear()
         self._hold_limit = self._reload_hold_timeout if state is State.RELOADING else None
 

@@ -101,8 +101,9 @@ class Generation:
         while not await self.client.healthy(timeout=1.0):
             if not child.alive:
                 finished = await child.wait()
+                said = " | ".join(list(child.tail)[-3:])
                 raise StartFailed(f"llama-server exited with status {finished.status} before it was ready "
-                                  f"(last output: {' | '.join(list(child.tail)[-3:])})")
+                                  + (f"(last output: {said})" if said else "(it printed nothing)"))
             if time.monotonic() > deadline:
                 await child.stop(config.stop_timeout)
                 raise StartFailed(f"llama-server was not ready within server.ready_timeout "
@@ -168,7 +169,7 @@ async def surviving(generation: Generation, on_line: Callable[[Generation, str],
             await generation.stop()
             if attempt == RESTARTS_AFTER_LOSS:
                 raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
-            log.warning("wrapper.restarting_server", reason=str(exc), attempt=attempt + 1)
-            METRICS.server_restarts.inc()
+            log.warning("wrapper.restarting_server", on="restore", why=str(exc), attempt=attempt + 1)
+            METRICS.server_restarts.labels(reason="restore").inc()
             await generation.start(on_line)
     raise AssertionError("unreachable")

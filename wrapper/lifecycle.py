@@ -15,6 +15,7 @@ class State(StrEnum):
     STARTING = "starting"
     READY = "ready"
     RELOADING = "reloading"
+    RESTARTING = "restarting"  # llama-server was lost (a crash, a hang): started again, requests held meanwhile
     DRAINING = "draining"  # POST /wrapper/drain: refusing new requests, saved, waiting for the stop
     STOPPING = "stopping"
 
@@ -22,8 +23,9 @@ class State(StrEnum):
 _ALLOWED = {
     State.STOPPED: {State.STARTING, State.STOPPING},  # stopping: the public address could not be taken
     State.STARTING: {State.READY, State.STOPPING},
-    State.READY: {State.RELOADING, State.DRAINING, State.STOPPING},
+    State.READY: {State.RELOADING, State.RESTARTING, State.DRAINING, State.STOPPING},
     State.RELOADING: {State.READY, State.STOPPING},
+    State.RESTARTING: {State.READY, State.STOPPING},
     State.DRAINING: {State.STOPPING},
     State.STOPPING: {State.STOPPED},
 }

@@ -16,8 +16,8 @@ class Metrics:
         self.state = Gauge("llama_wrapper_state", "1 for the state the wrapper is in", ["state"], registry=r)
         self.starts = Counter("llama_wrapper_starts", "Starts, by outcome (ready, failed, aborted)", ["outcome"],
                               registry=r)
-        self.server_restarts = Counter("llama_wrapper_server_restarts",
-                                       "llama-server started again after it died under a restore", registry=r)
+        self.server_restarts = Counter("llama_wrapper_server_restarts", "llama-server started again: after a crash, "
+                                       "a hang, or dying under a restore (`restore`)", ["reason"], registry=r)
         self.reloads = Counter("llama_wrapper_reloads", "Reloads, by outcome (success, rolled_back)", ["outcome"],
                                registry=r)
         self.reload_downtime = Histogram("llama_wrapper_reload_downtime_seconds",

@@ -16,7 +16,8 @@ from wrapper.lifecycle import State
 log = structlog.get_logger()
 
 _STATE_STATUS = {State.STARTING: "starting: loading the model", State.READY: "ready",
-                 State.RELOADING: "reloading", State.DRAINING: "draining: refusing new requests",
+                 State.RELOADING: "reloading", State.RESTARTING: "restarting llama-server: requests held",
+                 State.DRAINING: "draining: refusing new requests",
                  State.STOPPING: "stopping", State.STOPPED: "stopped"}
 
 
@@ -39,6 +40,7 @@ class Notifier:
             return
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.setblocking(False)  # a reader that lags (its queue full) never stalls the wrapper's loop
                 sock.sendto("\n".join(lines).encode(), self.address)
         except OSError as exc:
             if not self._failed:

@@ -81,8 +81,13 @@ async def _once(raw: bytes) -> AsyncIterator[bytes]:
         yield raw
 
 
-def broken_off(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
-    """Headers are gone already: close the connection so the client sees a truncated answer, not a whole one."""
+async def broken_off(request: web.BaseRequest, response: web.StreamResponse, why: str) -> web.StreamResponse:
+    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it), then
+    the connection is closed so that the client sees a truncated answer, not a whole one."""
+    if response.content_type == "text/event-stream":
+        event = {"error": {"code": 502, "message": why, "type": "server_error"}}
+        with contextlib.suppress(ConnectionError, RuntimeError):  # a client gone already
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
     if request.transport is not None:
         request.transport.close()
     return response
@@ -124,11 +129,31 @@ CAUGHT_LIMIT = 8 << 20  # an answer larger than this is passed on, never caught
 
 @dataclass(frozen=True)
 class Upstream:
-    """Where a request goes: llama-server's URL, the one client session, and what watches its answers."""
+    """Where a request goes: llama-server's URL, the one client session, what watches its answers, and what is
+    told each time the exchange sends or hears something (the watchdog's stall)."""
 
     url: str
     session: aiohttp.ClientSession
     observer: Observer | None = None
+    heard: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Cut:
+    """llama-server went away under the exchange: before any of its answer reached the client (`response` None),
+    or in the middle of it (the client's response, still open). `answer()` is what a caller that does not
+    go on tells the client: a 502, or (once the answer had begun) an error event and a closed connection."""
+
+    error: str
+    request: web.BaseRequest
+    response: web.StreamResponse | None = None
+
+    async def answer(self, why: str | None = None) -> web.StreamResponse:
+        """`why`: what the client is told (default: that llama-server could not be reached, and the error)."""
+        told = why or f"llama-server could not be reached: {self.error}"
+        if self.response is not None and self.response.prepared:
+            return await broken_off(self.request, self.response, told)
+        return json_error(502, told, "bad_gateway")
 
 
 Wanted = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its status): keep it from the client
@@ -136,32 +161,32 @@ Wanted = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its stat
 
 @overload
 async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
-                  events: None = None, going_on: web.StreamResponse | None = None) -> web.StreamResponse: ...
+                  events: None = None, going_on: web.StreamResponse | None = None) -> web.StreamResponse | Cut: ...
 
 
 @overload
 async def forward(request: web.Request, to: Upstream, path: str | None, body: bytes | None, events: Events,
-                  going_on: web.StreamResponse | None = None) -> web.StreamResponse | Held: ...
+                  going_on: web.StreamResponse | None = None) -> web.StreamResponse | Held | Cut: ...
 
 
 async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
                   events: Events | None = None, going_on: web.StreamResponse | None = None,
-                  ) -> web.StreamResponse | Held:
+                  ) -> web.StreamResponse | Held | Cut:
     """Stream through: pass `request` to llama-server (at `path`, default its own) and the answer back, both bodies
     streamed. `body`: the request body, read already (else streamed from the client). `events`: an event stream
     is passed through it and returned Held when it held something back; `going_on`: the client's response, still
-    open, that this answer continues."""
+    open, that this answer continues. Cut when llama-server went away under it."""
     path = path if path is not None else request.rel_url.raw_path
     try:
         async with _sent(request, to, path, body) as reply:
-            return await _through(request, reply, to.observer, path, None, events, going_on)
+            return await _through(request, reply, to, path, None, events, going_on)
     except aiohttp.ClientError as exc:
         return _unreachable(request, path, exc, going_on)
 
 
 async def catch(request: web.Request, to: Upstream, wanted: Wanted, path: str | None = None,
                 body: bytes | None = None, events: Events | None = None,
-                going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held:
+                going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held | Cut:
     """Catch a whole answer: as `forward`, but a whole JSON answer (not streamed, at most CAUGHT_LIMIT) that
     `wanted` accepts is returned as Caught instead of being sent (the caller may send the request again, or go
     on from it); any other answer is streamed through."""
@@ -174,20 +199,18 @@ async def catch(request: web.Request, to: Upstream, wanted: Wanted, path: str | 
                 payload = json_object(read)
                 if payload is not None and wanted(payload, reply.status):
                     return Caught(reply.status, payload, _forwardable(reply.headers))
-            return await _through(request, reply, to.observer, path, read, events, going_on)
+            return await _through(request, reply, to, path, read, events, going_on)
     except aiohttp.ClientError as exc:
         return _unreachable(request, path, exc, going_on)
 
 
 def _unreachable(request: web.Request, path: str, exc: aiohttp.ClientError,
-                 going_on: web.StreamResponse | None) -> web.StreamResponse:
-    """llama-server went away: a 502 that says so, or a cut connection once the answer had begun."""
+                 going_on: web.StreamResponse | None) -> Cut:
+    """llama-server went away: before the answer began, or in the middle of it."""
     response = going_on if going_on is not None else request.get(STARTED)
     log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
                 mid_response=response is not None)
-    if response is not None and response.prepared:
-        return broken_off(request, response)
-    return json_error(502, f"llama-server could not be reached: {exc}", "bad_gateway")
+    return Cut(str(exc), request, response if response is not None and response.prepared else None)
 
 
 def _catchable(reply: aiohttp.ClientResponse) -> bool:
@@ -201,6 +224,8 @@ async def _sent(request: web.Request, to: Upstream, path: str,
     """The request sent to llama-server as checked (never normalised again), with its end-to-end headers."""
     query = request.rel_url.raw_query_string
     url = URL(to.url + path + (f"?{query}" if query else ""), encoded=True)
+    if to.heard is not None:
+        to.heard()
     headers = _forwardable(request.headers)
     if body is not None:
         headers["Content-Length"] = str(len(body))
@@ -214,7 +239,7 @@ async def _sent(request: web.Request, to: Upstream, path: str,
         yield reply
 
 
-async def _through(request: web.Request, reply: aiohttp.ClientResponse, observer: Observer | None, path: str,
+async def _through(request: web.Request, reply: aiohttp.ClientResponse, to: Upstream, path: str,
                    read: bytes | None, events: Events | None,
                    going_on: web.StreamResponse | None) -> web.StreamResponse | Held:
     """Pass the answer on as it comes (`read`: what was read of it already), through `events` when it is an event
@@ -229,8 +254,11 @@ async def _through(request: web.Request, reply: aiohttp.ClientResponse, observer
         events = None  # an error answer: passed on whole, as it is
     response = going_on if going_on is not None else await _started(request, reply)
     tail = bytearray()
+    observer, heard = to.observer, to.heard
     chunks = _once(read) if read is not None else reply.content.iter_any()
     async for chunk in chunks:
+        if heard is not None:
+            heard()
         passed = events.feed(chunk) if events is not None else chunk
         if passed:
             await response.write(passed)

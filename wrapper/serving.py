@@ -28,9 +28,12 @@ from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
+from wrapper.watchdog import WATCHDOG, Loss, Lost, WatchdogSettings, died, hung
 
 log = structlog.get_logger()
 T = TypeVar("T")
+
+LOSS_SEEN_S = 2.0  # a cut exchange: how long its server's end may take to be seen
 
 
 class Serving:
@@ -41,7 +44,8 @@ class Serving:
         self.session = session
         self._shared = shared  # the built-ins' state for the wrapper's whole life
         self.gate = Gate(config.reload_hold_timeout)
-        self.lifecycle = Lifecycle(self.gate.follow, notifier.follow, METRICS.follow)
+        self._changed = asyncio.Event()  # set at every change of state
+        self.lifecycle = Lifecycle(self.gate.follow, notifier.follow, METRICS.follow, lambda _: self._changed.set())
         self.current = self.new_generation(config, launch)
         self.last_reload: dict[str, Any] | None = None  # the last reload's answer
         self._hooks = hooks
@@ -50,6 +54,16 @@ class Serving:
         self._risky = 0  # built-ins' steps that may kill the server, running now (Serving.survive)
         self._risky_ended = asyncio.Event()
         self._restart_failed = False
+        self.heard_at = time.monotonic()  # a request in flight last sent to llama-server or heard from it
+        self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
+
+    def heard(self) -> None:
+        """A request in flight sent to llama-server, or a byte of an answer came back (the watchdog's stall)."""
+        self.heard_at = time.monotonic()
+
+    @property
+    def state(self) -> State:
+        return self.lifecycle.state
 
     @property
     def in_flight(self) -> int:
@@ -123,8 +137,8 @@ class Serving:
     async def _started_again(self, why: str) -> dict[str, Any]:
         generation, began = self.current, time.monotonic()
         self.lifecycle.to(State.RELOADING)  # requests wait for it, as for a reload
-        log.warning("wrapper.restarting_server", reason=why, attempt=1, on="request")
-        METRICS.server_restarts.inc()
+        log.warning("wrapper.restarting_server", on="request", why=why, attempt=1)
+        METRICS.server_restarts.labels(reason="restore").inc()
         try:
             await generation.stop()
             await generation.start(built_ins.server_output)
@@ -136,13 +150,22 @@ class Serving:
         self.lifecycle.to(State.READY)
         return {"restarted": generation.alive, "s": round(time.monotonic() - began, 3)}
 
-    async def lost(self) -> None:
-        """Return when llama-server dies on its own: one that a reload replaces is not lost (a reload that can
-        bring back no server at all leaves a dead one current)."""
+    async def lost(self, watching: WatchdogSettings | None = None) -> Lost:
+        """Return when llama-server is lost: dead on its own (one that a reload replaces is not lost, nor one a
+        built-in's step starts again; a reload that can bring back no server at all leaves a dead one current),
+        or with `watching`, hung."""
         while True:
             child = self.current.child
             assert child is not None
-            await first_of(child.wait(), self._reload_began.wait())
+            hanging = asyncio.ensure_future(hung(self, watching)) if watching is not None else None
+            try:
+                await first_of(child.wait(), self._reload_began.wait(), *([hanging] if hanging else []))
+            finally:
+                if hanging is not None and not hanging.done():
+                    hanging.cancel()
+            if hanging is not None and hanging.done() and not hanging.cancelled() and child.alive \
+                    and not self._reload_began.is_set() and child is self.current.child:
+                return hanging.result()
             while self._risky and not self._reload_began.is_set():  # died under a built-in's step: it may
                 self._risky_ended.clear()                          # start the server again (survive)
                 await first_of(self._risky_ended.wait(), self._reload_began.wait())
@@ -151,8 +174,37 @@ class Serving:
                 if self._reloading is not None:
                     await asyncio.wait([self._reloading])
                 continue
-            if child is self.current.child:
-                return
+            if child is self.current.child and not child.alive:
+                return died(await child.wait())
+
+    async def lost_under(self, generation: Generation, within: float = LOSS_SEEN_S) -> Loss:
+        """After an exchange with `generation` was cut: whether its server was lost, and if so whether the watchdog
+        starts another (the caller's next pass waits at the gate for it). Its end may be seen a moment after the
+        cut. Counted in `cut_by_loss` meanwhile."""
+        child = generation.child
+        if child is None:
+            return Loss.NONE
+        self.cut_by_loss += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child.wait(), within)
+            if child.alive and self.lifecycle.state is not State.RESTARTING:
+                return Loss.NONE  # it is well: the cut was another failure
+            if not WATCHDOG.of(generation.config).enabled:
+                return Loss.GONE
+            with contextlib.suppress(TimeoutError):  # the supervisor holds the gate before the next pass reaches it
+                await asyncio.wait_for(self._moved_on(generation), within)
+            serving_again = (State.READY, State.RESTARTING, State.RELOADING)
+            return Loss.BACK if self.lifecycle.state in serving_again else Loss.GONE  # given up: it stops
+        finally:
+            self.cut_by_loss -= 1
+
+    async def _moved_on(self, generation: Generation) -> None:
+        """Until the wrapper no longer serves with `generation` as if it were well (restarting, stopping, or
+        another generation installed)."""
+        while self.lifecycle.state is State.READY and self.current is generation:
+            self._changed.clear()
+            await self._changed.wait()
 
     async def abandon_reload(self) -> None:
         """At a stop: cancel a reload that runs (the stop then saves what is there)."""

@@ -14,14 +14,16 @@ from typing import Any
 
 
 class Events:
-    def __init__(self, chat: bool, skip: str = "", continuing: bool = False) -> None:
+    def __init__(self, chat: bool, skip: str = "", continuing: bool = False, holds: bool = True) -> None:
         self.chat = chat
         self.continuing = continuing
+        self.holds = holds  # False: the stop event goes on too (a stream watched only to be resumed if cut)
         self._skip = skip  # text the continuation echoes first (the assistant prefix), not shown again
         self._buffer = b""
         self.held: list[bytes] = []
         self.final: dict[str, Any] | None = None
         self.content: list[str] = []  # the text passed on (after the cut prefix)
+        self.tokens = 0  # events that carried text: the tokens generated, as llama-server streams one an event
 
     def feed(self, chunk: bytes) -> bytes:
         """What of `chunk` goes to the client now: whole events, the held ones excepted."""
@@ -47,6 +49,8 @@ class Events:
             return raw
         data = text[5:].strip()
         if data == "[DONE]":
+            if not self.holds:
+                return raw
             self.held.append(raw)
             return None
         try:
@@ -64,6 +68,8 @@ class Events:
         choice = choices[0]
         if choice.get("finish_reason"):
             self.final = payload
+            if not self.holds:
+                return raw
             self.held.append(raw)
             return None
         delta = choice.get("delta")
@@ -79,16 +85,26 @@ class Events:
             delta["content"] = kept
             raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
         self.content.append(kept)
+        self.tokens += 1
         return raw
 
     def _completion(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
         if payload.get("stop"):
             self.final = payload
+            if not self.holds:
+                return raw
             self.held.append(raw)
             return None
         content = payload.get("content")
         if isinstance(content, str):
-            self.content.append(content)
+            kept = self._cut_prefix(content) if self.continuing else content
+            self.content.append(kept)
+            self.tokens += 1
+            if kept != content:
+                if not kept:
+                    return None
+                payload["content"] = kept
+                raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
         return raw
 
     def _cut_prefix(self, content: str) -> str:

@@ -15,7 +15,8 @@ HOOK_RUNS_SHOWN = 20
 
 
 def document(state: State, generation: Generation, gate: Gate, started_at: float, ready_at: float | None,
-             builtins: dict[str, Any], hook_runs: list[HookRun], last_reload: dict[str, Any] | None) -> dict[str, Any]:
+             builtins: dict[str, Any], hook_runs: list[HookRun], last_reload: dict[str, Any] | None,
+             restarts: dict[str, Any]) -> dict[str, Any]:
     launch, child = generation.launch, generation.child
     now = time.monotonic()
     return {
@@ -26,6 +27,7 @@ def document(state: State, generation: Generation, gate: Gate, started_at: float
         "uptime_s": round(now - started_at, 3),
         "ready_for_s": round(now - ready_at, 3) if ready_at else None,
         "requests": {"in_flight": gate.in_flight, "held": gate.held},
+        "restarts": restarts,
         "progress": PROGRESS.snapshot(),
         "argv_changes": launch.notes,
         **builtins,

@@ -27,7 +27,7 @@ from wrapper.child import Exit
 from wrapper.config import Config
 from wrapper.exits import EXIT_OK, EXIT_START_FAILED
 from wrapper.gate import Gate
-from wrapper.generation import StartFailed, surviving
+from wrapper.generation import Generation, StartFailed, surviving
 from wrapper.hooks_running import Hooks
 from wrapper.kept import Kept
 from wrapper.launch import Launch
@@ -37,6 +37,7 @@ from wrapper.notify import Notifier
 from wrapper.progress import PROGRESS
 from wrapper.serving import Serving
 from wrapper.stop_drain import StopDrain
+from wrapper.watchdog import WATCHDOG, Budget, Lost
 
 log = structlog.get_logger()
 
@@ -52,6 +53,7 @@ class Ended(Enum):
     SERVED = "served"  # ready once: drain, on_will_stop
     START_FAILED = "start failed"  # exit 3, result start-failed
     ABORTED = "aborted"  # a signal during the start
+    HUNG = "hung"  # served, then llama-server hung and the watchdog, out of restarts, killed it: result watchdog
 
 
 Serve = Callable[["Supervisor"], AbstractAsyncContextManager[None]]
@@ -79,10 +81,14 @@ class Supervisor:
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self._background: list[asyncio.Task[None]] = []
+        self._pinging: asyncio.Task[None] | None = None
+        self._killed_hung = False  # the watchdog gave up on a hung server and killed it
         self._stop_requested = asyncio.Event()
         self._signals = 0
         self._first_signal: signal.Signals | None = None
         self._first_signal_at = 0.0
+        watching = WATCHDOG.of(config)
+        self.budget = Budget(watching.restarts, watching.window)  # restarts after a crash or a hang
 
     async def run(self, serve: Serve) -> int:
         """`serve(supervisor)` is the public listener: listening while inside it."""
@@ -123,9 +129,85 @@ class Supervisor:
             METRICS.starts.labels(outcome="failed").inc()
             return await self._stop(Ended.START_FAILED)
         METRICS.starts.labels(outcome="ready").inc()
-        await first_of(self.serving.lost(), self._stop_requested.wait())  # a signal, or llama-server died
+        while (lost := await self._watch()) is not None:
+            restart = asyncio.ensure_future(self._restart(lost))
+            await first_of(restart, self._stop_requested.wait())
+            if not restart.done() or restart.cancelled() or not restart.result():
+                break  # a stop asked for (the restart is cancelled), or given up
         await self.serving.abandon_reload()  # SIGTERM mid-reload: the stop then saves what is there
-        return await self._stop(Ended.SERVED)
+        return await self._stop(Ended.HUNG if self._killed_hung else Ended.SERVED)
+
+    async def _watch(self) -> Lost | None:
+        """Until a stop is asked for (None) or llama-server is lost: dead on its own, or (with the watchdog) hung."""
+        settings = WATCHDOG.of(self.serving.current.config)
+        losing = asyncio.ensure_future(self.serving.lost(settings if settings.enabled else None))
+        await first_of(losing, self._stop_requested.wait())
+        if self._stop_requested.is_set() or not losing.done() or losing.cancelled():
+            return None
+        return losing.result()
+
+    async def _restart(self, lost: Lost) -> bool:
+        """Start llama-server again as at a start (on_startup runs: the slots come back), requests held meanwhile;
+        False when the watchdog is off or its budget is spent (the wrapper then stops with the server's status)."""
+        serving, settings = self.serving, WATCHDOG.of(self.serving.current.config)
+        old = serving.current
+        up_s = round(time.monotonic() - (self.ready_at or self.started_at), 3)
+        in_flight = serving.in_flight + serving.cut_by_loss  # those cut by it already wait to learn what it was
+        log.error("wrapper.server_lost", reason=lost.reason, why=lost.why, in_flight=in_flight,
+                  held=serving.gate.held, up_s=up_s, pid=old.child.pid if old.child else None)
+        if not settings.enabled or not self.budget.allows():
+            log.error("wrapper.giving_up", restarts=self.budget.count, within_s=settings.window,
+                      why="watchdog.enabled is false" if not settings.enabled else
+                      "watchdog.restarts is 0" if not settings.restarts else
+                      f"{settings.restarts} restart(s) within watchdog.window ({settings.window:g}s) already",
+                      hint="the wrapper stops with the server's exit status: llama-swap or systemd take over")
+            if old.child is not None and old.child.alive:  # hung: no stop it could hear (SIGTERM, the save)
+                self._killed_hung = True
+                old.child.end_leftovers()
+                await old.child.wait()
+            return False
+        began = time.monotonic()
+        serving.lifecycle.to(State.RESTARTING)  # requests wait, as during a reload; /health says 503
+        for task in self._background:
+            task.cancel()
+        if old.child is not None:  # what is left of it (a hung one, its process group)
+            old.child.kill()
+            await old.child.wait()
+        while True:
+            self.budget.spend(lost)
+            METRICS.server_restarts.labels(reason=lost.reason).inc()
+            self.notifier.status(f"restarting llama-server ({lost.reason}: {lost.why})")
+            log.warning("wrapper.restarting_server", on=lost.reason, why=lost.why, attempt=self.budget.count)
+            new = serving.new_generation(old.config, old.launch)
+            try:
+                await self._bring_up(new)
+                break
+            except StartFailed as exc:
+                log.error("wrapper.restart_failed", error=str(exc), attempt=self.budget.count)
+                if new.child is not None:
+                    serving.install(new)  # the stop reports its exit status
+                if not self.budget.allows():
+                    log.error("wrapper.giving_up", restarts=self.budget.count, within_s=settings.window,
+                              why=f"{settings.restarts} restart(s) within watchdog.window ({settings.window:g}s) "
+                                  "already, the last one failed",
+                              hint="the wrapper stops with the server's exit status: llama-swap or systemd take over")
+                    return False
+                lost = Lost("crash", f"the restart failed: {exc}", None)
+            finally:  # a stop during the start: a server that was not installed is not left running
+                if new is not serving.current and new.alive:
+                    await new.stop()
+        serving.lifecycle.to(State.READY)  # the held requests go to the new server
+        self.ready_at = time.monotonic()
+        self._background = self._background_work()
+        log.info("wrapper.server_back", reason=lost.reason, pid=new.child.pid if new.child else None,
+                 restarts=self.budget.count, pause_s=round(self.ready_at - began, 3))
+        return True
+
+    async def _bring_up(self, new: Generation) -> None:
+        """A new llama-server, installed once it answers, and the start hooks run for it (StartFailed)."""
+        await new.start(built_ins.server_output)
+        self.serving.install(new)
+        await surviving(new, built_ins.server_output, lambda: self.hooks.run("on_startup", new))
 
     async def _start(self) -> None:
         serving, generation = self.serving, self.serving.current
@@ -140,18 +222,26 @@ class Supervisor:
         PROGRESS.end()
         serving.lifecycle.to(State.READY)
         self.ready_at = time.monotonic()
-        self._background = [asyncio.ensure_future(work) for work in built_ins.background(serving)]
-        if self.notifier.watchdog_s is not None:
-            self._background.append(asyncio.ensure_future(self._watchdog(self.notifier.watchdog_s)))
+        self._background = self._background_work()
         assert generation.child is not None
         log.info("wrapper.ready", listen=generation.launch.listen.url, pid=generation.child.pid,
                  start_s=round(self.ready_at - self.started_at, 3))
 
+    def _background_work(self) -> list[asyncio.Task[None]]:
+        """The built-ins' work from ready until the stop (again after a restart, which cancels it), and systemd's
+        watchdog, started once: it goes on through a restart."""
+        work = [asyncio.ensure_future(each) for each in built_ins.background(self.serving)]
+        if self.notifier.watchdog_s is not None and self._pinging is None:
+            self._pinging = asyncio.ensure_future(self._watchdog(self.notifier.watchdog_s))
+        return work
+
     async def _watchdog(self, every: float) -> None:
-        """WATCHDOG=1 while llama-server answers (a reload's held moments included: the wrapper is alive)."""
+        """WATCHDOG=1 while llama-server answers, and while the wrapper brings it back (a reload, a restart: both
+        bounded by their own timeouts), so that systemd does not kill the wrapper for a model that loads slowly."""
         serving = self.serving
         while True:
-            if serving.lifecycle.state is State.RELOADING or await serving.current.client.healthy(timeout=every):
+            if serving.lifecycle.state in (State.RELOADING, State.RESTARTING) \
+                    or await serving.current.client.healthy(timeout=every):
                 self.notifier.watchdog()
             await asyncio.sleep(every)
 
@@ -159,7 +249,7 @@ class Supervisor:
         stop_began = time.monotonic()
         serving, hooks, forced = self.serving, self.hooks, self.hooks.forced
         serving.lifecycle.to(State.STOPPING)
-        for task in self._background:
+        for task in [*self._background, *([self._pinging] if self._pinging else [])]:
             task.cancel()
         served = ended is Ended.SERVED and not await self.stop_drain.settled()  # a drain saved all already
         if served and not forced.is_set():
@@ -207,7 +297,7 @@ class Supervisor:
         serving = self.serving
         return status.document(serving.lifecycle.state, serving.current, serving.gate, self.started_at,
                                self.ready_at, built_ins.status(serving.current), self.hooks.history,
-                               serving.last_reload)
+                               serving.last_reload, {"count": self.budget.count, "last": self.budget.last})
 
 
 @contextlib.asynccontextmanager
@@ -246,6 +336,8 @@ def _result(finished: Exit | None, ended: Ended) -> str:
         return "start-failed"
     if finished is None:
         return "success"
+    if ended is Ended.HUNG:
+        return "watchdog"  # as systemd names a service its watchdog killed
     if finished.killed:
         return "timeout"
     if finished.returncode == 0 or (finished.asked and finished.returncode == -signal.SIGTERM):

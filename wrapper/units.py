@@ -17,6 +17,8 @@ def parse_duration(value: object) -> float:
         seconds = float(value)
     else:
         match = _DURATION.match(str(value))
+        if not match and str(value).strip().startswith("-") and _DURATION.match(str(value).strip()[1:]):
+            raise ValueError(f"a duration cannot be negative: {value!r}")
         if not match:
             raise ValueError(f"not a duration: {value!r} (write e.g. 30s, 2m, 250ms)")
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]

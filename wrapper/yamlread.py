@@ -14,6 +14,8 @@ def suggest(name: str, known: tuple[str, ...]) -> str:
     return f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
 
 
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
 class Reader:
     """Walks the YAML node tree so that every key and value keeps its line for error messages."""
 
@@ -62,8 +64,8 @@ class Reader:
         if not isinstance(node, yaml.ScalarNode) or not isinstance(value, kinds) or (
             isinstance(value, bool) and bool not in kinds
         ):
-            names = " or ".join(k.__name__.replace("str", "string") for k in kinds)
-            self.error(node, f"{what} must be a {names}, not {value!r}")
+            names = " or ".join(_KIND_NAMES.get(k, f"a {k.__name__}") for k in kinds)
+            self.error(node, f"{what} must be {names}, not {value!r}")
             return None
         return value
 

@@ -9,6 +9,7 @@ logged with both predictions (`conversations.decision`); hooks/conversations/rep
 
 from __future__ import annotations
 
+from hooks.conversations.checkpoints import keep_while_idle
 from hooks.conversations.report import metrics, observer, status
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import FAMILY
@@ -16,7 +17,7 @@ from hooks.conversations.step import PATHS, before
 from hooks.slots.settings import FAMILY as SLOTS_FAMILY
 from wrapper.config import Config
 
-__all__ = ["FAMILY", "PATHS", "before", "in_use", "metrics", "observer", "status"]
+__all__ = ["FAMILY", "PATHS", "before", "in_use", "keep_while_idle", "metrics", "observer", "status"]
 
 
 def in_use(config: Config) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.conversations.state import enabled, state
+from hooks.conversations.state import ANSWERING, enabled, state
+from hooks.slots import left_in_slot
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store.settings import STORE
@@ -22,13 +23,17 @@ _PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
 def observer(generation: Generation) -> Observer | None:
     if not enabled(generation):
         return None
-    kept = state(generation).rates_of(generation)
+    conv = state(generation)
+    kept = conv.rates_of(generation)
 
     def seen(path: str, status: int, tail: bytes) -> None:
         if path in paths.SLOT_USERS_UNPINNED:
             book_of(generation).forgotten()  # it ran in some slot the wrapper did not choose
         if status != 200:
             return
+        slot, left = ANSWERING.get(), left_in_slot(tail)
+        if slot is not None and left is not None:
+            conv.left[slot] = left
         tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)
         if tokens and ms:
             kept.rates.learn_prefill(int(tokens[-1]), float(ms[-1]) / 1000)

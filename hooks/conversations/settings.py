@@ -20,6 +20,11 @@ class CacheSettings:
                                     "the predicted prefill time")
     restore_rate: int | None = setting(None, SIZE_OR_AUTO, "bytes per second a restore reads (`auto`: measured; "
                                        "give one for a slow disk)")
+    checkpoint_tokens: int = setting(1024, COUNT, "a conversation still in its slot is kept again once it grew by "
+                                     "this many tokens (its answers included) since it was last kept, when no "
+                                     "request has been in flight for 2s: a crash between turns then costs at most "
+                                     "the prefill of this many tokens (0: kept only when it leaves its slot, and at "
+                                     "a stop)")
 
 
 CACHE = Section("cache", CacheSettings, "the conversation cache", moved=MOVED_FROM_CACHE)

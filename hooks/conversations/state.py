@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from hooks.conversations.rates import KeptRates
@@ -29,6 +30,9 @@ class Conversations:
     hits: int = 0
     hits_by_entry: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
+    kept_as: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # slot -> (its prompt, the tokens it
+    # held) when it was last kept (checkpoints)
+    left: dict[int, int] = field(default_factory=dict)  # slot -> the tokens its last answer left there (generated too)
 
     def rates_of(self, generation: Generation) -> KeptRates:
         if self.kept is None:
@@ -48,6 +52,10 @@ class Conversations:
         self.hits_by_entry[key] = self.hits_by_entry.get(key, 0) + 1
         METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
 
+
+ANSWERING: ContextVar[int | None] = ContextVar("answering", default=None)
+"""The slot the request being answered was pinned to (set by the step, read by the observer of its answer: a task
+the request starts copies it)."""
 
 STATE = Key("conversations", Conversations)  # for the wrapper's life: the rates, the hits, the pins
 

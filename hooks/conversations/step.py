@@ -12,7 +12,7 @@ import structlog
 
 from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
 from hooks.conversations.settings import CACHE
-from hooks.conversations.state import Conversations, enabled, state
+from hooks.conversations.state import ANSWERING, Conversations, enabled, state
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
@@ -62,6 +62,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         log.exception("conversations.internal_error", slot=slot)
     out.payload["id_slot"] = slot
     out.body = json.dumps(out.payload).encode()
+    ANSWERING.set(slot)
     return out
 
 
@@ -165,7 +166,7 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     METRICS.conv_bytes_written.inc(entry.written)
     evicted = store.evict(limits.budget, keep={entry.key})
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
-             written=entry.written, ms=saved.total_ms, evicted=[e.key for e in evicted])
+             written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted])
     return entry
 
 

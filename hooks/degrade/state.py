@@ -13,10 +13,13 @@ from typing import Any
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
 from hooks.degrade.memory import Choices, ModelShape
+from hooks.slots import left_in_slot
 from wrapper import argv as args
 from wrapper.generation import Generation
 from wrapper.kept import Kept, Key
 from wrapper.launch import Launch
+
+_ID_SLOT = re.compile(rb'"id_slot"\s*:\s*(\d+)')
 
 
 @dataclass
@@ -89,13 +92,11 @@ def measuring(generation: Generation) -> Measuring:
 
 def conversation_tokens(tail: bytes) -> tuple[int, int] | None:
     """(slot, tokens in it) from the end of a completion answer: cache_n + prompt_n + predicted_n."""
-    found = {key: re.findall(rb'"' + key.encode() + rb'"\s*:\s*(\d+)', tail)
-             for key in ("cache_n", "prompt_n", "predicted_n", "id_slot")}
-    if not found["prompt_n"]:
+    total = left_in_slot(tail)
+    if total is None:
         return None
-    slot = int(found["id_slot"][-1]) if found["id_slot"] else 0
-    total = sum(int(found[k][-1]) for k in ("cache_n", "prompt_n", "predicted_n") if found[k])
-    return slot, total
+    slots = _ID_SLOT.findall(tail)
+    return (int(slots[-1]) if slots else 0), total
 
 
 def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]) -> int:

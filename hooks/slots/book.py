@@ -11,11 +11,23 @@ The slot built-ins and the conversation cache change the book; the other built-i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from wrapper.generation import Generation
 from wrapper.kept import Key
+
+_TIMINGS = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in ("cache_n", "prompt_n", "predicted_n")}
+
+
+def left_in_slot(tail: bytes) -> int | None:
+    """The tokens a completion answer leaves in its slot, from its end (the last `timings`: cache_n + prompt_n +
+    predicted_n, what it generated included); None without timings."""
+    found = {key: pattern.findall(tail) for key, pattern in _TIMINGS.items()}
+    if not found["prompt_n"]:
+        return None
+    return sum(int(values[-1]) for values in found.values() if values)
 
 
 class SlotsView(Protocol):

@@ -12,7 +12,7 @@ import pytest
 
 from hooks import kvfile
 from hooks.store import layout
-from tests.helpers import Wrapper, http, running, wait_for
+from tests.helpers import Wrapper, chat, http, running, wait_for
 from wrapper.model import fingerprint
 
 PERSIST = """
@@ -140,13 +140,6 @@ def test_two_slots_two_conversations_both_restored(
         assert all(r["reused_tokens"] for r in reused)
         assert wrapper.stop() == 0
 
-
-def chat(url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    status, _, raw = http("POST", f"{url}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": 8, "temperature": 0}, timeout=300)
-    assert status == 200, raw
-    result: dict[str, Any] = json.loads(raw)
-    return result
 
 
 def test_the_reuse_of_a_chat_is_proven_with_several_slots(

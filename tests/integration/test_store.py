@@ -6,6 +6,8 @@ what is pending."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +124,17 @@ def test_a_drain_uploads_everything_pending(tmp_path: Path, s3: S3Server, server
         flush = tiers(wrapper)["flush"]
         assert flush["left"] == 0 and flush["uploaded"] == pending + 1, flush  # and what the slot held
         assert len(manifests(s3)) == 3
+
+
+def test_a_crash_with_the_store_on_keeps_the_conversation(tmp_path: Path, server_bin: str, demo_path: str,
+                                                           s3: S3Server) -> None:
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path, "a", s3), env=s3.env()) as wrapper:
+        chat = Chat("crash", size=70)  # more than cache.checkpoint_tokens
+        chat.turn(wrapper.url)
+        wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        wait_for(lambda: uploaded(wrapper), 30, "the checkpoint uploaded")
+        pid = int(wrapper.status()["server"]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: wrapper.events("wrapper.server_back"), 120, "the server started again")
+        assert chat.turn(wrapper.url) >= 0.9  # back from the folder, the bucket in step
+        assert manifests(s3) and wrapper.stop() == 0

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests import models
-from tests.helpers import Wrapper, http, running, wait_for
+from tests.helpers import Wrapper, chat, http, running, wait_for
 
 CONFIG = """
 slots: {{dir: {dir}}}
@@ -30,13 +30,6 @@ def old_bin() -> str:
                     "LLAMA_SERVER_OLD; .ci/run does")
     return found
 
-
-def chat(url: str, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    status, _, raw = http("POST", f"{url}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}, timeout=300)
-    answer: dict[str, Any] = json.loads(raw)
-    assert status == 200, answer
-    return answer
 
 
 def first_word(answer: dict[str, Any]) -> str:

@@ -81,9 +81,14 @@ def test_empty_config_is_all_defaults() -> None:
      "needs exactly one of http, shell, exec, builtin (found 2)"),
     ("hooks:\n  on_startup:\n    - http: {method: GET}\n", "c.yaml:3: hooks.on_startup[0].http needs a url"),
     ("hooks:\n  on_startup:\n    - shell: x\n      retries: 100\n", "c.yaml:4: hooks.on_startup[0].retries must be"),
-    ("hooks:\n  on_startup:\n    - shell: x\n      ignore_errors: maybe\n", "ignore_errors must be a bool"),
+    ("hooks:\n  on_startup:\n    - shell: x\n      ignore_errors: maybe\n",
+     "ignore_errors must be true or false, not 'maybe'"),
     ("slots:\n  swa_full: sometimes\n", "c.yaml:2: slots.swa_full must be one of auto, always, never"),
     ("hooks: [1, 2]\n", "c.yaml:1: hooks must be a mapping"),
+    ("watchdog:\n  stall: 0s\n", "c.yaml:2: watchdog.stall must be more than 0s"),
+    ("watchdog:\n  window: 0\n", "c.yaml:2: watchdog.window must be more than 0s"),
+    ("watchdog:\n  health_timeout: -1m\n", "c.yaml:2: watchdog.health_timeout: a duration cannot be negative"),
+    ("watchdog:\n  restarts: 2.5\n", "c.yaml:2: watchdog.restarts must be an integer, not 2.5"),
     ("server:\n  argv: [a\n", "c.yaml:3: not valid YAML"),
 ])
 def test_bad_configs_name_file_and_line(text: str, message: str) -> None:

@@ -92,17 +92,34 @@ hooks:
     (["--die-after", "0.5", "--die-signal", "SIGSEGV"], 128 + signal.SIGSEGV, "signal None SIGSEGV"),
 ])
 def test_child_that_dies_on_its_own(tmp_path: Path, flags: list[str], status: int, result: str) -> None:
+    """Started again as long as the watchdog's budget lasts (2 in the window here); past it, the wrapper stops
+    with the server's status."""
     log = tmp_path / "hooks.log"
     config = f"""
+watchdog: {{restarts: 2}}
 hooks:
+  on_startup:
+    - shell: echo started >> {log}
   on_will_stop:
     - shell: echo will_stop >> {log}
   on_stopped:
     - shell: echo {{{{ result }}}} {{{{ exit_code }}}} {{{{ exit_signal }}}} >> {log}
 """
     with Wrapper(tmp_path, child_argv(*flags), config) as wrapper:
-        assert wrapper.wait(30) == status
-    assert lines(log) == [result]  # no on_will_stop: the server was already gone
+        assert wrapper.wait(60) == status
+    assert lines(log) == ["started"] * 3 + [result]  # no on_will_stop: the server was already gone
+    restarted = wrapper.events("wrapper.restarting_server")
+    assert [e["attempt"] for e in restarted] == [1, 2] and {e["on"] for e in restarted} == {"crash"}
+    assert len(wrapper.events("wrapper.server_lost")) == 3 and wrapper.events("wrapper.giving_up")
+
+
+def test_without_the_watchdog_a_child_that_dies_stops_the_wrapper(tmp_path: Path) -> None:
+    with Wrapper(tmp_path, child_argv("--die-after", "0.5", "--exit-code", "7"), "watchdog: {enabled: false}\n") \
+            as wrapper:
+        assert wrapper.wait(30) == 7
+    assert wrapper.events("wrapper.restarting_server") == []
+    (given_up,) = wrapper.events("wrapper.giving_up")
+    assert given_up["why"] == "watchdog.enabled is false"
 
 
 def test_failing_start_hook_aborts_start_and_still_runs_on_stopped(tmp_path: Path) -> None:

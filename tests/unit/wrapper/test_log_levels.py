@@ -72,10 +72,13 @@ def test_an_exit_nobody_asked_for_is_a_crash(finished: Exit, crashed: bool, leve
 
 
 def test_a_child_that_dies_by_sigsegv_is_logged_at_error(tmp_path: Path) -> None:
-    with Wrapper(tmp_path, child_argv("--die-after", "0.5", "--die-signal", "SIGSEGV")) as wrapper:
+    with Wrapper(tmp_path, child_argv("--die-after", "0.5", "--die-signal", "SIGSEGV"),
+                 "watchdog: {enabled: false}\n") as wrapper:
         assert wrapper.wait(30) == 128 + signal.SIGSEGV
     (exited,) = wrapper.events("child.exited")
     assert (exited["level"], exited["signal"]) == ("error", "SIGSEGV"), exited
+    (lost,) = wrapper.events("wrapper.server_lost")
+    assert (lost["level"], lost["reason"], lost["why"]) == ("error", "crash", "killed by SIGSEGV"), lost
 
 
 def test_a_child_stopped_as_asked_is_logged_at_info(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,3 +83,33 @@ def test_nothing_is_sent_without_the_variable_and_the_watchdog_pings_while_it_an
     notifier.watchdog()
     assert listener.read() == [["WATCHDOG=1"]]
     Notifier({"NOTIFY_SOCKET": "/nonexistent/socket"}).send("READY=1")  # logged once, never raised
+
+
+def test_a_reader_that_lags_never_stalls_the_sender(listener: Listener) -> None:
+    notifier = Notifier({"NOTIFY_SOCKET": listener.sock.getsockname()})
+
+    def flood() -> None:
+        for _ in range(500):
+            notifier.watchdog()
+
+    sending = threading.Thread(target=flood, daemon=True)
+    sending.start()  # far more than a datagram socket queues: the ones over are dropped, not waited for
+    sending.join(10)
+    assert not sending.is_alive()
+    assert listener.read()[0] == ["WATCHDOG=1"]
+
+
+def test_a_restart_is_announced_and_the_watchdog_pings_on_while_the_server_loads_again(tmp_path: Path,
+                                                                                      listener: Listener) -> None:
+    env = {"NOTIFY_SOCKET": listener.sock.getsockname(), "WATCHDOG_USEC": "1000000"}  # a ping every 0.5 s
+    with Wrapper(tmp_path, child_argv("--load-delay", "3"), "", env=env) as wrapper:
+        wrapper.wait_ready(30)
+        os.kill(wrapper.status()["server"]["pid"], signal.SIGKILL)
+        wait_for(lambda: listener.read() and wrapper.events("wrapper.server_back"), 30, "the server started again")
+        assert wrapper.stop() == 0
+    lines = [line for message in listener.read() for line in message]
+    began = next(i for i, line in enumerate(lines) if line.startswith("STATUS=restarting llama-server (crash"))
+    back = lines.index("READY=1", began)
+    assert lines.count("READY=1") == 2  # ready, then ready again once the new server answers
+    # the new server loads for 3 s: systemd hears the wrapper all along, or WatchdogSec would kill it mid-restart
+    assert lines[began:back].count("WATCHDOG=1") >= 3, lines[began:back]

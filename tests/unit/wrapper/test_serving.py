@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from wrapper import serving as serving_module
-from wrapper.child import Child
+from wrapper.child import Child, Exit
 from wrapper.config import Listen, parse_config
 from wrapper.generation import Generation, ServerLost, StartFailed
 from wrapper.hooks_running import Hooks
@@ -25,13 +25,18 @@ from wrapper.serving import Serving
 
 
 class Server:
-    """Stands for a llama-server process: it dies when told to."""
+    """Stands for a llama-server process: it dies when told to (killed by a signal, as a crash is)."""
 
     def __init__(self) -> None:
         self.died = asyncio.Event()
 
-    async def wait(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return not self.died.is_set()
+
+    async def wait(self) -> Exit:
         await self.died.wait()
+        return Exit(-9)
 
 
 def server() -> Child:

@@ -39,7 +39,7 @@ def test_a_file_that_kills_the_server_is_set_aside_and_the_start_goes_on(tmp_pat
         assert len(list(aside.glob("*slot0-*.bin"))) == 1 and len(list(aside.glob("*slot0.json"))) == 1
         assert "llama-server died restoring it" in next(aside.glob("*.reason.txt")).read_text()
         assert not (folder / "slot0.json").exists()
-        assert [e["attempt"] for e in wrapper.events("wrapper.restarting_server")] == [1]
+        assert [(e["on"], e["attempt"]) for e in wrapper.events("wrapper.restarting_server")] == [("restore", 1)]
         assert len(wrapper.events("child.spawned")) == 2
         restores = [e for e in wrapper.events("hook.run") if e["action"] == "slots.restore"]
         assert [r["outcome"] for r in restores] == ["failed", "ok"], restores
@@ -69,7 +69,7 @@ def test_a_conversation_that_kills_the_server_before_a_request_is_set_aside_and_
         status, _, answer = http("POST", f"{wrapper.url}/completion", {"prompt": prompt, "n_predict": 4}, timeout=60)
         assert (status, json.loads(answer)) == (200, {"path": "/completion"})
         (restarted,) = wrapper.events("wrapper.restarting_server")
-        assert restarted["on"] == "request" and "set aside" in restarted["reason"]
+        assert restarted["on"] == "request" and "set aside" in restarted["why"]
         assert len(wrapper.events("child.spawned")) == 2 and wrapper.events("conversations.server_lost")
         aside = folder / layout.SET_ASIDE
         assert len(list(aside.glob("*conv-*.bin"))) == 1

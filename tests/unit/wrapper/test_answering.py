@@ -1,6 +1,6 @@
-"""The growth loop alone: its exchange with llama-server and the growth are scripted (answers in llama-server's
-shapes, passed through `wanted` as wrapper/proxy.py's catch does), so that every path of an overflow and of a
-continuation is seen without a server."""
+"""The answer loop alone: its exchange with llama-server, the growth and the loss of the server are scripted
+(answers in llama-server's shapes, passed through `wanted` as wrapper/proxy.py's catch does), so that every path
+of an overflow, a continuation and a lost server is seen without a server."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from wrapper.answering import MAX_GROWTHS, AnswerLoop
 from wrapper.generation import Host
-from wrapper.growing import MAX_GROWTHS, GrowthLoop
-from wrapper.proxy import Caught, Held, Wanted
+from wrapper.proxy import Caught, Cut, Held, Wanted
 from wrapper.sse import Events
 from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
+from wrapper.watchdog import GONE_WHY, Loss
 
 CHAT = "/v1/chat/completions"
 N_CTX = 512
@@ -36,13 +37,16 @@ def chat(text: str, finish: str = "stop", prompt: int = 100, completion: int = 1
 class Script:
     """llama-server's answers in turn, and what the loop sent; an answer `wanted` does not keep goes through."""
 
-    answers: list[tuple[int, dict[str, Any]]]
+    answers: list[tuple[int, dict[str, Any]] | str]  # a str: llama-server went away under that pass
     sent: list[dict[str, Any]] = field(default_factory=list)
 
     async def exchange(self, body: bytes, wanted: Wanted, events: Events | None,
-                       going_on: web.StreamResponse | None) -> web.StreamResponse | Caught | Held:
+                       going_on: web.StreamResponse | None) -> web.StreamResponse | Caught | Held | Cut:
         self.sent.append(json.loads(body))
-        status, payload = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, str):
+            return Cut(answer, cast(web.BaseRequest, None))
+        status, payload = answer
         if wanted(payload, status):
             return Caught(status, payload)
         return web.json_response(payload, status=status)
@@ -58,10 +62,24 @@ class Growing:
         return self.results.pop(0) if len(self.results) > 1 else self.results[0]
 
 
-def loop(script: Script, growing: Growing, body: dict[str, Any], continues: bool = True) -> GrowthLoop:
+@dataclass
+class Losing:
+    """Whether the server was lost under each cut pass (and another serves): in turn."""
+
+    answers: list[Loss]
+    asked: int = 0
+
+    async def lost(self) -> Loss:
+        self.asked += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def loop(script: Script, growing: Growing | None, body: dict[str, Any], continues: bool = True,
+         losing: Losing | None = None) -> AnswerLoop:
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
-    growth = Growth(growing.grow, lambda config: continues, lambda config: 64)
-    return GrowthLoop(host, growth, CHAT, json.dumps(body).encode(), script.exchange, lambda: N_CTX)
+    growth = Growth(growing.grow, lambda config: continues, lambda config: 64) if growing is not None else None
+    return AnswerLoop(host, growth, CHAT, json.dumps(body).encode(), script.exchange, lambda: N_CTX,
+                      losing.lost if losing is not None else None)
 
 
 def answer(response: web.StreamResponse) -> dict[str, Any]:
@@ -135,3 +153,39 @@ async def test_a_continuation_that_cannot_grow_answers_what_came() -> None:
     script, growing = Script([cut]), Growing([CannotGrow("no room")])
     response = await loop(script, growing, ASKED).run()
     assert answer(response)["choices"][0]["message"]["content"] == "Once upon" and len(script.sent) == 1
+
+
+
+async def test_a_request_the_server_was_lost_under_is_sent_again_to_the_next_one() -> None:
+    script, losing = Script(["Server disconnected", chat("after the restart")]), Losing([Loss.BACK])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert answer(response)["choices"][0]["message"]["content"] == "after the restart"
+    assert script.sent == [ASKED, ASKED] and losing.asked == 1
+
+
+async def test_a_cut_with_no_server_lost_is_the_clients_502() -> None:
+    script, losing = Script(["Connection refused"]), Losing([Loss.NONE])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert response.status == 502 and "Connection refused" in answer(response)["error"]["message"]
+    assert len(script.sent) == 1
+
+
+async def test_a_request_in_flight_at_two_losses_is_not_sent_a_third_time() -> None:
+    script, losing = Script(["Server disconnected"]), Losing([Loss.BACK])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    error = answer(response)["error"]
+    assert response.status == 502 and "lost 2 times while it served this request" in error["message"]
+    assert len(script.sent) == 2
+
+
+async def test_without_the_watchdog_a_cut_is_a_502_and_nothing_is_sent_again() -> None:
+    script = Script(["Server disconnected"])
+    response = await loop(script, None, ASKED).run()
+    assert response.status == 502 and len(script.sent) == 1
+
+
+async def test_a_server_lost_and_not_started_again_is_said_so() -> None:
+    script, losing = Script(["Server disconnected"]), Losing([Loss.GONE])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert response.status == 502 and answer(response)["error"]["message"] == GONE_WHY
+    assert len(script.sent) == 1

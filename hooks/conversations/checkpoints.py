@@ -1,0 +1,85 @@
+"""Conversations kept while they are still in their slots: a slot whose conversation grew by
+`cache.checkpoint_tokens` since it was last kept is saved into the store again (only the chunks it added are
+written) and this host's note says so, once no request has been in flight for CHECKPOINT_IDLE_S — so that a
+llama-server that crashes between turns loses nothing, and one that crashes in a turn loses at most that turn
+(`slots.restore` puts the kept states back into their slots when the watchdog starts it again).
+
+A save blocks llama-server's loop while it writes the slot (tens of milliseconds for a small model; seconds for a
+27B one at 32k tokens): waiting for a quiet moment keeps it out of a conversation's way — an agent's next turn
+comes at once, a person's after reading."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from hooks.conversations.settings import CACHE
+from hooks.conversations.state import Conversations, enabled, state
+from hooks.conversations.step import save_slot
+from hooks.slots.book import book_of
+from hooks.slots.stores import store_of
+from hooks.store import Store, common_prefix, layout
+from wrapper.generation import Generation, Host
+
+log = structlog.get_logger()
+
+CHECKPOINT_IDLE_S = 2.0
+LOOK_EVERY_S = 0.5
+
+
+async def keep_while_idle(host: Host) -> None:
+    """From ready until the stop."""
+    while True:
+        await asyncio.sleep(LOOK_EVERY_S)
+        generation = host.current
+        every = CACHE.of(generation.config).checkpoint_tokens
+        if not every or not enabled(generation) or host.in_flight or not generation.alive:
+            continue
+        conv = state(generation)
+        if conv.busy or time.monotonic() - max(conv.last_used.values(), default=0.0) < CHECKPOINT_IDLE_S:
+            continue
+        store = store_of(generation)
+        if store is None:
+            continue
+        try:
+            await _keep_grown(host, generation, conv, store, every)
+        except Exception:  # a bug here must not end the checkpoints for the wrapper's life
+            log.exception("conversations.checkpoint_failed")
+
+
+def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -> int:
+    """How much a slot holding `held` tokens for `prompt` grew since it was kept as `kept_as` (its prompt then,
+    the tokens it held then): from what it held when this conversation goes on from that one, else from what
+    the two share (another conversation took the slot)."""
+    if kept_as is None:
+        return held
+    kept_prompt, kept_held = kept_as
+    shared = common_prefix(kept_prompt, prompt)
+    return held - (kept_held if shared == len(kept_prompt) else shared)
+
+
+async def _keep_grown(host: Host, generation: Generation, conv: Conversations, store: Store, every: int) -> None:
+    book = book_of(generation)
+    for slot, tokens in book.known().items():
+        if host.in_flight or host.current is not generation:
+            return  # a request came: it goes first
+        held = max(len(tokens), conv.left.get(slot, 0))  # the prompt, and the answer it generated
+        growth = grown(conv.kept_as.get(slot), tokens, held)
+        if growth < every or book.entry_of(slot) is not None:
+            continue  # not grown enough, or the store holds what it holds
+        conv.busy.add(slot)  # a request for this slot waits for the save (the server is busy with it anyway)
+        began = time.monotonic()
+        try:
+            entry = await save_slot(generation, conv, store, slot, "checkpoint")
+        finally:
+            conv.busy.discard(slot)
+            conv.freed.set()
+        conv.kept_as[slot] = (tokens, entry.n_tokens if entry is not None else held)
+        if entry is not None or (key := book.entry_of(slot)) is not None:
+            kept_entry = entry or store.get(str(key))
+            if kept_entry is not None:
+                store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
+        log.info("conversations.checkpoint", slot=slot, tokens=conv.kept_as[slot][1], grown=growth,
+                 written=entry.written if entry is not None else 0, ms=round((time.monotonic() - began) * 1000, 1))

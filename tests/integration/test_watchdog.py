@@ -1,0 +1,208 @@
+"""A crash or a hang of the real llama-server costs a client a pause, never a conversation: SIGKILL in the middle
+of a streamed and of a whole answer, SIGSTOP (a hang), and what the slots held comes back (checkpoints, then
+slots.restore when the watchdog starts it again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from http.client import HTTPConnection
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
+
+CONFIG = """
+slots: {{dir: {dir}}}
+watchdog: {{health_timeout: {health}}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
+STORY = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
+QUESTION = "A long story, to be retold: " + STORY * 80 + "\nNow tell it again in your own words."  # ~1.7k tokens
+
+
+def config(tmp_path: Path, health: str = "5s") -> str:
+    return CONFIG.format(dir=tmp_path / "slots", health=health)
+
+
+def argv(server_bin: str, demo_path: str) -> list[str]:
+    return [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"]
+
+
+def server_pid(wrapper: Wrapper) -> int:
+    found: int = wrapper.status()["server"]["pid"]
+    return found
+
+
+
+def reused(answer: dict[str, Any]) -> int:
+    return int(answer["timings"]["cache_n"])
+
+
+def stream_killed(wrapper: Wrapper, messages: list[dict[str, str]], kill_after: int | None,
+                  sig: signal.Signals = signal.SIGKILL, max_tokens: int = 120) -> tuple[list[dict[str, Any]], int]:
+    """A streamed chat answer read event by event; `kill_after` content events in, llama-server gets `sig`.
+    Every event the client saw, and how many content events came before the signal."""
+    host, port = wrapper.url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=600)
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200
+    events: list[dict[str, Any]] = []
+    before = 0
+    pid = server_pid(wrapper)
+    for raw in reply:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        events.append({"done": True} if data == "[DONE]" else json.loads(data))
+        if kill_after is not None and before == 0 and _contents(events) >= kill_after:
+            before = _contents(events)
+            os.kill(pid, sig)
+    connection.close()
+    return events, before
+
+
+def _contents(events: list[dict[str, Any]]) -> int:
+    return sum(1 for e in events if (e.get("choices") or [{}])[0].get("delta", {}).get("content"))
+
+
+def text_of(events: list[dict[str, Any]]) -> str:
+    return "".join((e.get("choices") or [{}])[0].get("delta", {}).get("content") or "" for e in events)
+
+
+def test_a_stream_survives_a_sigkill_as_one_answer_and_the_conversation_comes_back(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        wrapper_pid = wrapper.process.pid
+        first = [{"role": "user", "content": QUESTION}]
+        answer = chat(wrapper.url, first, max_tokens=24)
+        history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Go on with the story, please."}]
+        wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        killed_pid = server_pid(wrapper)
+        events, before = stream_killed(wrapper, turn, kill_after=20)
+        assert before >= 20 and not pid_alive(killed_pid) and server_pid(wrapper) != killed_pid
+        assert wrapper.process.poll() is None and wrapper.process.pid == wrapper_pid  # the wrapper kept running
+        finishes = [e for e in events if (e.get("choices") or [{}])[0].get("finish_reason")]
+        assert len(finishes) == 1 and events[-1] == {"done": True} and sum("done" in e for e in events) == 1
+        roles = [e for e in events if (e.get("choices") or [{}])[0].get("delta", {}).get("role")]
+        assert len(roles) == 1  # one answer: the continuation's own role chunk is not shown
+        text = text_of(events)
+        kept = text_of(events[:before + 1])
+        resumed = text[len(kept):]
+        assert text.startswith(kept) and resumed.strip(), text  # it picked up where it stopped
+        assert not resumed.startswith(kept[-12:]) and not resumed.startswith(kept[:12])  # not repeated, not again
+        assert 115 <= _contents(events) <= 125  # the tokens it asked for, none lost (the prefix may split a token)
+        (lost,) = wrapper.events("wrapper.server_lost")
+        assert lost["reason"] == "crash" and lost["why"] == "killed by SIGKILL"
+        assert wrapper.events("wrapper.request_again") and wrapper.events("wrapper.stream_resumed")
+        following = chat(wrapper.url, [*turn, {"role": "assistant", "content": text},
+                                       {"role": "user", "content": "Thank you."}], max_tokens=24)
+        assert reused(following) >= 0.9 * history, (reused(following), history)  # the conversation came back
+        assert wrapper.status()["restarts"]["count"] == 1
+        assert wrapper.stop() == 0
+
+
+def test_a_whole_answer_survives_a_sigkill(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        answers: list[dict[str, Any]] = []
+        asking = threading.Thread(target=lambda: answers.append(chat(wrapper.url, [
+            {"role": "user", "content": QUESTION}], max_tokens=200)))
+        pid = server_pid(wrapper)
+        asking.start()
+        wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
+                 60, "the answer under way")
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        asking.join(300)
+        assert answers and answers[0]["choices"][0]["message"]["content"], answers
+        assert answers[0]["usage"]["completion_tokens"] > 0
+        assert wrapper.events("wrapper.request_again") and server_pid(wrapper) != pid
+        assert wrapper.stop() == 0
+
+
+def test_a_hang_is_noticed_and_the_stream_goes_on(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path, health="3s")) as wrapper:
+        began = time.monotonic()
+        events, before = stream_killed(wrapper, [{"role": "user", "content": "Tell me a long story."}],
+                                       kill_after=10, sig=signal.SIGSTOP)
+        assert before >= 10 and events[-1] == {"done": True}
+        (lost,) = wrapper.events("wrapper.server_lost")
+        assert lost["reason"] == "hang", lost
+        noticed = wrapper.events("wrapper.restarting_server")[0]
+        assert noticed["on"] == "hang"
+        assert time.monotonic() - began < 120
+        assert wrapper.stop() == 0
+
+
+def test_a_crash_during_the_stops_save_loses_no_kept_conversation(tmp_path: Path, server_bin: str,
+                                                                   demo_path: str) -> None:
+    first = [{"role": "user", "content": QUESTION}]
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        answer = chat(wrapper.url, first, max_tokens=24)
+        history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        pid = server_pid(wrapper)
+        wrapper.signal_group(signal.SIGTERM)  # llama-swap stops the model, and the server dies under the save
+        os.kill(pid, signal.SIGKILL)
+        wrapper.wait(60)
+    turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Thank you."}]
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as again:
+        assert reused(chat(again.url, turn, max_tokens=24)) >= 0.9 * history  # the checkpoint, restored at the start
+        assert again.stop() == 0
+
+
+def test_a_crash_between_turns_loses_nothing_when_the_answer_made_the_growth(tmp_path: Path, server_bin: str,
+                                                                             demo_path: str) -> None:
+    """A prompt under cache.checkpoint_tokens (1024) whose answer takes the slot past it is kept while idle: the
+    answer's tokens count, as the next turn reads them again."""
+    first = [{"role": "user", "content": "A story: " + STORY * 40 + "\nTell it again."}]  # ~760 tokens
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        answer = chat(wrapper.url, first, max_tokens=320, ignore_eos=True)
+        history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        assert answer["usage"]["prompt_tokens"] < 1024 <= history
+        (kept,) = wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        assert kept["tokens"] >= history - 1
+        pid = server_pid(wrapper)
+        os.kill(pid, signal.SIGKILL)  # between turns
+        wait_for(lambda: wrapper.events("wrapper.server_back"), 60, "the server started again")
+        turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Thank you."}]
+        assert reused(chat(wrapper.url, turn, max_tokens=8)) >= 0.9 * history
+        assert wrapper.stop() == 0
+
+
+def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    token = "watchdog-token"
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path),
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": token}) as wrapper:
+        answers: list[dict[str, Any]] = []
+        asking = threading.Thread(target=lambda: answers.append(chat(wrapper.url, [
+            {"role": "user", "content": QUESTION}], max_tokens=150)))
+        asking.start()
+        wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
+                 60, "the answer under way")
+        old = server_pid(wrapper)
+        reloading: list[int] = []
+        reload = threading.Thread(target=lambda: reloading.append(http(
+            "POST", f"{wrapper.url}/wrapper/reload", {"n_ctx": 4096}, timeout=600,
+            headers={"Authorization": f"Bearer {token}"})[0]))
+        reload.start()
+        wait_for(lambda: wrapper.status()["state"] == "reloading", 30, "the reload to drain")
+        os.kill(old, signal.SIGKILL)
+        reload.join(300)
+        asking.join(300)
+        assert answers and answers[0]["choices"][0]["message"]["content"]  # sent again to the new server
+        assert reloading and wrapper.status()["state"] == "ready" and server_pid(wrapper) != old
+        assert wrapper.stop() == 0

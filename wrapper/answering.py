@@ -1,0 +1,250 @@
+"""One request read whole, through what may interrupt its answer, so that the client gets one answer:
+
+- a context overflow (with a built-in's `Growth`, degrade's): refused for a prompt longer than the context, the
+  context is grown and the request sent again; an answer cut by a full context goes on after a growth
+  (`degrade.continue`), in the same stream or as one JSON answer;
+- llama-server lost under it (a crash, or a hang the watchdog ended) and started again: a request not yet
+  answered is sent again to the new server; a stream under way goes on from the text its client has (the
+  partial answer as an assistant prefix, or appended to a /completion prompt), with one pause and one final
+  event. A request is sent again at most once per loss; one that was in flight at two losses gets a 502 that
+  says so and is not sent a third time (a prompt that kills the server).
+
+The loop is an object whose only I/O is its `exchange` (one pass through the gate to llama-server: forward or
+catch, wrapper/proxy.py), the growth's `grow`, and `lost` (was the server lost under the last pass, and is
+another serving now); tests/unit/wrapper/test_answering.py drives it with all three scripted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from wrapper import paths
+from wrapper.continuation import continued, cut_by_context, merged
+from wrapper.generation import Host
+from wrapper.proxy import Caught, Cut, Held, Wanted, json_object
+from wrapper.sse import Events, as_answer
+from wrapper.steps import CannotGrow, Grown, Growth
+from wrapper.watchdog import GONE_WHY, Loss
+
+log = structlog.get_logger()
+
+OVERFLOW = "exceed_context_size_error"
+POOL_FULL = "Context size has been exceeded."  # llama-server's 500 when the shared KV (-kvu) ran out
+MAX_GROWTHS = 3
+MAX_LOSSES = 2  # in flight at this many losses of the server: a prompt that kills it, not sent again
+
+Exchange = Callable[[bytes, Wanted, Events | None, web.StreamResponse | None],
+                    Awaitable[web.StreamResponse | Caught | Held | Cut]]
+"""(the body to send, which whole answers to catch, the events filter, the client's response it continues)"""
+Lost = Callable[[], Awaitable[Loss]]
+"""After a Cut: whether llama-server was lost under it, and whether the wrapper will serve again (the next pass
+waits at the gate for the new server)."""
+
+
+class AnswerLoop:
+    def __init__(self, host: Host, growth: Growth | None, path: str, body: bytes, exchange: Exchange,
+                 slot_context: Callable[[], int], lost: Lost | None = None) -> None:
+        self.host, self.growth, self.path, self.body = host, growth, path, body
+        self.exchange, self.slot_context, self.lost = exchange, slot_context, lost
+        self.original = json_object(body)
+        config = host.current.config
+        self.continuing = growth is not None and growth.continues(config) and self.original is not None \
+            and path in paths.CONTINUABLE  # an answer cut by a full context goes on
+        self.resumable = lost is not None and self.original is not None and path in paths.CONTINUABLE
+        self.losses = 0
+        self.gone = False  # the server was lost and is not started again
+
+    async def run(self) -> web.StreamResponse:
+        streamed = self.original is not None and self.original.get("stream") is True
+        if streamed and (self.continuing or self.resumable):
+            return await self._streamed(self.original or {})
+        return await self._whole()
+
+    # -- a JSON answer (or a stream passed on as it comes) --------------------------------------------------------
+
+    async def _whole(self) -> web.StreamResponse:
+        """Sent again after each growth for an overflow, and after a loss of the server; an answer cut by a full
+        context continued after a growth (when it may be), the parts merged into one answer."""
+        request_now, sent = self.original or {}, self.body
+        earlier: dict[str, Any] | None = None
+        growths = 0
+        while True:
+            n_ctx = self.slot_context()
+            result = await self.exchange(sent, self._wanted(request_now, n_ctx, earlier is not None), None, None)
+            if isinstance(result, Cut):
+                if result.response is None and await self._go_on_after(result):
+                    continue  # the same request again, to the server started again
+                return await self._told_after_loss(result)
+            if not isinstance(result, Caught):
+                return result.response if isinstance(result, Held) else result
+            if result.status >= 400:
+                refusal = await self._grown_for(result, request_now, growths)
+                growths += 1
+                if refusal is None:
+                    continue
+                return web.json_response(earlier) if earlier is not None else refusal  # a continuation: what came
+            answer = merged(self.path, earlier, result.payload) if earlier is not None else result.payload
+            cut = cut_by_context(self.path, request_now, result.payload, n_ctx)
+            if cut is None or self.growth is None or growths >= MAX_GROWTHS:
+                return web.json_response(answer)
+            used, more = cut
+            grown = await self.growth.grow(self.host, used + (more or self._headroom()), False)
+            growths += 1
+            if not isinstance(grown, Grown):
+                log.info("degrade.continuation_refused", path=self.path,
+                         why=grown.reason if isinstance(grown, CannotGrow) else "no plan to grow with")
+                return web.json_response(answer)  # as llama-server cut it
+            earlier, request_now = answer, continued(self.path, self.original or {}, answer)
+            sent = json.dumps(request_now).encode()
+            log.info("degrade.continue", path=self.path, used=used)
+
+    def _wanted(self, asked: dict[str, Any], n_ctx: int, going_on: bool) -> Wanted:
+        """The answers the loop looks at before the client does: an overflow (with a growth), and (continuing) an
+        answer a full context cut, or any part of an answer already continued."""
+        def wanted(payload: dict[str, Any], status: int) -> bool:
+            if status >= 400:
+                return self.growth is not None and overflowed(payload)
+            return self.continuing and (going_on or cut_by_context(self.path, asked, payload, n_ctx) is not None)
+        return wanted
+
+    # -- an event stream ----------------------------------------------------------------------------------------
+
+    async def _streamed(self, original: dict[str, Any]) -> web.StreamResponse:
+        """Grown and sent again on an overflow (before any event); an answer cut by a full context (after a
+        growth) or by a lost server (once it is back) goes on in the same stream, its stop event held back while
+        it may have to go on."""
+        chat = self.path in paths.CHAT
+        request_now, sent, text, generated = original, self.body, "", 0
+        response: web.StreamResponse | None = None
+        held = b""  # the last events of the answer so far, sent when it cannot go on
+        growths = 0
+        while True:
+            n_ctx = self.slot_context()
+            events = Events(chat, skip=text if chat else "", continuing=response is not None,
+                            holds=self.continuing)
+            result = await self.exchange(sent, lambda p, status: status >= 400 and self.growth is not None
+                                         and overflowed(p), events, response)
+            if isinstance(result, Cut):
+                if result.response is not None:
+                    response = result.response
+                text += "".join(events.content)
+                generated += events.tokens
+                if not await self._go_on_after(result):
+                    return await self._told_after_loss(result)
+                if response is not None:  # what the client has is the prefix the new server goes on from
+                    request_now = continued(self.path, original, _so_far(chat, text, generated))
+                    sent = json.dumps(request_now).encode()
+                    log.info("wrapper.stream_resumed", path=self.path, chars=len(text), tokens=generated)
+                continue
+            if isinstance(result, Caught):
+                refusal = await self._grown_for(result, request_now, growths)
+                growths += 1
+                if refusal is None:
+                    continue
+                if response is None:
+                    return refusal
+                break  # a continuation that cannot go on: end the stream as it ended before
+            if not isinstance(result, Held):
+                if response is None or result is response:
+                    return result
+                break  # a refusal (held too long, stopping) after the stream began: end it as it ended before
+            response, held = result.response, result.events.release()
+            text += "".join(result.events.content)
+            generated += result.events.tokens
+            final = result.events.final
+            cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
+            if cut is None or self.growth is None or growths >= MAX_GROWTHS:
+                break
+            used, more = cut
+            grown = await self.growth.grow(self.host, used + (more or self._headroom()), False)
+            growths += 1
+            if not isinstance(grown, Grown):
+                break
+            request_now = continued(self.path, original, _so_far(chat, text, generated))
+            sent = json.dumps(request_now).encode()
+            log.info("degrade.continue", path=self.path, used=used, stream=True)
+        if response is None:  # never reached: each pass either returns, goes on, or began the stream
+            raise RuntimeError("a stream ended before it began")
+        await response.write(held)
+        await response.write_eof()
+        return response
+
+    # -- a lost server --------------------------------------------------------------------------------------------
+
+    async def _go_on_after(self, cut: Cut) -> bool:
+        """Whether to send again (or go on) after a cut: the server was lost under it and another serves now, and
+        this request was not in flight at MAX_LOSSES losses."""
+        if self.lost is None:
+            return False
+        loss = await self.lost()
+        if loss is not Loss.BACK:
+            self.gone = loss is Loss.GONE
+            return False
+        self.losses += 1
+        if self.losses >= MAX_LOSSES:
+            log.error("wrapper.request_given_up", path=self.path, losses=self.losses,
+                      why="llama-server was lost twice while it served this request")
+            return False
+        log.warning("wrapper.request_again", path=self.path, started=cut.response is not None)
+        return True
+
+    async def _told_after_loss(self, cut: Cut) -> web.StreamResponse:
+        """A 502 for a request whose answer had not begun; an error event in a stream that had (then the
+        connection is closed)."""
+        if self.losses >= MAX_LOSSES:
+            return await cut.answer(f"llama-server was lost {self.losses} times while it served this request (a "
+                                    "prompt that makes it crash or hang?): it is not sent again")
+        return await cut.answer(GONE_WHY if self.gone else None)
+
+    # -- growing --------------------------------------------------------------------------------------------------
+
+    async def _grown_for(self, overflow: Caught, asked: dict[str, Any], growths: int) -> web.Response | None:
+        """Grow the context for a refused request: None when it may be sent again, else the refusal for the client
+        (llama-server's, its message saying why it could not grow)."""
+        if self.growth is None or growths >= MAX_GROWTHS:  # it overflowed after every growth
+            return web.json_response(overflow.payload, status=overflow.status)
+        pool_full = overflow.payload["error"].get("message") == POOL_FULL
+        needed = 0 if pool_full else prompt_and_limit(overflow.payload, asked, self._headroom())
+        grown = await self.growth.grow(self.host, needed, pool_full)
+        if isinstance(grown, Grown):
+            log.info("degrade.retry", path=self.path, needed=needed)
+            return None
+        reason = grown.reason if isinstance(grown, CannotGrow) else ""
+        log.info("degrade.overflow_refused", path=self.path, needed=needed, why=reason or "no plan to grow with")
+        error = dict(overflow.payload["error"])
+        if reason:
+            error["message"] = f"{reason} ({error.get('message')})"
+        return web.json_response({**overflow.payload, "error": error}, status=overflow.status)
+
+    def _headroom(self) -> int:
+        return self.growth.headroom(self.host.current.config) if self.growth is not None else 0
+
+
+def _so_far(chat: bool, text: str, generated: int) -> dict[str, Any]:
+    """The answer the client has so far, in the shape wrapper/continuation.py goes on from."""
+    if chat:
+        return {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": generated}}
+    return {"content": text, "tokens_predicted": generated}
+
+
+def overflowed(payload: dict[str, Any]) -> bool:
+    """llama-server's refusal of a prompt longer than a slot's context, or its 500 when the slots' shared KV
+    ran out of cells while they filled it together."""
+    error = payload.get("error")
+    if not isinstance(error, dict):
+        return False
+    return (error.get("type") == OVERFLOW and isinstance(error.get("n_prompt_tokens"), int)) or \
+        error.get("message") == POOL_FULL
+
+
+def prompt_and_limit(payload: dict[str, Any], asked: dict[str, Any], headroom: int) -> int:
+    """The prompt's tokens plus what the request may generate (its max_tokens, else the headroom)."""
+    prompt = int(payload["error"]["n_prompt_tokens"])
+    limit = next((asked[k] for k in ("max_completion_tokens", "max_tokens", "n_predict")
+                  if isinstance(asked.get(k), int) and not isinstance(asked.get(k), bool) and asked[k] > 0), None)
+    return prompt + (limit if limit is not None else headroom)
