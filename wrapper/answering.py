@@ -9,6 +9,11 @@
   event. A request is sent again at most once per loss; one that was in flight at two losses gets a 502 that
   says so and is not sent a third time (a prompt that kills the server).
 
+- a background request paused for an interactive one (wrapper/seats.py): it goes on from the text generated so
+  far, as after a loss, once `pauses.resume` has kept its state, waited for a slot and run the steps again for
+  the request that goes on (which restore that state). One that asked for a JSON answer is sent as a stream and
+  gathered (wrapper/gathered.py): llama-server stops only a stream whose client goes away.
+
 The loop is an object whose only I/O is its `exchange` (one pass through the gate to llama-server: forward or
 catch, wrapper/proxy.py), the growth's `grow`, and `lost` (was the server lost under the last pass, and is
 another serving now); tests/unit/wrapper/test_answering.py drives it with all three scripted.
@@ -18,15 +23,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
 
 from wrapper import paths
 from wrapper.continuation import continued, cut_by_context, merged
+from wrapper.gathered import Gathered, whole_answer
 from wrapper.generation import Host
-from wrapper.proxy import Caught, Cut, Held, Wanted, json_object
+from wrapper.proxy import Caught, Collected, Cut, Held, Wanted, broken_off, json_error, json_object
+from wrapper.seats import Paused, Seat
 from wrapper.sse import Events, as_answer
 from wrapper.steps import CannotGrow, Grown, Growth
 from wrapper.watchdog import GONE_WHY, Loss
@@ -39,18 +46,34 @@ MAX_GROWTHS = 3
 MAX_LOSSES = 2  # in flight at this many losses of the server: a prompt that kills it, not sent again
 
 Exchange = Callable[[bytes, Wanted, Events | None, web.StreamResponse | None],
-                    Awaitable[web.StreamResponse | Caught | Held | Cut]]
+                    Awaitable[web.StreamResponse | Caught | Held | Cut | Paused]]
 """(the body to send, which whole answers to catch, the events filter, the client's response it continues)"""
 Lost = Callable[[], Awaitable[Loss]]
 """After a Cut: whether llama-server was lost under it, and whether the wrapper will serve again (the next pass
 waits at the gate for the new server)."""
 
 
+class Pauses(Protocol):
+    """A background request's pauses (wrapper/forwarding.py): its seat, the exchange that gathers a stream for a
+    JSON answer, and the resume (keep, wait, steps again): the body to send, or why it cannot go on."""
+
+    @property
+    def seat(self) -> Seat: ...
+
+    @property
+    def request(self) -> web.BaseRequest: ...  # the client's, told in its stream when a paused answer cannot go on
+
+    async def collect(self, body: bytes, wanted: Wanted, events: Events) -> web.StreamResponse | Caught | \
+        Collected | Cut | Paused: ...
+
+    async def resume(self, request: dict[str, Any], generated: int) -> bytes | str: ...
+
+
 class AnswerLoop:
     def __init__(self, host: Host, growth: Growth | None, path: str, body: bytes, exchange: Exchange,
-                 slot_context: Callable[[], int], lost: Lost | None = None) -> None:
+                 slot_context: Callable[[], int], lost: Lost | None = None, pauses: Pauses | None = None) -> None:
         self.host, self.growth, self.path, self.body = host, growth, path, body
-        self.exchange, self.slot_context, self.lost = exchange, slot_context, lost
+        self.exchange, self.slot_context, self.lost, self.pauses = exchange, slot_context, lost, pauses
         self.original = json_object(body)
         config = host.current.config
         self.continuing = growth is not None and growth.continues(config) and self.original is not None \
@@ -61,9 +84,18 @@ class AnswerLoop:
 
     async def run(self) -> web.StreamResponse:
         streamed = self.original is not None and self.original.get("stream") is True
-        if streamed and (self.continuing or self.resumable):
+        pausable = self.pauses is not None and self.original is not None and self.path in paths.CONTINUABLE
+        if streamed and (self.continuing or self.resumable or pausable):
             return await self._streamed(self.original or {})
+        if pausable:
+            return await self._gathered(self.original or {})
         return await self._whole()
+
+    def _watched(self, events: Events) -> None:
+        """The seat sees how far this pass got and whether it can go on from there, while it may be paused."""
+        if self.pauses is not None:
+            seat = self.pauses.seat
+            seat.generated, seat.plain, seat.pausable = (lambda: events.tokens), (lambda: events.plain), True
 
     # -- a JSON answer (or a stream passed on as it comes) --------------------------------------------------------
 
@@ -80,6 +112,8 @@ class AnswerLoop:
                 if result.response is None and await self._go_on_after(result):
                     continue  # the same request again, to the server started again
                 return await self._told_after_loss(result)
+            if isinstance(result, Paused):
+                raise RuntimeError("a pass paused that no seat asked to pause")  # only _streamed, _gathered pause
             if not isinstance(result, Caught):
                 return result.response if isinstance(result, Held) else result
             if result.status >= 400:
@@ -127,8 +161,23 @@ class AnswerLoop:
             n_ctx = self.slot_context()
             events = Events(chat, skip=text if chat else "", continuing=response is not None,
                             holds=self.continuing)
+            self._watched(events)
             result = await self.exchange(sent, lambda p, status: status >= 400 and self.growth is not None
                                          and overflowed(p), events, response)
+            if isinstance(result, Paused):
+                response = result.response if result.response is not None else response
+                text += "".join(events.content)
+                generated += events.tokens
+                request_now = continued(self.path, original, _so_far(chat, text, generated)) \
+                    if response is not None or text else original
+                resumed = await self._resumed(request_now, generated)
+                if isinstance(resumed, bytes):
+                    sent = resumed
+                elif response is None or self.pauses is None:
+                    return json_error(503, resumed, "unavailable_error")
+                else:
+                    return await broken_off(self.pauses.request, response, resumed)
+                continue
             if isinstance(result, Cut):
                 if result.response is not None:
                     response = result.response
@@ -173,6 +222,65 @@ class AnswerLoop:
         await response.write(held)
         await response.write_eof()
         return response
+
+    # -- a background request paused ----------------------------------------------------------------------------
+
+    async def _resumed(self, request_now: dict[str, Any], generated: int) -> bytes | str:
+        assert self.pauses is not None  # only a pausable request's exchange is paused
+        self.pauses.seat.pausable = False
+        return await self.pauses.resume(request_now, generated)
+
+    async def _gathered(self, original: dict[str, Any]) -> web.StreamResponse:
+        """A JSON answer asked for, sent as a stream and gathered: paused and resumed, grown for and continued
+        after a full context (with a growth), gone on from after a loss, as a stream is — one answer at the end."""
+        assert self.pauses is not None
+        chat = self.path in paths.CHAT
+        request_now, text, generated, growths = original, "", 0, 0
+        sent = _as_stream(self.body)
+        while True:
+            n_ctx = self.slot_context()
+            events = Gathered(chat, skip=text if chat else "")
+            self._watched(events)
+            result = await self.pauses.collect(sent, lambda p, status: status >= 400 and self.growth is not None
+                                               and overflowed(p), events)
+            self.pauses.seat.pausable = False
+            if isinstance(result, Paused | Cut):
+                text += "".join(events.content)
+                generated += events.tokens
+                if isinstance(result, Cut) and not await self._go_on_after(result):
+                    return await self._told_after_loss(result)
+                request_now = continued(self.path, original, _so_far(chat, text, generated)) if text else original
+                if isinstance(result, Paused):
+                    resumed = await self._resumed(request_now, generated)
+                    if isinstance(resumed, str):
+                        return json_error(503, resumed, "unavailable_error")
+                    sent = _as_stream(resumed)
+                else:
+                    sent = _as_stream(json.dumps(request_now).encode())
+                continue
+            if isinstance(result, Caught):
+                refusal = await self._grown_for(result, request_now, growths)
+                growths += 1
+                if refusal is None:
+                    continue
+                return refusal
+            if not isinstance(result, Collected):
+                return result  # an answer that was not a stream (an error), passed on as it came
+            text += "".join(events.content)
+            generated += events.tokens
+            final = events.final
+            cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
+            if cut is not None and self.growth is not None and growths < MAX_GROWTHS:
+                used, more = cut
+                grown = await self.growth.grow(self.host, used + (more or self._headroom()), False)
+                growths += 1
+                if isinstance(grown, Grown):
+                    request_now = continued(self.path, original, _so_far(chat, text, generated))
+                    sent = _as_stream(json.dumps(request_now).encode())
+                    log.info("degrade.continue", path=self.path, used=used)
+                    continue
+            prompt = self.pauses.seat.tokens or None
+            return web.json_response(whole_answer(chat, events, text, generated, prompt, original))
 
     # -- a lost server --------------------------------------------------------------------------------------------
 
@@ -223,6 +331,14 @@ class AnswerLoop:
 
     def _headroom(self) -> int:
         return self.growth.headroom(self.host.current.config) if self.growth is not None else 0
+
+
+def _as_stream(body: bytes) -> bytes:
+    """A request body asking for its answer as a stream (wrapper/gathered.py gathers it)."""
+    payload = json_object(body) or {}
+    payload["stream"] = True
+    payload.pop("stream_options", None)
+    return json.dumps(payload).encode()
 
 
 def _so_far(chat: bool, text: str, generated: int) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from wrapper.generation import Generation, Host
 from wrapper.kept import Kept, Key
 from wrapper.launch import Asks, Launch
 from wrapper.launch import prepare as prepare_launch
+from wrapper.priority import PRIORITY
 from wrapper.proxy import Observer
 from wrapper.settings import Section
 from wrapper.steps import Before, Growth, Shown
@@ -27,7 +28,7 @@ from wrapper.watchdog import WATCHDOG
 
 log = structlog.get_logger()
 
-SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, *BUILTIN_SECTIONS)  # the wrapper's own, then the built-ins'
+SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, *BUILTIN_SECTIONS)  # the wrapper's own, then the built-ins'
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -138,6 +139,11 @@ async def take_over(generation: Generation) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
     done = [await b.take_over(generation) for b in in_use(generation) if b.take_over is not None]
     return "; ".join(done) if done else None
+
+
+def keeps_paused(config: Config) -> bool:
+    """Whether a built-in keeps what a paused request's slot holds (the conversation cache): preemption."""
+    return any(b.keeps_paused for b in uses(config))
 
 
 def keeps_conversations(config: Config) -> bool:

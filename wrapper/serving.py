@@ -28,6 +28,7 @@ from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
+from wrapper.seats import Seats
 from wrapper.watchdog import WATCHDOG, Loss, Lost, WatchdogSettings, died, hung
 
 log = structlog.get_logger()
@@ -56,6 +57,7 @@ class Serving:
         self._restart_failed = False
         self.heard_at = time.monotonic()  # a request in flight last sent to llama-server or heard from it
         self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
+        self.seats = Seats()  # the slots' queue (wrapper/seats.py), for the wrapper's life
 
     def heard(self) -> None:
         """A request in flight sent to llama-server, or a byte of an answer came back (the watchdog's stall)."""

@@ -24,6 +24,7 @@ class Events:
         self.final: dict[str, Any] | None = None
         self.content: list[str] = []  # the text passed on (after the cut prefix)
         self.tokens = 0  # events that carried text: the tokens generated, as llama-server streams one an event
+        self.plain = True  # only text so far (no reasoning, no tool call): an assistant prefix can go on from it
 
     def feed(self, chunk: bytes) -> bytes:
         """What of `chunk` goes to the client now: whole events, the held ones excepted."""
@@ -75,6 +76,8 @@ class Events:
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             return raw
+        if delta.get("reasoning_content") or delta.get("tool_calls"):
+            self.plain = False
         content = delta.get("content")
         if not isinstance(content, str) or not content:
             return None if self.continuing and "role" in delta else raw

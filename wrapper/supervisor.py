@@ -297,7 +297,8 @@ class Supervisor:
         serving = self.serving
         return status.document(serving.lifecycle.state, serving.current, serving.gate, self.started_at,
                                self.ready_at, built_ins.status(serving.current), self.hooks.history,
-                               serving.last_reload, {"count": self.budget.count, "last": self.budget.last})
+                               serving.last_reload, {"count": self.budget.count, "last": self.budget.last},
+                               serving.seats.status())
 
 
 @contextlib.asynccontextmanager
