@@ -29,7 +29,7 @@ import structlog
 from aiohttp import web
 
 from wrapper import paths
-from wrapper.continuation import continued, cut_by_context, merged
+from wrapper.continuation import SoFar, continued, cut_by_context, greedy, merged
 from wrapper.gathered import Gathered, whole_answer
 from wrapper.generation import Host
 from wrapper.proxy import Caught, Collected, Cut, Held, Wanted, broken_off, json_error, json_object
@@ -91,11 +91,16 @@ class AnswerLoop:
             return await self._gathered(self.original or {})
         return await self._whole()
 
-    def _watched(self, events: Events) -> None:
-        """The seat sees how far this pass got and whether it can go on from there, while it may be paused."""
-        if self.pauses is not None:
-            seat = self.pauses.seat
-            seat.generated, seat.plain, seat.pausable = (lambda: events.tokens), (lambda: events.plain), True
+    def _watched(self, events: Events | None) -> None:
+        """While a pass runs (`events`: its events), its seat may be paused, and sees how far it got and whether it
+        can go on from there; between passes (None) it may not."""
+        if self.pauses is None:
+            return
+        seat = self.pauses.seat
+        if events is None:
+            seat.pausable = False
+            return
+        seat.generated, seat.plain, seat.pausable = (lambda: events.tokens), (lambda: events.plain), True
 
     # -- a JSON answer (or a stream passed on as it comes) --------------------------------------------------------
 
@@ -150,46 +155,42 @@ class AnswerLoop:
 
     async def _streamed(self, original: dict[str, Any]) -> web.StreamResponse:
         """Grown and sent again on an overflow (before any event); an answer cut by a full context (after a
-        growth) or by a lost server (once it is back) goes on in the same stream, its stop event held back while
-        it may have to go on."""
+        growth), by a lost server (once it is back) or by a pause (once it has a slot again) goes on in the same
+        stream, its stop event held back while it may have to go on."""
         chat = self.path in paths.CHAT
-        request_now, sent, text, generated = original, self.body, "", 0
+        request_now, sent, so_far, skip = original, self.body, SoFar(chat), ""
         response: web.StreamResponse | None = None
         held = b""  # the last events of the answer so far, sent when it cannot go on
         growths = 0
         while True:
             n_ctx = self.slot_context()
-            events = Events(chat, skip=text if chat else "", continuing=response is not None,
-                            holds=self.continuing)
+            events = Events(chat, skip=skip, continuing=response is not None, holds=self.continuing)
             self._watched(events)
             result = await self.exchange(sent, lambda p, status: status >= 400 and self.growth is not None
                                          and overflowed(p), events, response)
-            if isinstance(result, Paused):
-                response = result.response if result.response is not None else response
-                text += "".join(events.content)
-                generated += events.tokens
-                request_now = continued(self.path, original, _so_far(chat, text, generated)) \
-                    if response is not None or text else original
-                resumed = await self._resumed(request_now, generated)
-                if isinstance(resumed, bytes):
-                    sent = resumed
-                elif response is None or self.pauses is None:
-                    return json_error(503, resumed, "unavailable_error")
-                else:
-                    return await broken_off(self.pauses.request, response, resumed)
-                continue
-            if isinstance(result, Cut):
+            self._watched(None)
+            if isinstance(result, Paused | Cut):
                 if result.response is not None:
                     response = result.response
-                text += "".join(events.content)
-                generated += events.tokens
-                if not await self._go_on_after(result):
+                so_far.add(events.content)
+                if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
-                if response is not None:  # what the client has is the prefix the new server goes on from
-                    request_now = continued(self.path, original, _so_far(chat, text, generated))
+                if response is not None or isinstance(result, Paused):  # what the client has is the prefix the
+                    request_now, skip = so_far.going_on(self.path, original, greedy(original))  # answer goes on from
+                if isinstance(result, Cut):
                     sent = json.dumps(request_now).encode()
-                    log.info("wrapper.stream_resumed", path=self.path, chars=len(text), tokens=generated)
-                continue
+                    if response is not None:
+                        log.info("wrapper.stream_resumed", path=self.path, chars=len(so_far.text),
+                                 tokens=so_far.tokens)
+                    continue
+                resumed = await self._resumed(request_now, so_far.tokens)
+                if isinstance(resumed, bytes):
+                    sent = resumed
+                    continue
+                if response is None:
+                    return json_error(503, resumed, "unavailable_error")
+                return await broken_off(result.request if isinstance(result, Cut) else self._request(), response,
+                                        resumed)
             if isinstance(result, Caught):
                 refusal = await self._grown_for(result, request_now, growths)
                 growths += 1
@@ -203,8 +204,7 @@ class AnswerLoop:
                     return result
                 break  # a refusal (held too long, stopping) after the stream began: end it as it ended before
             response, held = result.response, result.events.release()
-            text += "".join(result.events.content)
-            generated += result.events.tokens
+            so_far.add(result.events.content)
             final = result.events.final
             cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
             if cut is None or self.growth is None or growths >= MAX_GROWTHS:
@@ -214,7 +214,7 @@ class AnswerLoop:
             growths += 1
             if not isinstance(grown, Grown):
                 break
-            request_now = continued(self.path, original, _so_far(chat, text, generated))
+            request_now, skip = continued(self.path, original, so_far.shaped()), so_far.text if chat else ""
             sent = json.dumps(request_now).encode()
             log.info("degrade.continue", path=self.path, used=used, stream=True)
         if response is None:  # never reached: each pass either returns, goes on, or began the stream
@@ -225,9 +225,12 @@ class AnswerLoop:
 
     # -- a background request paused ----------------------------------------------------------------------------
 
+    def _request(self) -> web.BaseRequest:
+        assert self.pauses is not None  # only a pausable request's exchange is paused
+        return self.pauses.request
+
     async def _resumed(self, request_now: dict[str, Any], generated: int) -> bytes | str:
         assert self.pauses is not None  # only a pausable request's exchange is paused
-        self.pauses.seat.pausable = False
         return await self.pauses.resume(request_now, generated)
 
     async def _gathered(self, original: dict[str, Any]) -> web.StreamResponse:
@@ -235,28 +238,27 @@ class AnswerLoop:
         after a full context (with a growth), gone on from after a loss, as a stream is — one answer at the end."""
         assert self.pauses is not None
         chat = self.path in paths.CHAT
-        request_now, text, generated, growths = original, "", 0, 0
-        sent = _as_stream(self.body)
+        prompt = self.pauses.seat.tokens or None  # the request's own prompt, as the steps counted it
+        request_now, sent, so_far, skip, growths = original, _as_stream(self.body), SoFar(chat), "", 0
         while True:
             n_ctx = self.slot_context()
-            events = Gathered(chat, skip=text if chat else "")
+            events = Gathered(chat, skip=skip)
             self._watched(events)
             result = await self.pauses.collect(sent, lambda p, status: status >= 400 and self.growth is not None
                                                and overflowed(p), events)
-            self.pauses.seat.pausable = False
+            self._watched(None)
             if isinstance(result, Paused | Cut):
-                text += "".join(events.content)
-                generated += events.tokens
+                so_far.add(events.content)
                 if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
-                request_now = continued(self.path, original, _so_far(chat, text, generated)) if text else original
-                if isinstance(result, Paused):
-                    resumed = await self._resumed(request_now, generated)
-                    if isinstance(resumed, str):
-                        return json_error(503, resumed, "unavailable_error")
-                    sent = _as_stream(resumed)
-                else:
+                request_now, skip = so_far.going_on(self.path, original, greedy(original))
+                if isinstance(result, Cut):
                     sent = _as_stream(json.dumps(request_now).encode())
+                    continue
+                resumed = await self._resumed(request_now, so_far.tokens)
+                if isinstance(resumed, str):
+                    return json_error(503, resumed, "unavailable_error")
+                sent = _as_stream(resumed)
                 continue
             if isinstance(result, Caught):
                 refusal = await self._grown_for(result, request_now, growths)
@@ -266,8 +268,7 @@ class AnswerLoop:
                 return refusal
             if not isinstance(result, Collected):
                 return result  # an answer that was not a stream (an error), passed on as it came
-            text += "".join(events.content)
-            generated += events.tokens
+            so_far.add(events.content)
             final = events.final
             cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
             if cut is not None and self.growth is not None and growths < MAX_GROWTHS:
@@ -275,12 +276,11 @@ class AnswerLoop:
                 grown = await self.growth.grow(self.host, used + (more or self._headroom()), False)
                 growths += 1
                 if isinstance(grown, Grown):
-                    request_now = continued(self.path, original, _so_far(chat, text, generated))
+                    request_now, skip = continued(self.path, original, so_far.shaped()), so_far.text if chat else ""
                     sent = _as_stream(json.dumps(request_now).encode())
                     log.info("degrade.continue", path=self.path, used=used)
                     continue
-            prompt = self.pauses.seat.tokens or None
-            return web.json_response(whole_answer(chat, events, text, generated, prompt, original))
+            return web.json_response(whole_answer(chat, events, so_far.text, so_far.tokens, prompt, original))
 
     # -- a lost server --------------------------------------------------------------------------------------------
 
@@ -339,13 +339,6 @@ def _as_stream(body: bytes) -> bytes:
     payload["stream"] = True
     payload.pop("stream_options", None)
     return json.dumps(payload).encode()
-
-
-def _so_far(chat: bool, text: str, generated: int) -> dict[str, Any]:
-    """The answer the client has so far, in the shape wrapper/continuation.py goes on from."""
-    if chat:
-        return {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": generated}}
-    return {"content": text, "tokens_predicted": generated}
 
 
 def overflowed(payload: dict[str, Any]) -> bool:

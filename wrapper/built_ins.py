@@ -81,7 +81,10 @@ def in_use(generation: Generation) -> list[Builtin]:
 
 def warnings(config: Config) -> list[str]:
     """What the built-ins a config uses say works but is probably not meant (`check`, and the start's log)."""
-    return [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
+    found = [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
+    if PRIORITY.of(config).preempt is True and not keeps_paused(config):
+        found.append(f"priority.preempt is true, but {NO_KEEPER}: preemption is off")
+    return found
 
 
 def launch_for(config: Config, shared: Kept, asks: Asks | None = None) -> Launch:
@@ -144,6 +147,22 @@ async def take_over(generation: Generation) -> str | None:
 def keeps_paused(config: Config) -> bool:
     """Whether a built-in keeps what a paused request's slot holds (the conversation cache): preemption."""
     return any(b.keeps_paused for b in uses(config))
+
+
+NO_KEEPER = ("nothing keeps a paused generation's state: it needs the conversation cache (the slot built-ins, with "
+             "cache.enabled); interactive requests still go first in the queue")
+
+
+def preemption(config: Config) -> tuple[bool, str]:
+    """Whether background generations are paused for interactive requests, and why (`priority.preempt`, where
+    `auto` is on when a built-in keeps what a paused slot holds: the conversation cache)."""
+    preempt = PRIORITY.of(config).preempt
+    if preempt is False:
+        return False, "priority.preempt is false: interactive requests go first in the queue, nothing is paused"
+    if not keeps_paused(config):
+        return False, NO_KEEPER
+    return True, f"a background generation yields its slot (at most priority.max_pauses, " \
+                 f"{PRIORITY.of(config).max_pauses}, times)"
 
 
 def keeps_conversations(config: Config) -> bool:

@@ -21,7 +21,6 @@ from aiohttp import web
 from wrapper import argv as args
 from wrapper import built_ins, paths, priority
 from wrapper.answering import AnswerLoop
-from wrapper.config import Config
 from wrapper.gate import Admission
 from wrapper.generation import Generation
 from wrapper.metrics import METRICS
@@ -129,15 +128,8 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
     seats = serving.seats
     seats.resize(_slots(generation))
     seats.max_pauses = settings.max_pauses
-    seats.preempt = preempting(generation.config)
+    seats.preempt = built_ins.preemption(generation.config)[0]
     return Seat(priority.classify(request.headers, payload, settings), path)
-
-
-def preempting(config: Config) -> bool:
-    """Whether background generations are paused for interactive requests: `priority.preempt`, where `auto` is on
-    when a built-in keeps what a paused slot holds (the conversation cache)."""
-    preempt = PRIORITY.of(config).preempt
-    return preempt == "on" or (preempt == "auto" and built_ins.keeps_paused(config))
 
 
 def _pausable(serving: Serving, outgoing: Outgoing) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from wrapper.settings import COUNT, Kind, Section, choice, setting
+from wrapper.settings import COUNT, Kind, Section, setting
 from wrapper.yamlread import Reader
 
 HEADER = "X-Priority"
@@ -46,13 +46,22 @@ def _keys(r: Reader, node: yaml.Node, what: str) -> tuple[str, ...] | None:
     return tuple(keys)
 
 
+def _preempt(r: Reader, node: yaml.Node, what: str) -> bool | None:
+    """true, false or auto (None, the default; after an error too, which refuses the config)."""
+    value = r.value(node)
+    if isinstance(node, yaml.ScalarNode) and (isinstance(value, bool) or value == "auto"):
+        return None if value == "auto" else bool(value)
+    r.error(node, f"{what} must be true, false or auto, not {value!r}")
+    return None
+
+
 KEYS = Kind("list of API keys (secret)", _keys, lambda v: f"({len(v)} set)" if v else "none")
-PREEMPT = choice("auto", "on", "off")
+PREEMPT = Kind("true | false | auto", _preempt, lambda v: "auto" if v is None else v)
 
 
 @dataclass(frozen=True)
 class PrioritySettings:
-    preempt: str = setting("auto", PREEMPT, "pause a background generation when an interactive request finds no "
+    preempt: bool | None = setting(None, PREEMPT, "pause a background generation when an interactive request finds no "
                            "free slot, and resume it once one is free, from where it stopped (`auto`: on when the "
                            "conversation cache is on, which keeps the paused state)")
     max_pauses: int = setting(3, COUNT, "how many times one background request may be paused; past that it runs "

@@ -116,6 +116,7 @@ def _resolved(config: Config) -> dict[str, Any]:
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
         **{section.name: section.shown(config) for section in built_ins.sections()},
+        "preemption": dict(zip(("enabled", "why"), built_ins.preemption(config), strict=True)),
         "built-ins": [b.family for b in built_ins.uses(config)],
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
