@@ -101,13 +101,13 @@ class Events:
         content = payload.get("content")
         if isinstance(content, str):
             kept = self._cut_prefix(content) if self.continuing else content
-            self.content.append(kept)
-            self.tokens += 1
             if kept != content:
                 if not kept:
-                    return None
+                    return None  # the client has it: generated again after a resume
                 payload["content"] = kept
                 raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+            self.content.append(kept)
+            self.tokens += 1
         return raw
 
     def _cut_prefix(self, content: str) -> str:
