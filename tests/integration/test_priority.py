@@ -183,11 +183,11 @@ def test_a_reload_and_a_crash_while_paused_and_the_answer_is_whole(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path),
                  env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
-        for trouble in ("reload", "crash"):
+        for pauses, trouble in enumerate(("reload", "crash"), start=1):
             background = agent(wrapper.url, 300).start()
             background.wait_tokens(40)
             question = person(wrapper.url, max_tokens=120).start()
-            wait_for(lambda: len(paused(wrapper)) == (1 if trouble == "reload" else 2), 60, "the agent paused")
+            wait_for(lambda n=pauses: len(paused(wrapper)) == n, 60, "the agent paused")
             if trouble == "reload":  # the question is drained, the new server restores the paused state
                 status = http("POST", f"{wrapper.url}/wrapper/reload", {"n_ctx": 4096}, timeout=600,
                               headers={"Authorization": f"Bearer {TOKEN}"})[0]
