@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def test_a_reload_and_a_crash_while_paused_and_the_answer_is_whole(
             background = agent(wrapper.url, 300).start()
             background.wait_tokens(40)
             question = person(wrapper.url, max_tokens=120).start()
-            wait_for(lambda n=pauses: len(paused(wrapper)) == n, 60, "the agent paused")
+            wait_for(partial(lambda n: len(paused(wrapper)) == n, pauses), 60, "the agent paused")
             if trouble == "reload":  # the question is drained, the new server restores the paused state
                 status = http("POST", f"{wrapper.url}/wrapper/reload", {"n_ctx": 4096}, timeout=600,
                               headers={"Authorization": f"Bearer {TOKEN}"})[0]
