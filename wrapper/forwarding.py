@@ -64,7 +64,7 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
     growth = built_ins.growth(generation) if path in paths.GENERATING else None
     steps = [step for step in built_ins.before(generation) if path in step.paths]
     watched = WATCHDOG.of(generation.config).enabled  # a request in flight goes on after a restart: kept whole
-    seated = request.method == "POST" and path in paths.DECODING
+    seated = request.method == "POST" and path in paths.SEATED
     if request.method != "POST" or (growth is None and not steps and not watched and not seated) or \
             (request.content_length or 0) > BODY_LIMIT:  # a body streamed through cannot be sent again
         again = watched and request.method in ("GET", "HEAD")
@@ -135,11 +135,14 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
 def _pausable(serving: Serving, outgoing: Outgoing) -> bool:
     """A background request the answer loop can pause and resume: a step keeps what its slot holds, and its
     answer can be continued (chat, /completion) — not one that asks for tools (a tool call has no prefix to go on
-    from)."""
+    from), for several choices, or for a JSON answer with token probabilities (a gathered stream has none)."""
     seat, payload = outgoing.seat, outgoing.payload
-    return seat is not None and seat.klass is priority.Class.BACKGROUND and serving.seats.preempt \
-        and bool(outgoing.keep) and payload is not None and outgoing.path in paths.CONTINUABLE \
-        and not payload.get("tools") and (payload.get("n") in (None, 1))
+    if seat is None or seat.klass is not priority.Class.BACKGROUND or not serving.seats.preempt \
+            or not outgoing.keep or payload is None or outgoing.path not in paths.CONTINUABLE:
+        return False
+    whole = payload.get("stream") is not True
+    return not payload.get("tools") and payload.get("n") in (None, 1) \
+        and not (whole and (payload.get("logprobs") or payload.get("n_probs")))
 
 
 @contextlib.asynccontextmanager
@@ -192,6 +195,7 @@ class _Pauses:
             done(None)
         run.after.clear()
         seat.pauses += 1
+        serving.seats.paused += 1
         METRICS.paused.inc()
         paused_at = time.monotonic()
         log.info("priority.paused", path=path, slot=seat.slot, tokens=kept, generated=generated, pauses=seat.pauses)
@@ -206,6 +210,7 @@ class _Pauses:
             message = str((why.get("error") or {}).get("message") or f"status {refusal.status}")
             log.warning("priority.not_resumed", path=path, pause_s=pause_s, why=message)
             return f"this answer was paused for an interactive request and cannot go on: {message}"
+        serving.seats.resumed += 1
         METRICS.resumed.inc()
         log.info("priority.resumed", path=path, slot=seat.slot, tokens=seat.tokens, pause_s=pause_s)
         return out.body

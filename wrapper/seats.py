@@ -56,6 +56,8 @@ class Seats:
         self._changed = asyncio.Event()
         self.preempt = False  # whether paused states are kept now (the conversation cache is on)
         self.max_pauses = 3
+        self.paused = 0  # background generations paused, and resumed, in the wrapper's life
+        self.resumed = 0
 
     def resize(self, total: int) -> None:
         if max(1, total) != self.total:
@@ -129,4 +131,5 @@ class Seats:
                     "tokens": seat.cost(), "s": round(now - seat.since, 3)}
 
         return {"slots": self.total, "preempt": self.preempt, "max_pauses": self.max_pauses,
+                "paused": self.paused, "resumed": self.resumed,
                 "running": [shown(s) for s in self.held], "waiting": [shown(s) for s in self._order()]}

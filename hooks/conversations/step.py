@@ -150,6 +150,7 @@ async def _keep(host: Host, generation: Generation, conv: Conversations, store: 
     the state its resume goes on from) and let the slot go; the tokens the slot holds."""
     slot = reserved.slot
     if not reserved.released:
+        book_of(generation).served(slot, None)  # unknown unless the save says what it holds
         await host.survive(lambda: save_slot(generation, conv, store, slot, "paused for an interactive request",
                                              min_tokens=1))
         reserved.released = True
