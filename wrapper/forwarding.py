@@ -345,6 +345,9 @@ class _Passes:
         asked = asyncio.ensure_future(seat.pause.wait())
         try:
             await asyncio.wait([exchange, asked], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client hung up: its exchange goes too (awaited, it would go by itself)
+            exchange.cancel()
+            raise
         finally:
             asked.cancel()
         if exchange.done():

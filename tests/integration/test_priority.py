@@ -139,6 +139,12 @@ def test_an_agent_that_hangs_up_while_paused_is_let_go(tmp_path: Path, server_bi
         assert not wrapper.events("priority.resumed")
         again = person(wrapper.url).start().join()  # the slot serves on
         assert again.status == 200 and again.text
+        streaming = agent(wrapper.url, 2000).start()  # one that hangs up while it streams: llama-server stops
+        streaming.wait_tokens(20)
+        streaming.hang_up()
+        streaming.join()
+        wait_for(lambda: not any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
+                 30, "llama-server to stop generating for nobody")
         assert wrapper.stop() == 0
 
 
