@@ -158,13 +158,13 @@ class AnswerLoop:
         growth), by a lost server (once it is back) or by a pause (once it has a slot again) goes on in the same
         stream, its stop event held back while it may have to go on."""
         chat = self.path in paths.CHAT
-        request_now, sent, so_far, skip = original, self.body, SoFar(chat), ""
+        request_now, sent, so_far, skip, again = original, self.body, SoFar(chat), "", 0
         response: web.StreamResponse | None = None
         held = b""  # the last events of the answer so far, sent when it cannot go on
         growths = 0
         while True:
             n_ctx = self.slot_context()
-            events = Events(chat, skip=skip, continuing=response is not None, holds=self.continuing)
+            events = Events(chat, skip=skip, continuing=response is not None, holds=self.continuing, again=again)
             self._watched(events)
             result = await self.exchange(sent, lambda p, status: status >= 400 and self.growth is not None
                                          and overflowed(p), events, response)
@@ -175,8 +175,8 @@ class AnswerLoop:
                 so_far.add(events.content)
                 if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
-                if response is not None or isinstance(result, Paused):  # what the client has is the prefix the
-                    request_now, skip = so_far.going_on(self.path, original, greedy(original))  # answer goes on from
+                if response is not None or isinstance(result, Paused):  # the answer goes on from what the client has
+                    request_now, skip, again = so_far.going_on(self.path, original, greedy(original))
                 if isinstance(result, Cut):
                     sent = json.dumps(request_now).encode()
                     if response is not None:
@@ -214,7 +214,7 @@ class AnswerLoop:
             growths += 1
             if not isinstance(grown, Grown):
                 break
-            request_now, skip = continued(self.path, original, so_far.shaped()), so_far.text if chat else ""
+            request_now, skip, again = continued(self.path, original, so_far.shaped()), so_far.text if chat else "", 0
             sent = json.dumps(request_now).encode()
             log.info("degrade.continue", path=self.path, used=used, stream=True)
         if response is None:  # never reached: each pass either returns, goes on, or began the stream
@@ -239,10 +239,10 @@ class AnswerLoop:
         assert self.pauses is not None
         chat = self.path in paths.CHAT
         prompt = self.pauses.seat.tokens or None  # the request's own prompt, as the steps counted it
-        request_now, sent, so_far, skip, growths = original, _as_stream(self.body), SoFar(chat), "", 0
+        request_now, sent, so_far, skip, again, growths = original, _as_stream(self.body), SoFar(chat), "", 0, 0
         while True:
             n_ctx = self.slot_context()
-            events = Gathered(chat, skip=skip)
+            events = Gathered(chat, skip=skip, again=again)
             self._watched(events)
             result = await self.pauses.collect(sent, lambda p, status: status >= 400 and self.growth is not None
                                                and overflowed(p), events)
@@ -251,7 +251,7 @@ class AnswerLoop:
                 so_far.add(events.content)
                 if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
-                request_now, skip = so_far.going_on(self.path, original, greedy(original))
+                request_now, skip, again = so_far.going_on(self.path, original, greedy(original))
                 if isinstance(result, Cut):
                     sent = _as_stream(json.dumps(request_now).encode())
                     continue
@@ -276,7 +276,8 @@ class AnswerLoop:
                 grown = await self.growth.grow(self.host, used + (more or self._headroom()), False)
                 growths += 1
                 if isinstance(grown, Grown):
-                    request_now, skip = continued(self.path, original, so_far.shaped()), so_far.text if chat else ""
+                    request_now, skip, again = continued(self.path, original, so_far.shaped()), \
+                        so_far.text if chat else "", 0
                     sent = _as_stream(json.dumps(request_now).encode())
                     log.info("degrade.continue", path=self.path, used=used)
                     continue

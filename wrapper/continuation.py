@@ -131,12 +131,12 @@ class SoFar:
             return {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": k}}
         return {"content": text, "tokens_predicted": k}
 
-    def going_on(self, path: str, request: dict[str, Any], again: bool) -> tuple[dict[str, Any], str]:
-        """The request that goes on after a pause or a loss, and the text its answer gives first that the client
-        has already (not shown again): the assistant prefix llama-server echoes (chat), and the tokens generated
-        again (`again`: the request is greedy, see resume_point)."""
+    def going_on(self, path: str, request: dict[str, Any], again: bool) -> tuple[dict[str, Any], str, int]:
+        """The request that goes on after a pause or a loss; the text llama-server echoes first (the assistant
+        prefix of a chat); and how many of the events that follow the client has already (`again`: the request
+        is greedy, and goes on from before the last word, see resume_point). None of those is shown again."""
         if not self.pieces:
-            return request, ""
+            return request, "", 0
         k = resume_point(self.pieces) if again else len(self.pieces)
         body = continued(path, request, self.shaped(k))
-        return body, self.text if self.chat else "".join(self.pieces[k:])
+        return body, "".join(self.pieces[:k]) if self.chat else "", len(self.pieces) - k

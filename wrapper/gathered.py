@@ -14,8 +14,8 @@ from wrapper.sse import Events
 class Gathered(Events):
     """One pass's events, none passed on: the first event's identity, the reasoning, the tool calls, the last."""
 
-    def __init__(self, chat: bool, skip: str = "") -> None:
-        super().__init__(chat, skip=skip, continuing=bool(skip), holds=False)
+    def __init__(self, chat: bool, skip: str = "", again: int = 0) -> None:
+        super().__init__(chat, skip=skip, continuing=bool(skip or again), holds=False, again=again)
         self.first: dict[str, Any] | None = None
         self.reasoning: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}

@@ -14,11 +14,13 @@ from typing import Any
 
 
 class Events:
-    def __init__(self, chat: bool, skip: str = "", continuing: bool = False, holds: bool = True) -> None:
+    def __init__(self, chat: bool, skip: str = "", continuing: bool = False, holds: bool = True,
+                 again: int = 0) -> None:
         self.chat = chat
         self.continuing = continuing
         self.holds = holds  # False: the stop event goes on too (a stream watched only to be resumed if cut)
         self._skip = skip  # text the continuation echoes first (the assistant prefix), not shown again
+        self._again = again  # then this many events of text the client has already: generated again by a resume
         self._buffer = b""
         self.held: list[bytes] = []
         self.final: dict[str, Any] | None = None
@@ -111,14 +113,22 @@ class Events:
         return raw
 
     def _cut_prefix(self, content: str) -> str:
-        if not self._skip:
-            return content
-        if content.startswith(self._skip):
-            content, self._skip = content[len(self._skip):], ""
-        elif self._skip.startswith(content):
-            content, self._skip = "", self._skip[len(content):]
-        else:
-            self._skip = ""  # not an echo after all: show everything from here
+        """What of an event's text is new to the client: after the echoed prefix, and after the events a resume
+        generates again (dropped by count: at temperature 0 they are the text the client has; should they differ,
+        the client's text stands and the answer goes on after them)."""
+        if self._skip:
+            if content.startswith(self._skip):
+                content, self._skip = content[len(self._skip):], ""
+                if not content:
+                    return ""
+            elif self._skip.startswith(content):
+                self._skip = self._skip[len(content):]
+                return ""
+            else:
+                self._skip = ""  # not an echo after all: show everything from here
+        if self._again:
+            self._again -= 1
+            return ""
         return content
 
 

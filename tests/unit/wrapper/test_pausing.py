@@ -39,16 +39,32 @@ def test_only_a_greedy_request_generates_again() -> None:
 def test_the_request_that_goes_on_and_the_text_it_gives_first() -> None:
     asked = {"messages": [{"role": "user", "content": "tell"}], "max_tokens": 10, "temperature": 0}
     so_far = SoFar(chat=True)
-    assert so_far.going_on(CHAT, asked, True) == (asked, "")  # nothing yet: the request as it was
+    assert so_far.going_on(CHAT, asked, True) == (asked, "", 0)  # nothing yet: the request as it was
     so_far.add(["Once", " upon", " a", " time", "."])
-    body, skip = so_far.going_on(CHAT, asked, True)
+    body, echo, again = so_far.going_on(CHAT, asked, True)
     assert body["messages"][-1] == {"role": "assistant", "content": "Once upon a"}
-    assert body["max_tokens"] == 7 and skip == "Once upon a time."  # the echo and the words generated again
-    body, skip = so_far.going_on(CHAT, asked, False)
-    assert body["messages"][-1]["content"] == "Once upon a time." and body["max_tokens"] == 5
+    assert body["max_tokens"] == 7 and (echo, again) == ("Once upon a", 2)  # the echo, then 2 generated again
+    body, echo, again = so_far.going_on(CHAT, asked, False)
+    assert body["messages"][-1]["content"] == "Once upon a time." and body["max_tokens"] == 5 and again == 0
     completion = SoFar(chat=False, pieces=["Once", " upon", " a", " time"])
-    body, skip = completion.going_on("/completion", {"prompt": "Tell: ", "n_predict": 8}, True)
-    assert body["prompt"] == "Tell: Once upon a" and body["n_predict"] == 5 and skip == " time"
+    body, echo, again = completion.going_on("/completion", {"prompt": "Tell: ", "n_predict": 8}, True)
+    assert body["prompt"] == "Tell: Once upon a" and body["n_predict"] == 5 and (echo, again) == ("", 1)
+
+
+def test_what_a_resume_generates_again_is_not_shown_even_when_it_differs() -> None:
+    same = Events(chat=True, skip="Once upon a", continuing=True, again=2)
+    shown = same.feed(sse(delta(None, role="assistant"), delta("Once upon a"), delta(" time"), delta("."),
+                          delta(" There")))
+    assert same.content == [" There"] and b"There" in shown and b"time" not in shown
+    other = Events(chat=True, skip="Once upon a", continuing=True, again=2)
+    other.feed(sse(delta("Once upon a"), delta(" day"), delta("!"), delta(" It")))
+    assert other.content == [" It"]  # the client's "time." stands; no "day!" after it
+    merged = Events(chat=True, skip="Once upon a", continuing=True, again=1)
+    merged.feed(sse(delta("Once upon a time"), delta(".")))  # the echo and a token in one event
+    assert merged.content == ["."]
+    completion = Events(chat=False, continuing=True, again=1)
+    completion.feed(sse({"content": " time", "stop": False}, {"content": ".", "stop": False}))
+    assert completion.content == ["."] and completion.tokens == 1
 
 
 def sse(*payloads: dict[str, Any]) -> bytes:
