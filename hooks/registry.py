@@ -181,5 +181,13 @@ BUILTINS: tuple[Builtin, ...] = ordered((
                 Route("POST", "/wrapper/budget", control.set_budget, TURN_ON)),
     ),
 ))
+def why_not_kept(config: Config) -> str:
+    """Why no built-in keeps what a paused generation's slot holds (preemption needs the conversation cache)."""
+    if not config.uses(slot_settings.FAMILY):
+        return ("preemption needs the conversation cache, which comes with the slot built-ins: name them in your "
+                "hooks (on_startup: [{builtin: slots.restore}], on_will_stop: [{builtin: slots.save}])")
+    return "preemption needs the conversation cache, and cache.enabled is false"
+
+
 ACTIONS: dict[str, BuiltinAction] = {name: action for b in BUILTINS for name, action in b.actions.items()}
 SECTIONS: tuple[Section[Any], ...] = tuple(section for b in BUILTINS for section in b.sections)

@@ -34,7 +34,7 @@ from wrapper.gathered import Gathered, whole_answer
 from wrapper.generation import Host
 from wrapper.proxy import Caught, Collected, Cut, Held, Wanted, broken_off, json_error, json_object
 from wrapper.seats import Paused, Seat
-from wrapper.sse import Events, as_answer
+from wrapper.sse import Carry, Events, as_answer
 from wrapper.steps import CannotGrow, Grown, Growth
 from wrapper.watchdog import GONE_WHY, Loss
 
@@ -159,12 +159,15 @@ class AnswerLoop:
         stream, its stop event held back while it may have to go on."""
         chat = self.path in paths.CHAT
         request_now, sent, so_far, skip, again = original, self.body, SoFar(chat), "", 0
+        carry: Carry | None = None  # the earlier parts' id and counts, once it goes on after a pause or a loss
+        answer_id: str | None = None
         response: web.StreamResponse | None = None
         held = b""  # the last events of the answer so far, sent when it cannot go on
         growths = 0
         while True:
             n_ctx = self.slot_context()
-            events = Events(chat, skip=skip, continuing=response is not None, holds=self.continuing, again=again)
+            events = Events(chat, skip=skip, continuing=response is not None, holds=self.continuing, again=again,
+                            carry=carry)
             self._watched(events)
             result = await self.exchange(sent, lambda p, status: status >= 400 and self.growth is not None
                                          and overflowed(p), events, response)
@@ -175,8 +178,10 @@ class AnswerLoop:
                 so_far.add(events.content)
                 if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
+                answer_id = answer_id or events.id
                 if response is not None or isinstance(result, Paused):  # the answer goes on from what the client has
                     request_now, skip, again = so_far.going_on(self.path, original, greedy(original))
+                    carry = self._carry(answer_id, so_far, again, original)
                 if isinstance(result, Cut):
                     sent = json.dumps(request_now).encode()
                     if response is not None:
@@ -223,6 +228,12 @@ class AnswerLoop:
         await response.write_eof()
         return response
 
+    def _carry(self, answer_id: str | None, so_far: SoFar, again: int, original: dict[str, Any]) -> Carry:
+        """What the next part makes its counts and id from: the client's answer so far, the request's prompt."""
+        prompt = original.get("prompt") if self.path not in paths.CHAT else None
+        tokens = self.pauses.seat.prompt if self.pauses is not None and self.pauses.seat.prompt else None
+        return Carry(answer_id, so_far.tokens, again, tokens, prompt if isinstance(prompt, str) else None)
+
     # -- a background request paused ----------------------------------------------------------------------------
 
     def _request(self) -> web.BaseRequest:
@@ -238,7 +249,7 @@ class AnswerLoop:
         after a full context (with a growth), gone on from after a loss, as a stream is — one answer at the end."""
         assert self.pauses is not None
         chat = self.path in paths.CHAT
-        prompt = self.pauses.seat.tokens or None  # the request's own prompt, as the steps counted it
+        prompt = self.pauses.seat.prompt or None  # the request's own prompt, as the steps counted it
         request_now, sent, so_far, skip, again, growths = original, _as_stream(self.body), SoFar(chat), "", 0, 0
         while True:
             n_ctx = self.slot_context()
@@ -303,8 +314,8 @@ class AnswerLoop:
         return True
 
     async def _told_after_loss(self, cut: Cut) -> web.StreamResponse:
-        """A 502 for a request whose answer had not begun; an error event in a stream that had (then the
-        connection is closed)."""
+        """A 502 for a request whose answer had not begun; an error event in a stream that had (and the stream
+        ends there)."""
         if self.losses >= MAX_LOSSES:
             return await cut.answer(f"llama-server was lost {self.losses} times while it served this request (a "
                                     "prompt that makes it crash or hang?): it is not sent again")

@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from hooks.registry import ACTIONS, BUILTINS, Builtin, Route
+from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper import logs
 from wrapper.actions import BuiltinFn
@@ -83,7 +83,7 @@ def warnings(config: Config) -> list[str]:
     """What the built-ins a config uses say works but is probably not meant (`check`, and the start's log)."""
     found = [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
     if PRIORITY.of(config).preempt is True and not keeps_paused(config):
-        found.append(f"priority.preempt is true, but {NO_KEEPER}: preemption is off")
+        found.append(f"priority.preempt is true, but it is off: {why_not_kept(config)}")
     return found
 
 
@@ -149,20 +149,21 @@ def keeps_paused(config: Config) -> bool:
     return any(b.keeps_paused for b in uses(config))
 
 
-NO_KEEPER = ("nothing keeps a paused generation's state: it needs the conversation cache (the slot built-ins, with "
-             "cache.enabled); interactive requests still go first in the queue")
+QUEUE_ONLY = "interactive requests still go first in the queue"
 
 
 def preemption(config: Config) -> tuple[bool, str]:
     """Whether background generations are paused for interactive requests, and why (`priority.preempt`, where
     `auto` is on when a built-in keeps what a paused slot holds: the conversation cache)."""
-    preempt = PRIORITY.of(config).preempt
-    if preempt is False:
-        return False, "priority.preempt is false: interactive requests go first in the queue, nothing is paused"
+    settings = PRIORITY.of(config)
+    if settings.preempt is False:
+        return False, f"priority.preempt is false: nothing is paused; {QUEUE_ONLY}"
+    if settings.max_pauses == 0:
+        return False, f"priority.max_pauses is 0: nothing is paused; {QUEUE_ONLY}"
     if not keeps_paused(config):
-        return False, NO_KEEPER
-    return True, f"a background generation yields its slot (at most priority.max_pauses, " \
-                 f"{PRIORITY.of(config).max_pauses}, times)"
+        return False, f"{why_not_kept(config)}; {QUEUE_ONLY}"
+    return True, f"a background generation yields its slot to an interactive request, at most priority.max_pauses " \
+                 f"({settings.max_pauses}) times"
 
 
 def keeps_conversations(config: Config) -> bool:

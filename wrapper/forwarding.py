@@ -41,7 +41,6 @@ from wrapper.proxy import (
     json_object,
 )
 from wrapper.seats import Paused, Seat
-from wrapper.server_context import AUTO_SLOTS
 from wrapper.serving import Serving
 from wrapper.sse import Events
 from wrapper.steps import Before, Outgoing, Reply, Shown
@@ -121,15 +120,19 @@ async def _stepped(serving: Serving, steps: list[Before], outgoing: Outgoing) ->
 
 
 def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None, path: str) -> Seat:
-    """The request's place in the slots' queue, its class from its header, its body and its key; the queue sized
-    for the server that serves now."""
-    generation = serving.current
-    settings = PRIORITY.of(generation.config)
-    seats = serving.seats
-    seats.resize(_slots(generation))
-    seats.max_pauses = settings.max_pauses
-    seats.preempt = built_ins.preemption(generation.config)[0]
-    return Seat(priority.classify(request.headers, payload, settings), path)
+    """The request's place in the slots' queue, its class from its header, its body and its key (the queue set for
+    the server that serves now)."""
+    settings = PRIORITY.of(serving.queue().config)
+    klass = priority.classify(request.headers, payload, settings)
+    for mark in priority.odd_marks(request.headers, payload):
+        if mark not in _ODD_SEEN and len(_ODD_SEEN) < 64:  # once each: a client sends it with every request
+            _ODD_SEEN.add(mark)
+            log.warning("priority.unknown_mark", mark=mark, read_as=klass.value,
+                        hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
+    return Seat(klass, path)
+
+
+_ODD_SEEN: set[str] = set()
 
 
 def _pausable(serving: Serving, outgoing: Outgoing) -> bool:
@@ -156,14 +159,6 @@ async def _seated(serving: Serving, seat: Seat | None) -> AsyncIterator[None]:
         yield
     finally:
         serving.seats.leave(seat)
-
-
-def _slots(generation: Generation) -> int:
-    """The slots the server has: as it said at its start, else its -np (llama-server's automatic count)."""
-    if generation.context is not None:
-        return generation.context.slots
-    given = int(args.get(generation.launch.argv, args.PARALLEL) or 0)
-    return given if given > 0 else AUTO_SLOTS
 
 
 class _Pauses:
@@ -198,9 +193,15 @@ class _Pauses:
         serving.seats.paused += 1
         METRICS.paused.inc()
         paused_at = time.monotonic()
-        log.info("priority.paused", path=path, slot=seat.slot, tokens=kept, generated=generated, pauses=seat.pauses)
+        log.info("priority.paused", path=path, slot=seat.slot, tokens=kept, generated=generated, pauses=seat.pauses,
+                 took_s=round(paused_at - (seat.asked_at or paused_at), 3))
         serving.seats.leave(seat)
-        await serving.seats.take(seat)
+        try:
+            await serving.seats.take(seat)
+        except asyncio.CancelledError:  # its client hung up while it waited: its state stays in the store
+            serving.seats.gone += 1
+            log.info("priority.gone", path=path, pauses=seat.pauses, pause_s=round(time.monotonic() - paused_at, 3))
+            raise
         out = Outgoing("POST", path, json.dumps(request_now).encode(), request_now, seat=seat)
         self.runs.append(out)
         refusal = await _stepped(serving, self.steps, out)

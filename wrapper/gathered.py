@@ -51,7 +51,8 @@ class Gathered(Events):
 def whole_answer(path_is_chat: bool, last: Gathered, text: str, generated: int, prompt: int | None,
                  original: dict[str, Any]) -> dict[str, Any]:
     """The JSON answer of a request whose passes were gathered: `text` and `generated` of every pass, the
-    rest from the last one (`prompt`: the request's own prompt tokens, when known)."""
+    rest from the last one (`prompt`: the request's own prompt tokens, when known; `timings` are the last
+    pass's)."""
     final = last.final or {}
     given = final.get("timings")
     timings: dict[str, Any] = given if isinstance(given, dict) else {}
@@ -60,6 +61,8 @@ def whole_answer(path_is_chat: bool, last: Gathered, text: str, generated: int, 
     if not path_is_chat:
         answer = copy.deepcopy(final)
         answer.update(content=text, tokens_predicted=generated, stop=True)
+        if prompt is not None:
+            answer["tokens_evaluated"] = prompt
         if isinstance(original.get("prompt"), str):
             answer["prompt"] = original["prompt"]
         return answer
@@ -75,7 +78,7 @@ def whole_answer(path_is_chat: bool, last: Gathered, text: str, generated: int, 
               "system_fingerprint": first.get("system_fingerprint", final.get("system_fingerprint")),
               "object": "chat.completion",
               "usage": {"completion_tokens": generated, "prompt_tokens": prompt_n, "total_tokens": prompt_n + generated,
-                        "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n") or 0)}},
+                        "prompt_tokens_details": {"cached_tokens": min(prompt_n, int(timings.get("cache_n") or 0))}},
               "id": first.get("id", final.get("id"))}
     if timings:
         answer["timings"] = timings

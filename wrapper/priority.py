@@ -1,15 +1,17 @@
 """Two classes of requests: interactive (a person waits) and background (an agent, a batch job), and the section
 of the config that says how background ones are told apart and whether they yield their slot (`priority:`).
 
-A request is background when its body says `"service_tier": "flex"` (the OpenAI API's word for slower, cheaper
-work), its header `X-Priority: background`, or its API key is one of `priority.background_keys`; the header
-`X-Priority: interactive` and `"service_tier": "priority"` say interactive, and so does everything else. Neither the
-header nor `service_tier` goes on to llama-server.
+A request is background when its header says `X-Priority: background`, its body `"service_tier": "flex"` (the
+OpenAI API's word for slower, cheaper work), or its API key is one of `priority.background_keys`; the header
+`X-Priority: interactive` and `"service_tier": "priority"` say interactive, and so does everything else (the first
+of these that says a class decides; case and spaces aside; what the wrapper does not know says nothing). Neither
+the header nor `service_tier` goes on to llama-server.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -79,7 +81,7 @@ def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, setting
     said = headers.get(HEADER, "").strip().lower()
     if said in (Class.BACKGROUND.value, Class.INTERACTIVE.value):
         return Class(said)
-    tier = payload.get(TIER) if payload is not None else None
+    tier = _tier(payload)
     if tier == "flex":
         return Class.BACKGROUND
     if tier == "priority":
@@ -88,6 +90,27 @@ def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, setting
     if key and any(hmac.compare_digest(key.encode(), k.encode()) for k in settings.background_keys):
         return Class.BACKGROUND
     return Class.INTERACTIVE
+
+
+def _tier(payload: dict[str, Any] | None) -> Any:
+    tier = payload.get(TIER) if payload is not None else None
+    return tier.strip().lower() if isinstance(tier, str) else tier
+
+
+KNOWN_TIERS = ("flex", "priority", "auto", "default", "scale")  # the OpenAI API's (the last three: interactive)
+
+
+def odd_marks(headers: Mapping[str, str], payload: dict[str, Any] | None) -> list[str]:
+    """What a request says of its class that the wrapper does not know (an X-Priority other than background or
+    interactive, a service_tier it has no meaning for): read as not said, and logged once each."""
+    odd = []
+    said = headers.get(HEADER)
+    if said is not None and said.strip().lower() not in (Class.BACKGROUND.value, Class.INTERACTIVE.value):
+        odd.append(f"{HEADER}: {said[:40]}")
+    tier = _tier(payload)
+    if tier is not None and tier not in KNOWN_TIERS:
+        odd.append(f"{TIER}: {json.dumps(tier)[:40]}")
+    return odd
 
 
 def _api_key(headers: Mapping[str, str]) -> str:

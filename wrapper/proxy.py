@@ -83,12 +83,15 @@ async def _once(raw: bytes) -> AsyncIterator[bytes]:
 
 
 async def broken_off(request: web.BaseRequest, response: web.StreamResponse, why: str) -> web.StreamResponse:
-    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it), then
-    the connection is closed so that the client sees a truncated answer, not a whole one."""
+    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it; it has no
+    final event) and ends there, as llama-server ends a stream after an error, so that a client reading the whole
+    body gets the error too; any other answer is cut (the connection closed) so that it is seen truncated."""
     if response.content_type == "text/event-stream":
         event = {"error": {"code": 502, "message": why, "type": "server_error"}}
         with contextlib.suppress(ConnectionError, RuntimeError):  # a client gone already
             await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write_eof()
+            return response
     if request.transport is not None:
         request.transport.close()
     return response

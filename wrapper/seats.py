@@ -28,12 +28,14 @@ class Seat:
     path: str
     arrived: float = field(default_factory=time.monotonic)  # its first arrival: its place in its class
     pauses: int = 0
-    tokens: int = 0  # its prompt's tokens, once a step has learnt them
+    tokens: int = 0  # the tokens its request sends (after a pause: with what it goes on from), once a step counted
+    prompt: int = 0  # its own request's prompt tokens (the first count)
     generated: Callable[[], int] = lambda: 0  # the tokens generated in its slot so far (the exchange under way)
     plain: Callable[[], bool] = lambda: True  # its answer so far is text an assistant prefix can go on from
     pausable: bool = False  # in an exchange it can be paused from and resumed (set by the answer loop)
     pause: asyncio.Event = field(default_factory=asyncio.Event)  # set: stop the exchange, keep, wait again
     slot: int | None = None  # the slot a step pinned it to, for the log and the status
+    asked_at: float | None = None  # when it was last asked to pause
     since: float = field(default_factory=time.monotonic)  # when it began to wait, or to be seated
 
     def cost(self) -> int:
@@ -56,8 +58,9 @@ class Seats:
         self._changed = asyncio.Event()
         self.preempt = False  # whether paused states are kept now (the conversation cache is on)
         self.max_pauses = 3
-        self.paused = 0  # background generations paused, and resumed, in the wrapper's life
+        self.paused = 0  # background generations paused, resumed, and let go (their client hung up while paused)
         self.resumed = 0
+        self.gone = 0
 
     def resize(self, total: int) -> None:
         if max(1, total) != self.total:
@@ -120,7 +123,9 @@ class Seats:
                           and not s.pause.is_set() and s.pauses < self.max_pauses]
             if not candidates:
                 return
-            min(candidates, key=lambda s: (s.cost(), -s.since)).pause.set()
+            chosen = min(candidates, key=lambda s: (s.cost(), -s.since))
+            chosen.asked_at = time.monotonic()
+            chosen.pause.set()
             asked += 1
 
     def status(self) -> dict[str, Any]:
@@ -131,5 +136,5 @@ class Seats:
                     "tokens": seat.cost(), "s": round(now - seat.since, 3)}
 
         return {"slots": self.total, "preempt": self.preempt, "max_pauses": self.max_pauses,
-                "paused": self.paused, "resumed": self.resumed,
+                "paused": self.paused, "resumed": self.resumed, "gone": self.gone,
                 "running": [shown(s) for s in self.held], "waiting": [shown(s) for s in self._order()]}

@@ -10,13 +10,49 @@ client sees one answer.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What the parts of a resumed answer before this one gave its client: this part's id and counts are made
+    the whole answer's (llama-server counts only the part it generates, and the text it went on from as prompt)."""
+
+    id: str | None  # the answer's (its first part's) id
+    shown: int  # tokens the client has from the earlier parts
+    again: int  # of those, how many this part generates again (not shown twice)
+    prompt_tokens: int | None = None  # the request's own prompt, when known
+    prompt: str | None = None  # /completion: the request's own prompt text
+
+    def carries(self, payload: dict[str, Any]) -> bool:
+        """Make `payload`'s id and counts the whole answer's; whether anything changed."""
+        changed = False
+        if self.id is not None and isinstance(payload.get("id"), str) and payload["id"] != self.id:
+            payload["id"], changed = self.id, True
+        earlier = self.shown - self.again  # tokens of the earlier parts this part does not count
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            prompt = self.prompt_tokens if self.prompt_tokens is not None else \
+                max(0, int(usage.get("prompt_tokens") or 0) - earlier)
+            completion = int(usage["completion_tokens"]) + earlier
+            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            changed = True
+        if payload.get("stop") is True and isinstance(payload.get("tokens_predicted"), int):  # /completion's last
+            payload["tokens_predicted"] += earlier
+            if self.prompt_tokens is not None:
+                payload["tokens_evaluated"] = self.prompt_tokens
+            if self.prompt is not None:
+                payload["prompt"] = self.prompt
+            changed = True
+        return changed
 
 
 class Events:
     def __init__(self, chat: bool, skip: str = "", continuing: bool = False, holds: bool = True,
-                 again: int = 0) -> None:
+                 again: int = 0, carry: Carry | None = None) -> None:
         self.chat = chat
+        self.carry = carry
         self.continuing = continuing
         self.holds = holds  # False: the stop event goes on too (a stream watched only to be resumed if cut)
         self._skip = skip  # text the continuation echoes first (the assistant prefix), not shown again
@@ -27,6 +63,7 @@ class Events:
         self.content: list[str] = []  # the text passed on (after the cut prefix)
         self.tokens = 0  # events that carried text: the tokens generated, as llama-server streams one an event
         self.plain = True  # only text so far (no reasoning, no tool call): an assistant prefix can go on from it
+        self.id: str | None = None  # the first id its events carried (a chat answer's)
 
     def feed(self, chunk: bytes) -> bytes:
         """What of `chunk` goes to the client now: whole events, the held ones excepted."""
@@ -62,6 +99,10 @@ class Events:
             return raw
         if not isinstance(payload, dict):
             return raw
+        if self.id is None and isinstance(payload.get("id"), str):
+            self.id = payload["id"]
+        if self.carry is not None and self.carry.carries(payload):
+            raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
         return self._chat(raw, payload) if self.chat else self._completion(raw, payload)
 
     def _chat(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:

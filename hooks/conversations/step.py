@@ -60,6 +60,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     resuming = out.seat is not None and out.seat.pauses > 0
     if out.seat is not None:
         out.seat.tokens, out.seat.slot = len(tokens), slot
+        out.seat.prompt = out.seat.prompt or len(tokens)
     try:
         if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
                                                                 resuming)) is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,13 +46,17 @@ def behind(wrapper: Wrapper, background: list[Asked], question: Asked | None = N
         if asked.body.get("stream"):
             asked.wait_tokens(40)
     if not all(a.body.get("stream") for a in background):
-        wait_for(lambda: sum(s.get("is_processing", False) for s in json.loads(
-            http("GET", f"{wrapper.url}/slots")[2])) >= len(background), 60, "the background answers under way")
-        time.sleep(1.0)  # some tokens into them
+        wait_for(lambda: sum(decoded(s) >= 40 for s in json.loads(http("GET", f"{wrapper.url}/slots")[2]))
+                 >= len(background), 120, "the background answers 40 tokens in")
     question = (question or person(wrapper.url)).start().join()
     for asked in background:
         asked.join()
     return question
+
+
+def decoded(slot: dict[str, Any]) -> int:
+    """The tokens a slot's generation under way has decoded (llama-server's GET /slots)."""
+    return int((slot.get("next_token") or [{}])[0].get("n_decoded") or 0) if slot.get("is_processing") else 0
 
 
 def whole(asked: Asked, tokens: int) -> None:

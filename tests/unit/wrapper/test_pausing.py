@@ -17,7 +17,7 @@ from wrapper.generation import Host
 from wrapper.priority import Class
 from wrapper.proxy import Caught, Collected, Cut, Held, Wanted
 from wrapper.seats import Paused, Seat
-from wrapper.sse import Events
+from wrapper.sse import Carry, Events
 
 CHAT = "/v1/chat/completions"
 
@@ -82,6 +82,22 @@ def final(reason: str = "stop", cache_n: int = 40, prompt_n: int = 2, predicted_
             "timings": {"cache_n": cache_n, "prompt_n": prompt_n, "predicted_n": predicted_n}}
 
 
+def test_a_resumed_part_carries_the_whole_answers_id_and_counts() -> None:
+    carry = Carry("chatcmpl-first", shown=100, again=2, prompt_tokens=40)
+    events = Events(chat=True, skip="", continuing=True, holds=False, carry=carry)
+    shown = events.feed(sse(delta("x") | {"id": "chatcmpl-second"},
+                            final() | {"usage": {"completion_tokens": 52, "prompt_tokens": 138, "total_tokens": 190}}))
+    passed = [json.loads(line[5:]) for line in shown.decode().split("\n\n") if line.startswith("data:")]
+    assert {p["id"] for p in passed} == {"chatcmpl-first"}
+    assert passed[-1]["usage"] == {"completion_tokens": 150, "prompt_tokens": 40, "total_tokens": 190}
+    unknown = Carry(None, shown=100, again=2)  # no prompt count: the part's prompt less what it went on from
+    usage = {"usage": {"completion_tokens": 52, "prompt_tokens": 138}}
+    assert unknown.carries(usage) and usage["usage"]["prompt_tokens"] == 40
+    last = {"stop": True, "tokens_predicted": 52, "tokens_evaluated": 139, "prompt": "Tell: Once upon"}
+    assert Carry(None, 100, 2, 41, "Tell: ").carries(last)
+    assert last == {"stop": True, "tokens_predicted": 150, "tokens_evaluated": 41, "prompt": "Tell: "}
+
+
 def test_a_gathered_stream_is_llama_servers_json_answer() -> None:
     events = Gathered(chat=True)
     events.feed(sse(delta(None, role="assistant"), delta(reasoning_content="think"), delta("Hi"), delta(" you")))
@@ -114,7 +130,7 @@ class Passes:
     streams: list[tuple[bytes, int | None]]
     sent: list[dict[str, Any]] = field(default_factory=list)
     resumed: list[tuple[dict[str, Any], int]] = field(default_factory=list)
-    seat: Seat = field(default_factory=lambda: Seat(Class.BACKGROUND, CHAT, tokens=30))
+    seat: Seat = field(default_factory=lambda: Seat(Class.BACKGROUND, CHAT, tokens=30, prompt=30))
     request: web.BaseRequest = field(default_factory=lambda: cast(web.BaseRequest, None))
 
     async def collect(self, body: bytes, wanted: Wanted, events: Events) -> web.StreamResponse | Caught | \

@@ -6,7 +6,7 @@ import pytest
 
 from wrapper import built_ins
 from wrapper.config import ConfigError
-from wrapper.priority import PRIORITY, Class, PrioritySettings, classify, unsaid
+from wrapper.priority import PRIORITY, Class, PrioritySettings, classify, odd_marks, unsaid
 
 KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
 
@@ -19,6 +19,7 @@ KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
     ({"X-Priority": "interactive"}, {"service_tier": "flex"}, Class.INTERACTIVE),  # the header says it first
     ({"X-Priority": "urgent"}, {"service_tier": "flex"}, Class.BACKGROUND),  # a word it does not know: not said
     ({}, {"service_tier": "flex"}, Class.BACKGROUND),
+    ({}, {"service_tier": " FLEX "}, Class.BACKGROUND),
     ({}, {"service_tier": "priority"}, Class.INTERACTIVE),
     ({}, {"service_tier": "auto"}, Class.INTERACTIVE),
     ({}, {"service_tier": ["flex"]}, Class.INTERACTIVE),
@@ -32,6 +33,13 @@ KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
 def test_a_request_says_its_class_by_header_tier_or_key(headers: dict[str, str], payload: dict[str, object] | None,
                                                         expected: Class) -> None:
     assert classify(headers, payload, KEYS) is expected
+
+
+def test_what_the_wrapper_does_not_know_is_told() -> None:
+    assert odd_marks({"X-Priority": "low"}, {"service_tier": "FLEX"}) == ["X-Priority: low"]
+    assert odd_marks({}, {"service_tier": ["flex"]}) == ['service_tier: ["flex"]']
+    assert odd_marks({"X-Priority": "Interactive"}, {"service_tier": "auto"}) == []
+    assert odd_marks({}, None) == []
 
 
 def test_without_background_keys_a_key_is_interactive() -> None:
@@ -80,9 +88,10 @@ SLOTS = "slots: {dir: /tmp/slots}\nhooks:\n  on_startup: [{builtin: slots.restor
 @pytest.mark.parametrize(("written", "on", "why"), [
     (SLOTS, True, "yields its slot"),
     (SLOTS + "priority: {preempt: false}\n", False, "priority.preempt is false"),
-    (SLOTS + "cache: {enabled: false}\n", False, "it needs the conversation cache"),
-    ("", False, "it needs the conversation cache"),
-    ("priority: {preempt: true}\n", False, "it needs the conversation cache"),
+    (SLOTS + "priority: {max_pauses: 0}\n", False, "priority.max_pauses is 0: nothing is paused"),
+    (SLOTS + "cache: {enabled: false}\n", False, "cache.enabled is false"),
+    ("", False, "name them in your hooks (on_startup: [{builtin: slots.restore}]"),
+    ("priority: {preempt: true}\n", False, "comes with the slot built-ins"),
 ])
 def test_preemption_needs_the_conversation_cache(written: str, on: bool, why: str) -> None:
     config = built_ins.parse(written)
