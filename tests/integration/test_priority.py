@@ -71,6 +71,12 @@ def whole(asked: Asked, tokens: int) -> None:
         assert asked.events[-1] == {"done": True}
         roles = [e for e in asked.events if (e.get("choices") or [{}])[0].get("delta", {}).get("role")]
         assert len(roles) == 1  # one answer: the resume's own role chunk is not shown
+        assert len({e["id"] for e in asked.events if "id" in e}) == 1  # one answer's id throughout
+        usages = [e["usage"] for e in asked.events if e.get("usage")]
+        assert all(u["completion_tokens"] == tokens for u in usages), usages  # the whole answer's count
+    else:
+        (last,) = [e for e in asked.events if e.get("stop")]
+        assert last["tokens_predicted"] == tokens and last["prompt"] == asked.body["prompt"]
 
 
 @pytest.mark.parametrize(("stream", "path", "headers", "extra"), [
@@ -83,8 +89,9 @@ def test_a_question_behind_an_agent_is_answered_and_the_agents_answer_is_unchang
         tmp_path: Path, server_bin: str, demo_path: str, stream: bool, path: str, headers: dict[str, str],
         extra: dict[str, Any]) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
-        alone = agent(wrapper.url, 300, stream, headers={}, path=path).start().join()
-        background = agent(wrapper.url, 300, stream, headers=headers, path=path, **extra)
+        usage = {"stream_options": {"include_usage": True}} if stream and "chat" in path else {}
+        alone = agent(wrapper.url, 300, stream, headers={}, path=path, **usage).start().join()
+        background = agent(wrapper.url, 300, stream, headers=headers, path=path, **extra, **usage)
         question = behind(wrapper, [background])
         assert question.status == 200 and question.text
         assert question.ended_at is not None and background.ended_at is not None
