@@ -83,6 +83,7 @@ class Builtin:
       ready to stop   `background` runs from ready until the stop; `server_line` sees each output line
       a reload        `hand_over` on the old generation before it stops, `take_over` on the new one before it
                       serves, `reload_report` in the reload's answer
+      a pause         `keeps_paused`: a step gave the request a `keep` (what its slot holds goes to the store)
       when asked      `status` in /wrapper/status, `metrics` before a scrape of /metrics, `routes` as endpoints
     """
 
@@ -105,6 +106,7 @@ class Builtin:
     server_line: Callable[[Generation, str], bool] | None = None  # False: log the line at debug level only
     background: Callable[[Host], Coroutine[Any, Any, None]] | None = None
     routes: tuple[Route, ...] = ()
+    keeps_paused: bool = False  # its steps keep what a paused request's slot holds (Outgoing.keep): preemption
 
 
 def ordered(builtins: tuple[Builtin, ...]) -> tuple[Builtin, ...]:
@@ -159,6 +161,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics, background=conversations.keep_while_idle,
+        keeps_paused=True,
     ),
     Builtin(
         family="server",
@@ -178,5 +181,13 @@ BUILTINS: tuple[Builtin, ...] = ordered((
                 Route("POST", "/wrapper/budget", control.set_budget, TURN_ON)),
     ),
 ))
+def why_not_kept(config: Config) -> str:
+    """Why no built-in keeps what a paused generation's slot holds (preemption needs the conversation cache)."""
+    if not config.uses(slot_settings.FAMILY):
+        return ("preemption needs the conversation cache, which comes with the slot built-ins: name them in your "
+                "hooks (on_startup: [{builtin: slots.restore}], on_will_stop: [{builtin: slots.save}])")
+    return "preemption needs the conversation cache, and cache.enabled is false"
+
+
 ACTIONS: dict[str, BuiltinAction] = {name: action for b in BUILTINS for name, action in b.actions.items()}
 SECTIONS: tuple[Section[Any], ...] = tuple(section for b in BUILTINS for section in b.sections)

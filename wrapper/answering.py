@@ -9,6 +9,11 @@
   event. A request is sent again at most once per loss; one that was in flight at two losses gets a 502 that
   says so and is not sent a third time (a prompt that kills the server).
 
+- a background request paused for an interactive one (wrapper/seats.py): it goes on from the text generated so
+  far, as after a loss, once `pauses.resume` has kept its state, waited for a slot and run the steps again for
+  the request that goes on (which restore that state). One that asked for a JSON answer is sent as a stream and
+  gathered (wrapper/gathered.py): llama-server stops only a stream whose client goes away.
+
 The loop is an object whose only I/O is its `exchange` (one pass through the gate to llama-server: forward or
 catch, wrapper/proxy.py), the growth's `grow`, and `lost` (was the server lost under the last pass, and is
 another serving now); tests/unit/wrapper/test_answering.py drives it with all three scripted.
@@ -18,16 +23,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
 
 from wrapper import paths
-from wrapper.continuation import continued, cut_by_context, merged
+from wrapper.continuation import SoFar, continued, cut_by_context, greedy, merged
+from wrapper.gathered import Gathered, whole_answer
 from wrapper.generation import Host
-from wrapper.proxy import Caught, Cut, Held, Wanted, json_object
-from wrapper.sse import Events, as_answer
+from wrapper.proxy import Caught, Collected, Cut, Held, Wanted, broken_off, json_error, json_object
+from wrapper.seats import Paused, Seat
+from wrapper.sse import Carry, Events, as_answer
 from wrapper.steps import CannotGrow, Grown, Growth
 from wrapper.watchdog import GONE_WHY, Loss
 
@@ -39,18 +46,34 @@ MAX_GROWTHS = 3
 MAX_LOSSES = 2  # in flight at this many losses of the server: a prompt that kills it, not sent again
 
 Exchange = Callable[[bytes, Wanted, Events | None, web.StreamResponse | None],
-                    Awaitable[web.StreamResponse | Caught | Held | Cut]]
+                    Awaitable[web.StreamResponse | Caught | Held | Cut | Paused]]
 """(the body to send, which whole answers to catch, the events filter, the client's response it continues)"""
 Lost = Callable[[], Awaitable[Loss]]
 """After a Cut: whether llama-server was lost under it, and whether the wrapper will serve again (the next pass
 waits at the gate for the new server)."""
 
 
+class Pauses(Protocol):
+    """A background request's pauses (wrapper/forwarding.py): its seat, the exchange that gathers a stream for a
+    JSON answer, and the resume (keep, wait, steps again): the body to send, or why it cannot go on."""
+
+    @property
+    def seat(self) -> Seat: ...
+
+    @property
+    def request(self) -> web.BaseRequest: ...  # the client's, told in its stream when a paused answer cannot go on
+
+    async def collect(self, body: bytes, wanted: Wanted, events: Events) -> web.StreamResponse | Caught | \
+        Collected | Cut | Paused: ...
+
+    async def resume(self, request: dict[str, Any], generated: int) -> bytes | str: ...
+
+
 class AnswerLoop:
     def __init__(self, host: Host, growth: Growth | None, path: str, body: bytes, exchange: Exchange,
-                 slot_context: Callable[[], int], lost: Lost | None = None) -> None:
+                 slot_context: Callable[[], int], lost: Lost | None = None, pauses: Pauses | None = None) -> None:
         self.host, self.growth, self.path, self.body = host, growth, path, body
-        self.exchange, self.slot_context, self.lost = exchange, slot_context, lost
+        self.exchange, self.slot_context, self.lost, self.pauses = exchange, slot_context, lost, pauses
         self.original = json_object(body)
         config = host.current.config
         self.continuing = growth is not None and growth.continues(config) and self.original is not None \
@@ -61,9 +84,23 @@ class AnswerLoop:
 
     async def run(self) -> web.StreamResponse:
         streamed = self.original is not None and self.original.get("stream") is True
-        if streamed and (self.continuing or self.resumable):
+        pausable = self.pauses is not None and self.original is not None and self.path in paths.CONTINUABLE
+        if streamed and (self.continuing or self.resumable or pausable):
             return await self._streamed(self.original or {})
+        if pausable:
+            return await self._gathered(self.original or {})
         return await self._whole()
+
+    def _watched(self, events: Events | None) -> None:
+        """While a pass runs (`events`: its events), its seat may be paused, and sees how far it got and whether it
+        can go on from there; between passes (None) it may not."""
+        if self.pauses is None:
+            return
+        seat = self.pauses.seat
+        if events is None:
+            seat.pausable = False
+            return
+        seat.generated, seat.plain, seat.pausable = (lambda: events.tokens), (lambda: events.plain), True
 
     # -- a JSON answer (or a stream passed on as it comes) --------------------------------------------------------
 
@@ -80,6 +117,8 @@ class AnswerLoop:
                 if result.response is None and await self._go_on_after(result):
                     continue  # the same request again, to the server started again
                 return await self._told_after_loss(result)
+            if isinstance(result, Paused):
+                raise RuntimeError("a pass paused that no seat asked to pause")  # only _streamed, _gathered pause
             if not isinstance(result, Caught):
                 return result.response if isinstance(result, Held) else result
             if result.status >= 400:
@@ -116,31 +155,47 @@ class AnswerLoop:
 
     async def _streamed(self, original: dict[str, Any]) -> web.StreamResponse:
         """Grown and sent again on an overflow (before any event); an answer cut by a full context (after a
-        growth) or by a lost server (once it is back) goes on in the same stream, its stop event held back while
-        it may have to go on."""
+        growth), by a lost server (once it is back) or by a pause (once it has a slot again) goes on in the same
+        stream, its stop event held back while it may have to go on."""
         chat = self.path in paths.CHAT
-        request_now, sent, text, generated = original, self.body, "", 0
+        request_now, sent, so_far, skip, again = original, self.body, SoFar(chat), "", 0
+        carry: Carry | None = None  # the earlier parts' id and counts, once it goes on after a pause or a loss
+        answer_id: str | None = None
         response: web.StreamResponse | None = None
         held = b""  # the last events of the answer so far, sent when it cannot go on
         growths = 0
         while True:
             n_ctx = self.slot_context()
-            events = Events(chat, skip=text if chat else "", continuing=response is not None,
-                            holds=self.continuing)
+            events = Events(chat, skip=skip, continuing=response is not None, holds=self.continuing, again=again,
+                            carry=carry)
+            self._watched(events)
             result = await self.exchange(sent, lambda p, status: status >= 400 and self.growth is not None
                                          and overflowed(p), events, response)
-            if isinstance(result, Cut):
+            self._watched(None)
+            if isinstance(result, Paused | Cut):
                 if result.response is not None:
                     response = result.response
-                text += "".join(events.content)
-                generated += events.tokens
-                if not await self._go_on_after(result):
+                so_far.add(events.content)
+                if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
-                if response is not None:  # what the client has is the prefix the new server goes on from
-                    request_now = continued(self.path, original, _so_far(chat, text, generated))
+                answer_id = answer_id or events.id
+                if response is not None or isinstance(result, Paused):  # the answer goes on from what the client has
+                    request_now, skip, again = so_far.going_on(self.path, original, greedy(original))
+                    carry = self._carry(answer_id, so_far, again, original)
+                if isinstance(result, Cut):
                     sent = json.dumps(request_now).encode()
-                    log.info("wrapper.stream_resumed", path=self.path, chars=len(text), tokens=generated)
-                continue
+                    if response is not None:
+                        log.info("wrapper.stream_resumed", path=self.path, chars=len(so_far.text),
+                                 tokens=so_far.tokens)
+                    continue
+                resumed = await self._resumed(request_now, so_far.tokens)
+                if isinstance(resumed, bytes):
+                    sent = resumed
+                    continue
+                if response is None:
+                    return json_error(503, resumed, "unavailable_error")
+                return await broken_off(result.request if isinstance(result, Cut) else self._request(), response,
+                                        resumed)
             if isinstance(result, Caught):
                 refusal = await self._grown_for(result, request_now, growths)
                 growths += 1
@@ -154,8 +209,7 @@ class AnswerLoop:
                     return result
                 break  # a refusal (held too long, stopping) after the stream began: end it as it ended before
             response, held = result.response, result.events.release()
-            text += "".join(result.events.content)
-            generated += result.events.tokens
+            so_far.add(result.events.content)
             final = result.events.final
             cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
             if cut is None or self.growth is None or growths >= MAX_GROWTHS:
@@ -165,7 +219,7 @@ class AnswerLoop:
             growths += 1
             if not isinstance(grown, Grown):
                 break
-            request_now = continued(self.path, original, _so_far(chat, text, generated))
+            request_now, skip, again = continued(self.path, original, so_far.shaped()), so_far.text if chat else "", 0
             sent = json.dumps(request_now).encode()
             log.info("degrade.continue", path=self.path, used=used, stream=True)
         if response is None:  # never reached: each pass either returns, goes on, or began the stream
@@ -173,6 +227,72 @@ class AnswerLoop:
         await response.write(held)
         await response.write_eof()
         return response
+
+    def _carry(self, answer_id: str | None, so_far: SoFar, again: int, original: dict[str, Any]) -> Carry:
+        """What the next part makes its counts and id from: the client's answer so far, the request's prompt."""
+        prompt = original.get("prompt") if self.path not in paths.CHAT else None
+        tokens = self.pauses.seat.prompt if self.pauses is not None and self.pauses.seat.prompt else None
+        return Carry(answer_id, so_far.tokens, again, tokens, prompt if isinstance(prompt, str) else None)
+
+    # -- a background request paused ----------------------------------------------------------------------------
+
+    def _request(self) -> web.BaseRequest:
+        assert self.pauses is not None  # only a pausable request's exchange is paused
+        return self.pauses.request
+
+    async def _resumed(self, request_now: dict[str, Any], generated: int) -> bytes | str:
+        assert self.pauses is not None  # only a pausable request's exchange is paused
+        return await self.pauses.resume(request_now, generated)
+
+    async def _gathered(self, original: dict[str, Any]) -> web.StreamResponse:
+        """A JSON answer asked for, sent as a stream and gathered: paused and resumed, grown for and continued
+        after a full context (with a growth), gone on from after a loss, as a stream is — one answer at the end."""
+        assert self.pauses is not None
+        chat = self.path in paths.CHAT
+        prompt = self.pauses.seat.prompt or None  # the request's own prompt, as the steps counted it
+        request_now, sent, so_far, skip, again, growths = original, _as_stream(self.body), SoFar(chat), "", 0, 0
+        while True:
+            n_ctx = self.slot_context()
+            events = Gathered(chat, skip=skip, again=again)
+            self._watched(events)
+            result = await self.pauses.collect(sent, lambda p, status: status >= 400 and self.growth is not None
+                                               and overflowed(p), events)
+            self._watched(None)
+            if isinstance(result, Paused | Cut):
+                so_far.add(events.content)
+                if isinstance(result, Cut) and not await self._go_on_after(result):
+                    return await self._told_after_loss(result)
+                request_now, skip, again = so_far.going_on(self.path, original, greedy(original))
+                if isinstance(result, Cut):
+                    sent = _as_stream(json.dumps(request_now).encode())
+                    continue
+                resumed = await self._resumed(request_now, so_far.tokens)
+                if isinstance(resumed, str):
+                    return json_error(503, resumed, "unavailable_error")
+                sent = _as_stream(resumed)
+                continue
+            if isinstance(result, Caught):
+                refusal = await self._grown_for(result, request_now, growths)
+                growths += 1
+                if refusal is None:
+                    continue
+                return refusal
+            if not isinstance(result, Collected):
+                return result  # an answer that was not a stream (an error), passed on as it came
+            so_far.add(events.content)
+            final = events.final
+            cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
+            if cut is not None and self.growth is not None and growths < MAX_GROWTHS:
+                used, more = cut
+                grown = await self.growth.grow(self.host, used + (more or self._headroom()), False)
+                growths += 1
+                if isinstance(grown, Grown):
+                    request_now, skip, again = continued(self.path, original, so_far.shaped()), \
+                        so_far.text if chat else "", 0
+                    sent = _as_stream(json.dumps(request_now).encode())
+                    log.info("degrade.continue", path=self.path, used=used)
+                    continue
+            return web.json_response(whole_answer(chat, events, so_far.text, so_far.tokens, prompt, original))
 
     # -- a lost server --------------------------------------------------------------------------------------------
 
@@ -194,8 +314,8 @@ class AnswerLoop:
         return True
 
     async def _told_after_loss(self, cut: Cut) -> web.StreamResponse:
-        """A 502 for a request whose answer had not begun; an error event in a stream that had (then the
-        connection is closed)."""
+        """A 502 for a request whose answer had not begun; an error event in a stream that had (and the stream
+        ends there)."""
         if self.losses >= MAX_LOSSES:
             return await cut.answer(f"llama-server was lost {self.losses} times while it served this request (a "
                                     "prompt that makes it crash or hang?): it is not sent again")
@@ -225,11 +345,12 @@ class AnswerLoop:
         return self.growth.headroom(self.host.current.config) if self.growth is not None else 0
 
 
-def _so_far(chat: bool, text: str, generated: int) -> dict[str, Any]:
-    """The answer the client has so far, in the shape wrapper/continuation.py goes on from."""
-    if chat:
-        return {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": generated}}
-    return {"content": text, "tokens_predicted": generated}
+def _as_stream(body: bytes) -> bytes:
+    """A request body asking for its answer as a stream (wrapper/gathered.py gathers it)."""
+    payload = json_object(body) or {}
+    payload["stream"] = True
+    payload.pop("stream_options", None)
+    return json.dumps(payload).encode()
 
 
 def overflowed(payload: dict[str, Any]) -> bool:

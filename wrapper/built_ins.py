@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from hooks.registry import ACTIONS, BUILTINS, Builtin, Route
+from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper import logs
 from wrapper.actions import BuiltinFn
@@ -20,6 +20,7 @@ from wrapper.generation import Generation, Host
 from wrapper.kept import Kept, Key
 from wrapper.launch import Asks, Launch
 from wrapper.launch import prepare as prepare_launch
+from wrapper.priority import PRIORITY
 from wrapper.proxy import Observer
 from wrapper.settings import Section
 from wrapper.steps import Before, Growth, Shown
@@ -27,7 +28,7 @@ from wrapper.watchdog import WATCHDOG
 
 log = structlog.get_logger()
 
-SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, *BUILTIN_SECTIONS)  # the wrapper's own, then the built-ins'
+SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, *BUILTIN_SECTIONS)  # the wrapper's own, then the built-ins'
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -80,7 +81,10 @@ def in_use(generation: Generation) -> list[Builtin]:
 
 def warnings(config: Config) -> list[str]:
     """What the built-ins a config uses say works but is probably not meant (`check`, and the start's log)."""
-    return [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
+    found = [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
+    if PRIORITY.of(config).preempt is True and not keeps_paused(config):
+        found.append(f"priority.preempt is true, but it is off: {why_not_kept(config)}")
+    return found
 
 
 def launch_for(config: Config, shared: Kept, asks: Asks | None = None) -> Launch:
@@ -138,6 +142,28 @@ async def take_over(generation: Generation) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
     done = [await b.take_over(generation) for b in in_use(generation) if b.take_over is not None]
     return "; ".join(done) if done else None
+
+
+def keeps_paused(config: Config) -> bool:
+    """Whether a built-in keeps what a paused request's slot holds (the conversation cache): preemption."""
+    return any(b.keeps_paused for b in uses(config))
+
+
+QUEUE_ONLY = "interactive requests still go first in the queue"
+
+
+def preemption(config: Config) -> tuple[bool, str]:
+    """Whether background generations are paused for interactive requests, and why (`priority.preempt`, where
+    `auto` is on when a built-in keeps what a paused slot holds: the conversation cache)."""
+    settings = PRIORITY.of(config)
+    if settings.preempt is False:
+        return False, f"priority.preempt is false: nothing is paused; {QUEUE_ONLY}"
+    if settings.max_pauses == 0:
+        return False, f"priority.max_pauses is 0: nothing is paused; {QUEUE_ONLY}"
+    if not keeps_paused(config):
+        return False, f"{why_not_kept(config)}; {QUEUE_ONLY}"
+    return True, f"a background generation yields its slot to an interactive request, at most priority.max_pauses " \
+                 f"({settings.max_pauses}) times"
 
 
 def keeps_conversations(config: Config) -> bool:

@@ -5,6 +5,7 @@ back as an assistant prefix (chat) or appended to the prompt (/completion), and 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 from wrapper import paths
@@ -78,3 +79,64 @@ def merged(path: str, first: dict[str, Any], second: dict[str, Any]) -> dict[str
         out["tokens_predicted"] = int(first.get("tokens_predicted") or 0) + int(second.get("tokens_predicted") or 0)
         out["tokens_evaluated"] = first.get("tokens_evaluated")
     return out
+
+
+RESUME_LOOKBACK = 16  # how many of an answer's last tokens a resume may generate again
+
+
+def greedy(request: dict[str, Any]) -> bool:
+    """Whether the request samples nothing (temperature 0 or less, or top_k 1): generating a token again gives the
+    same token."""
+    temperature, top_k = request.get("temperature"), request.get("top_k")
+    return (isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature <= 0) or \
+        (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 1)
+
+
+def resume_point(pieces: list[str]) -> int:
+    """Where a resume goes on from: before the last token that begins a word (" word"), within the last
+    RESUME_LOOKBACK tokens; else after the last one. The text before it is tokenized again as decoding made it
+    (tokenizers do not merge across the space before a word), so the restored state matches it token for token;
+    what follows is generated again — at temperature 0 the same text — instead of being read back in pieces the
+    tokenizer may join another way (".\n\n" as two tokens or one), which changes what comes next."""
+    for k in range(len(pieces) - 1, max(0, len(pieces) - RESUME_LOOKBACK) - 1, -1):
+        piece = pieces[k]
+        if k > 0 and len(piece) > 1 and piece[0] == " " and not piece[1].isspace():
+            return k
+    return len(pieces)
+
+
+@dataclass
+class SoFar:
+    """The answer a client has so far, a piece per token, and the request that goes on from it."""
+
+    chat: bool
+    pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.pieces)
+
+    def add(self, content: list[str]) -> None:
+        self.pieces += content
+
+    def shaped(self, upto: int | None = None) -> dict[str, Any]:
+        """The answer (its first `upto` tokens) in the shape `continued` goes on from."""
+        k = len(self.pieces) if upto is None else upto
+        text = "".join(self.pieces[:k])
+        if self.chat:
+            return {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": k}}
+        return {"content": text, "tokens_predicted": k}
+
+    def going_on(self, path: str, request: dict[str, Any], again: bool) -> tuple[dict[str, Any], str, int]:
+        """The request that goes on after a pause or a loss; the text llama-server echoes first (the assistant
+        prefix of a chat); and how many of the events that follow the client has already (`again`: the request
+        is greedy, and goes on from before the last word, see resume_point). None of those is shown again."""
+        if not self.pieces:
+            return request, "", 0
+        k = resume_point(self.pieces) if again else len(self.pieces)
+        body = continued(path, request, self.shaped(k))
+        return body, "".join(self.pieces[:k]) if self.chat else "", len(self.pieces) - k

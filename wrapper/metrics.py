@@ -84,6 +84,14 @@ class Metrics:
         self.pool_members = Gauge("llama_wrapper_pool_members", "The pool's living members", registry=r)
         self.pool_moves = Counter("llama_wrapper_pool_moves", "Memory moves between pool members this member took "
                                   "part in: as the asker (asked) or as a giver (gave)", ["role"], registry=r)
+        self.paused = Counter("llama_wrapper_priority_paused", "Background generations paused for an interactive "
+                              "request", registry=r)
+        self.resumed = Counter("llama_wrapper_priority_resumed", "Paused background generations resumed",
+                               registry=r)
+        self.interactive_wait = Histogram("llama_wrapper_priority_interactive_wait_seconds", "How long an "
+                                          "interactive request waited for a slot", buckets=DURATIONS, registry=r)
+        self.background_queue = Gauge("llama_wrapper_priority_background_waiting", "Background requests waiting "
+                                      "for a slot (paused ones included)", registry=r)
         for state in State:
             self.state.labels(state=str(state)).set(0)
 

@@ -21,11 +21,12 @@ from wrapper.sse import Events
 
 log = structlog.get_logger()
 
-# RFC 9110 §7.6.1 hop-by-hop headers, plus those aiohttp must compute itself for the new connection.
+# RFC 9110 §7.6.1 hop-by-hop headers, plus those aiohttp must compute itself for the new connection, and the
+# wrapper's own (wrapper/priority.py: llama-server does not know it).
 HOP_BY_HOP = frozenset(
     h.lower() for h in (
         "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection", "TE",
-        "Trailer", "Trailers", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+        "Trailer", "Trailers", "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "X-Priority",
     )
 )
 TAP_LIMIT = 64 * 1024  # how much of a response's end an observer gets to see
@@ -82,12 +83,15 @@ async def _once(raw: bytes) -> AsyncIterator[bytes]:
 
 
 async def broken_off(request: web.BaseRequest, response: web.StreamResponse, why: str) -> web.StreamResponse:
-    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it), then
-    the connection is closed so that the client sees a truncated answer, not a whole one."""
+    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it; it has no
+    final event) and ends there, as llama-server ends a stream after an error, so that a client reading the whole
+    body gets the error too; any other answer is cut (the connection closed) so that it is seen truncated."""
     if response.content_type == "text/event-stream":
         event = {"error": {"code": 502, "message": why, "type": "server_error"}}
         with contextlib.suppress(ConnectionError, RuntimeError):  # a client gone already
             await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write_eof()
+            return response
     if request.transport is not None:
         request.transport.close()
     return response
@@ -202,6 +206,43 @@ async def catch(request: web.Request, to: Upstream, wanted: Wanted, path: str | 
             return await _through(request, reply, to, path, read, events, going_on)
     except aiohttp.ClientError as exc:
         return _unreachable(request, path, exc, going_on)
+
+
+@dataclass(frozen=True)
+class Collected:
+    """An event stream read to its end into `events`, nothing of it passed on (a background request that asked for
+    one JSON answer, sent as a stream so that it can be paused: wrapper/gathered.py)."""
+
+    events: Events
+
+
+async def collect(request: web.Request, to: Upstream, wanted: Wanted, path: str, body: bytes,
+                  events: Events) -> web.StreamResponse | Caught | Collected | Cut:
+    """As `catch`, but an event stream is read into `events` and returned Collected, never passed on."""
+    try:
+        async with _sent(request, to, path, body) as reply:
+            if reply.content_type != "text/event-stream":
+                read = await reply.read() if _catchable(reply) else None
+                payload = json_object(read) if read is not None else None
+                if payload is not None and wanted(payload, reply.status):
+                    return Caught(reply.status, payload, _forwardable(reply.headers))
+                passed = await _through(request, reply, to, path, read, None, None)
+                return passed.response if isinstance(passed, Held) else passed
+            if reply.connection is not None and reply.connection.protocol is not None:
+                reply.connection.protocol.force_close()  # as in _through: llama-server closes it after a stream
+            tail = bytearray()
+            async for chunk in reply.content.iter_any():
+                if to.heard is not None:
+                    to.heard()
+                events.feed(chunk)
+                tail += chunk
+                if len(tail) > 2 * TAP_LIMIT:
+                    del tail[:-TAP_LIMIT]
+            if to.observer is not None:
+                to.observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
+            return Collected(events)
+    except aiohttp.ClientError as exc:
+        return _unreachable(request, path, exc, None)
 
 
 def _unreachable(request: web.Request, path: str, exc: aiohttp.ClientError,

@@ -36,7 +36,8 @@ DURATION = _Duration()
 
 @click.command(cls=ServerCommand, epilog=RUN_EXAMPLES, context_settings=SERVER_COMMAND_SETTINGS)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
-              show_envvar=True, help="YAML file with server, slots, proxy and hooks settings.")
+              show_envvar=True, help="YAML file: server, hooks and the other sections (slots, cache, store, watchdog, "
+              "priority, degrade, ...; see README).")
 @click.option("--listen", envvar="LLAMA_WRAPPER_LISTEN", show_envvar=True, metavar="HOST:PORT",
               help="Public address [default: listen from the config, else llama-server's --host/--port, "
                    "else 127.0.0.1:8080].")
@@ -116,6 +117,7 @@ def _resolved(config: Config) -> dict[str, Any]:
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
         **{section.name: section.shown(config) for section in built_ins.sections()},
+        "preemption": dict(zip(("enabled", "why"), built_ins.preemption(config), strict=True)),
         "built-ins": [b.family for b in built_ins.uses(config)],
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import aiohttp
 import structlog
 
+from wrapper import argv as args
 from wrapper import built_ins
 from wrapper.aio import first_of
 from wrapper.child import Child
@@ -26,8 +27,11 @@ from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient
 from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
+from wrapper.priority import PRIORITY
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import Reloader
+from wrapper.seats import Seats
+from wrapper.server_context import AUTO_SLOTS
 from wrapper.watchdog import WATCHDOG, Loss, Lost, WatchdogSettings, died, hung
 
 log = structlog.get_logger()
@@ -56,6 +60,7 @@ class Serving:
         self._restart_failed = False
         self.heard_at = time.monotonic()  # a request in flight last sent to llama-server or heard from it
         self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
+        self.seats = Seats()  # the slots' queue (wrapper/seats.py), for the wrapper's life
 
     def heard(self) -> None:
         """A request in flight sent to llama-server, or a byte of an answer came back (the watchdog's stall)."""
@@ -68,6 +73,15 @@ class Serving:
     @property
     def in_flight(self) -> int:
         return self.gate.in_flight
+
+    def queue(self) -> Generation:
+        """Set the slots' queue for the generation that serves now (its slots, `priority:`); that generation."""
+        generation = self.current
+        settings = PRIORITY.of(generation.config)
+        self.seats.resize(slot_count(generation))
+        self.seats.max_pauses = settings.max_pauses
+        self.seats.preempt = built_ins.preemption(generation.config)[0]
+        return generation
 
     def new_generation(self, config: Config, launch: Launch) -> Generation:
         return Generation(config, launch, LlamaClient(launch.url, self.session, launch.api_key), shared=self._shared)
@@ -212,3 +226,11 @@ class Serving:
             self._reloading.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reloading
+
+
+def slot_count(generation: Generation) -> int:
+    """The slots a generation's server has: as it said at its start, else its -np (llama-server's automatic count)."""
+    if generation.context is not None:
+        return generation.context.slots
+    given = args.get(generation.launch.argv, args.PARALLEL)
+    return int(given) if given is not None and given.strip().isdigit() and int(given) > 0 else AUTO_SLOTS

@@ -16,7 +16,7 @@ HOOK_RUNS_SHOWN = 20
 
 def document(state: State, generation: Generation, gate: Gate, started_at: float, ready_at: float | None,
              builtins: dict[str, Any], hook_runs: list[HookRun], last_reload: dict[str, Any] | None,
-             restarts: dict[str, Any]) -> dict[str, Any]:
+             restarts: dict[str, Any], priority: dict[str, Any]) -> dict[str, Any]:
     launch, child = generation.launch, generation.child
     now = time.monotonic()
     return {
@@ -28,6 +28,7 @@ def document(state: State, generation: Generation, gate: Gate, started_at: float
         "ready_for_s": round(now - ready_at, 3) if ready_at else None,
         "requests": {"in_flight": gate.in_flight, "held": gate.held},
         "restarts": restarts,
+        "priority": priority,
         "progress": PROGRESS.snapshot(),
         "argv_changes": launch.notes,
         **builtins,

@@ -11,6 +11,7 @@ from typing import Any
 
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
+from wrapper.seats import Seat
 
 
 @dataclass
@@ -21,7 +22,10 @@ class Outgoing:
     path: str
     body: bytes
     payload: dict[str, Any] | None  # the body as a JSON object, when it is one
-    after: list[Callable[[int | None], None]] = field(default_factory=list)  # the status, None if cut
+    after: list[Callable[[int | None], None]] = field(default_factory=list)  # the status, None if cut (or paused)
+    seat: Seat | None = None  # its place in the slots' queue (a request that decodes): its class, its pauses
+    keep: list[Callable[[], Awaitable[int]]] = field(default_factory=list)  # at a pause: keep what its slot holds
+    # and let the slot go (the tokens kept); a request is paused only when a step can keep it
 
 
 @dataclass(frozen=True)

@@ -295,9 +295,11 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         """GET /wrapper/status."""
         serving = self.serving
+        serving.queue()
         return status.document(serving.lifecycle.state, serving.current, serving.gate, self.started_at,
                                self.ready_at, built_ins.status(serving.current), self.hooks.history,
-                               serving.last_reload, {"count": self.budget.count, "last": self.budget.last})
+                               serving.last_reload, {"count": self.budget.count, "last": self.budget.last},
+                               serving.seats.status())
 
 
 @contextlib.asynccontextmanager

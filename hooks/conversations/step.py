@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -53,9 +54,16 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
     if slot is None:
         return out
-    out.after.append(lambda status: _release(host, generation, conv, slot, tokens, status))
+    reserved = _Reserved(slot)
+    out.after.append(lambda status: _release(host, generation, conv, reserved, tokens, status))
+    out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
+    resuming = out.seat is not None and out.seat.pauses > 0
+    if out.seat is not None:
+        out.seat.tokens, out.seat.slot = len(tokens), slot
+        out.seat.prompt = out.seat.prompt or len(tokens)
     try:
-        if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens)) is None:
+        if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
+                                                                resuming)) is None:
             log.error("conversations.server_lost", slot=slot)  # the entry set aside, the server started again
             return out  # to the server started again, unpinned
     except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
@@ -67,10 +75,10 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
 
 
 async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                                    tokens: list[int]) -> bool:
+                                    tokens: list[int], resuming: bool) -> bool:
     try:
         await _make_room(generation, conv, store, slot, tokens)
-        await _bring_back(generation, conv, store, slot, tokens)
+        await _bring_back(generation, conv, store, slot, tokens, resuming)
     except ServerLost:
         book_of(generation).forgotten()  # before the server is started again: its start restores what it can
         raise
@@ -115,15 +123,42 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
     return slot
 
 
-def _release(host: Host, first: Generation, conv: Conversations, slot: int, tokens: list[int],
+@dataclass
+class _Reserved:
+    """A request's slot, until it is answered or paused (then `_keep` let it go)."""
+
+    slot: int
+    released: bool = False
+
+
+def _release(host: Host, first: Generation, conv: Conversations, reserved: _Reserved, tokens: list[int],
              status: int | None) -> None:
     """The request is answered (or cut). It ran on the generation it began on, and on the current one when a
     growth's reload sent it again there: the slot of each holds something new."""
+    if reserved.released:
+        return  # paused: what the slot holds was kept, and the book says what it is
+    reserved.released = True
+    slot = reserved.slot
     conv.busy.discard(slot)
     conv.last_used[slot] = time.monotonic()
     for generation in {id(g): g for g in (first, host.current)}.values():
         book_of(generation).served(slot, tokens if status is not None and status < 400 else None)
     conv.freed.set()
+
+
+async def _keep(host: Host, generation: Generation, conv: Conversations, store: Store, reserved: _Reserved) -> int:
+    """A paused request: keep what its slot holds (its prompt and what it generated, whatever its length: it is
+    the state its resume goes on from) and let the slot go; the tokens the slot holds."""
+    slot = reserved.slot
+    if not reserved.released:
+        book_of(generation).served(slot, None)  # unknown unless the save says what it holds
+        await host.survive(lambda: save_slot(generation, conv, store, slot, "paused for an interactive request",
+                                             min_tokens=1))
+        reserved.released = True
+        conv.busy.discard(slot)
+        conv.last_used[slot] = time.monotonic()
+        conv.freed.set()
+    return len(book_of(generation).holds(slot))
 
 
 # -- a conversation leaves its slot ---------------------------------------------------------------------------
@@ -143,15 +178,18 @@ async def _make_room(generation: Generation, conv: Conversations, store: Store, 
     await save_slot(generation, conv, store, slot, "it leaves its slot")
 
 
-async def save_slot(generation: Generation, conv: Conversations, store: Store, slot: int, why: str) -> Entry | None:
-    """Save what a slot holds into the cache (unless it is there already); None when nothing was written."""
+async def save_slot(generation: Generation, conv: Conversations, store: Store, slot: int, why: str,
+                    min_tokens: int | None = None) -> Entry | None:
+    """Save what a slot holds into the cache (unless it is there already); None when nothing was written.
+    `min_tokens`: a shorter state is not kept (default `cache.min_tokens`)."""
     limits = STORE.of(generation.config)
     store.sweep()
     if store.free_bytes() < limits.min_free:
         _skip(slot, f"less than store.min_free ({limits.min_free >> 20} MiB) is free on disk")
         return None
     try:
-        saved = await save_into(generation, store, slot, CACHE.of(generation.config).min_tokens,
+        saved = await save_into(generation, store, slot,
+                                CACHE.of(generation.config).min_tokens if min_tokens is None else min_tokens,
                                 min(limits.entry_max, limits.budget))
     except NotSaved as exc:
         if exc.failed:
@@ -178,7 +216,9 @@ def _skip(slot: int, reason: str) -> None:
 
 
 async def _bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                      tokens: list[int]) -> None:
+                      tokens: list[int], resuming: bool = False) -> None:
+    """`resuming`: a paused generation goes on; its own state is restored whenever it holds more than the slot (it
+    is the KV its decoding computed: a prefill computes it another way, and the text would drift)."""
     settings = CACHE.of(generation.config)
     entry, shared = store.best(tokens)
     in_slot = common_prefix(book_of(generation).holds(slot), tokens)
@@ -188,6 +228,9 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
         candidate = Candidate(shared, in_slot, cost.bytes, cost.converts, cost.fetch_s)
     kept = conv.rates_of(generation)
     decision = decide(candidate, kept.rates, Rule(settings.min_tokens, settings.restore_margin, settings.restore_rate))
+    if resuming and entry is not None and shared > in_slot and not decision.restore:
+        decision = replace(decision, restore=True, miss=None, gain=shared - in_slot,
+                           why="a paused generation goes on from its own state")
     if entry is not None and decision.gain > 0:
         record = {"slot": slot, "entry": entry.key, "entry_tokens": entry.n_tokens, "shared": shared,
                   "in_slot": in_slot, "choice": "restore" if decision.restore else "prefill", "why": decision.why,

@@ -114,7 +114,7 @@ def main() -> None:
                     time.sleep(delay)
                 self.wfile.write(b"0\r\n\r\n")
             else:
-                self._send(200, {"path": url.path})
+                self._send(200, {"path": url.path, "headers": dict(self.headers.items()), "body": body.decode()})
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
 

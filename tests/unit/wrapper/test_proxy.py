@@ -42,6 +42,16 @@ def test_hop_by_hop_headers_are_not_forwarded(wrapper: Wrapper) -> None:
     assert not headers & {"x-private", "keep-alive", "proxy-authorization"}
 
 
+def test_the_priority_a_request_says_is_not_sent_on(wrapper: Wrapper) -> None:
+    """llama-server does not know X-Priority nor service_tier: the wrapper reads them, llama-server never sees them."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "service_tier": "flex", "max_tokens": 4}
+    status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions", body, headers={"X-Priority": "background"})
+    seen = json.loads(raw)
+    assert status == 200 and seen["path"] == "/v1/chat/completions"
+    assert "x-priority" not in {k.lower() for k in seen["headers"]}
+    assert json.loads(seen["body"]) == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
 def test_event_stream_passes_chunk_by_chunk(wrapper: Wrapper) -> None:
     """The child holds the rest of its stream until we have read the first event through the proxy."""
     connection = HTTPConnection("127.0.0.1", wrapper.port, timeout=10)
