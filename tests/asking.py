@@ -50,10 +50,11 @@ class Asked:
 
     def hang_up(self) -> None:
         """Go away as a client does (shut down: closing alone does not reach the peer while a read blocks)."""
-        if self._connection is not None and self._connection.sock is not None:
+        sock = self._connection.sock if self._connection is not None else None  # the reader may close it at once
+        if sock is not None:
             with contextlib.suppress(OSError):
-                self._connection.sock.shutdown(socket.SHUT_RDWR)
-            self._connection.sock.close()
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     @property
     def text(self) -> str:

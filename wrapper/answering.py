@@ -210,8 +210,10 @@ class AnswerLoop:
                 break  # a refusal (held too long, stopping) after the stream began: end it as it ended before
             response, held = result.response, result.events.release()
             so_far.add(result.events.content)
-            final = result.events.final
-            cut = cut_by_context(self.path, request_now, as_answer(chat, final), n_ctx) if final is not None else None
+            answer_id = answer_id or result.events.id
+            final = result.events.final  # its counts are the whole answer's once carried, the part's before
+            asked = original if carry is not None else request_now
+            cut = cut_by_context(self.path, asked, as_answer(chat, final), n_ctx) if final is not None else None
             if cut is None or self.growth is None or growths >= MAX_GROWTHS:
                 break
             used, more = cut
@@ -220,6 +222,7 @@ class AnswerLoop:
             if not isinstance(grown, Grown):
                 break
             request_now, skip, again = continued(self.path, original, so_far.shaped()), so_far.text if chat else "", 0
+            carry = self._carry(answer_id, so_far, 0, original)
             sent = json.dumps(request_now).encode()
             log.info("degrade.continue", path=self.path, used=used, stream=True)
         if response is None:  # never reached: each pass either returns, goes on, or began the stream
@@ -251,6 +254,7 @@ class AnswerLoop:
         chat = self.path in paths.CHAT
         prompt = self.pauses.seat.prompt or None  # the request's own prompt, as the steps counted it
         request_now, sent, so_far, skip, again, growths = original, _as_stream(self.body), SoFar(chat), "", 0, 0
+        first: dict[str, Any] | None = None  # the answer's first event: its id, created, model
         while True:
             n_ctx = self.slot_context()
             events = Gathered(chat, skip=skip, again=again)
@@ -258,6 +262,7 @@ class AnswerLoop:
             result = await self.pauses.collect(sent, lambda p, status: status >= 400 and self.growth is not None
                                                and overflowed(p), events)
             self._watched(None)
+            first = first or events.first
             if isinstance(result, Paused | Cut):
                 so_far.add(events.content)
                 if isinstance(result, Cut) and not await self._go_on_after(result):
@@ -292,6 +297,7 @@ class AnswerLoop:
                     sent = _as_stream(json.dumps(request_now).encode())
                     log.info("degrade.continue", path=self.path, used=used)
                     continue
+            events.first = first
             return web.json_response(whole_answer(chat, events, so_far.text, so_far.tokens, prompt, original))
 
     # -- a lost server --------------------------------------------------------------------------------------------

@@ -126,10 +126,12 @@ def test_two_agents_with_two_slots_and_two_people_at_once(tmp_path: Path, server
         assert max(p.ended_at or 0 for p in people) < min(a.ended_at or 0 for a in agents)
         for asked in agents:
             whole(asked, 300)  # batched with another, the text is not the lone run's: whole, not repeated
-        assert len(paused(wrapper)) == 2 and {p["slot"] for p in paused(wrapper)} == {0, 1}
+        # one pause per person, unless the second came when the first was done and its seat free (then none)
+        pauses = len(paused(wrapper))
+        assert 1 <= pauses <= 2 and len(wrapper.events("priority.resumed")) == pauses
         metrics = http("GET", f"{wrapper.url}/metrics")[2].decode()
-        assert "llama_wrapper_priority_paused_total 2.0" in metrics
-        assert "llama_wrapper_priority_resumed_total 2.0" in metrics
+        assert f"llama_wrapper_priority_paused_total {pauses}.0" in metrics
+        assert f"llama_wrapper_priority_resumed_total {pauses}.0" in metrics
         assert "llama_wrapper_priority_interactive_wait_seconds_count" in metrics
         assert wrapper.stop() == 0
 

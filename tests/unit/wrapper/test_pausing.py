@@ -159,8 +159,9 @@ async def test_a_json_answer_paused_twice_is_one_answer() -> None:
     asked = {"messages": [{"role": "user", "content": "tell"}], "max_tokens": 20, "temperature": 0}
     first = sse(delta(None, role="assistant"), delta("Once"), delta(" upon"), delta(" a"), delta(" time"))
     second = sse(delta(None, role="assistant"), delta("Once upon a"), delta(" time"), delta(","), delta(" there"))
-    third = sse(delta(None, role="assistant"), delta("Once upon a time,"), delta(" there"), delta(" was"),
-                final(cache_n=36, prompt_n=1, predicted_n=3))
+    third = sse(*({**e, "id": "chatcmpl-3"} for e in (
+        delta(None, role="assistant"), delta("Once upon a time,"), delta(" there"), delta(" was"),
+        final(cache_n=36, prompt_n=1, predicted_n=3))))
     passes = Passes([(first, 5), (second, 5), (third, None)])
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
     response = await AnswerLoop(host, None, CHAT, json.dumps(asked).encode(), unused_exchange, lambda: 4096,
@@ -168,6 +169,7 @@ async def test_a_json_answer_paused_twice_is_one_answer() -> None:
     assert isinstance(response, web.Response) and response.body is not None
     answer = json.loads(cast(bytes, response.body))
     assert answer["choices"][0]["message"]["content"] == "Once upon a time, there was"
+    assert answer["id"] == "chatcmpl-1"  # the answer's first part's
     assert answer["usage"]["completion_tokens"] == 7 and answer["usage"]["prompt_tokens"] == 30
     assert all(sent["stream"] is True for sent in passes.sent)  # asked as JSON, sent as a stream
     assert passes.resumed[0][0]["messages"][-1] == {"role": "assistant", "content": "Once upon a"}
