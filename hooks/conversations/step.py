@@ -137,12 +137,16 @@ def _release(host: Host, first: Generation, conv: Conversations, reserved: _Rese
     growth's reload sent it again there: the slot of each holds something new."""
     if reserved.released:
         return  # paused: what the slot holds was kept, and the book says what it is
-    reserved.released = True
-    slot = reserved.slot
-    conv.busy.discard(slot)
-    conv.last_used[slot] = time.monotonic()
     for generation in {id(g): g for g in (first, host.current)}.values():
-        book_of(generation).served(slot, tokens if status is not None and status < 400 else None)
+        book_of(generation).served(reserved.slot, tokens if status is not None and status < 400 else None)
+    _let_go(conv, reserved)
+
+
+def _let_go(conv: Conversations, reserved: _Reserved) -> None:
+    """The slot is free for another request of ours."""
+    reserved.released = True
+    conv.busy.discard(reserved.slot)
+    conv.last_used[reserved.slot] = time.monotonic()
     conv.freed.set()
 
 
@@ -154,10 +158,7 @@ async def _keep(host: Host, generation: Generation, conv: Conversations, store: 
         book_of(generation).served(slot, None)  # unknown unless the save says what it holds
         await host.survive(lambda: save_slot(generation, conv, store, slot, "paused for an interactive request",
                                              min_tokens=1))
-        reserved.released = True
-        conv.busy.discard(slot)
-        conv.last_used[slot] = time.monotonic()
-        conv.freed.set()
+        _let_go(conv, reserved)
     return len(book_of(generation).holds(slot))
 
 
