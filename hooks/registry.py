@@ -84,6 +84,8 @@ class Builtin:
       a reload        `hand_over` on the old generation before it stops, `take_over` on the new one before it
                       serves, `reload_report` in the reload's answer
       a pause         `keeps_paused`: a step gave the request a `keep` (what its slot holds goes to the store)
+      a sleep         `sleep(generation, True)` once llama-server stopped to sleep, `(generation, False)` before
+                      the fit of the wake
       when asked      `status` in /wrapper/status, `metrics` before a scrape of /metrics, `routes` as endpoints
     """
 
@@ -106,6 +108,7 @@ class Builtin:
     server_line: Callable[[Generation, str], bool] | None = None  # False: log the line at debug level only
     background: Callable[[Host], Coroutine[Any, Any, None]] | None = None
     routes: tuple[Route, ...] = ()
+    sleep: Callable[[Generation, bool], None] | None = None
     keeps_paused: bool = False  # its steps keep what a paused request's slot holds (Outgoing.keep): preemption
 
 
@@ -174,7 +177,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         in_use=lambda config: DEGRADE.on(config) is not None,
         fit=fit.fit, observer=report.observer, status=report.status, metrics=report.metrics,
         server_line=report.server_line,
-        background=control.background,
+        background=control.background, sleep=control.slept,
         growth=Growth(control.grow, lambda config: DEGRADE.of(config).continue_truncated,
                       lambda config: DEGRADE.of(config).headroom),
         routes=(Route("GET", "/wrapper/memory", report.memory_route, TURN_ON),

@@ -23,12 +23,14 @@ from wrapper.launch import prepare as prepare_launch
 from wrapper.priority import PRIORITY
 from wrapper.proxy import Observer
 from wrapper.settings import Section
+from wrapper.sleeping import SLEEP
 from wrapper.steps import Before, Growth, Shown
 from wrapper.watchdog import WATCHDOG
 
 log = structlog.get_logger()
 
-SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, *BUILTIN_SECTIONS)  # the wrapper's own, then the built-ins'
+# the wrapper's own, then the built-ins'
+SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, SLEEP, *BUILTIN_SECTIONS)
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -84,6 +86,10 @@ def warnings(config: Config) -> list[str]:
     found = [w for b in uses(config) if b.warnings is not None for w in b.warnings(config)]
     if PRIORITY.of(config).preempt is True and not keeps_paused(config):
         found.append(f"priority.preempt is true, but it is off: {why_not_kept(config)}")
+    sleep = SLEEP.of(config)
+    if (sleep.after is not None or sleep.when_asked is not None) and not config.uses("slots"):
+        found.append("sleep is on, but no slot built-in keeps the conversations: each wake prefills them again "
+                     "(name slots.save in on_will_stop and slots.restore in on_startup)")
     return found
 
 
@@ -142,6 +148,14 @@ async def take_over(generation: Generation) -> str | None:
     """Into the new generation before it serves (slots: restore, prefill what cannot be restored)."""
     done = [await b.take_over(generation) for b in in_use(generation) if b.take_over is not None]
     return "; ".join(done) if done else None
+
+
+def slept(generation: Generation, asleep: bool) -> None:
+    """llama-server stopped for a sleep (`asleep`: a pool member's share is 0 from now), or is about to start at a
+    wake (its next fit takes what it needs as at a start)."""
+    for builtin in in_use(generation):
+        if builtin.sleep is not None:
+            builtin.sleep(generation, asleep)
 
 
 def keeps_paused(config: Config) -> bool:

@@ -23,6 +23,7 @@ from wrapper import built_ins, paths, priority
 from wrapper.answering import AnswerLoop
 from wrapper.gate import Admission
 from wrapper.generation import Generation
+from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
 from wrapper.priority import PRIORITY
 from wrapper.proxy import (
@@ -42,6 +43,7 @@ from wrapper.proxy import (
 )
 from wrapper.seats import Paused, Seat
 from wrapper.serving import Serving
+from wrapper.sleeping import ANSWERED_ASLEEP
 from wrapper.sse import Events
 from wrapper.steps import Before, Outgoing, Reply, Shown
 from wrapper.watchdog import GONE_WHY, WATCHDOG, Loss
@@ -58,6 +60,11 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
     again. A request that decodes waits for a seat first (wrapper/seats.py: interactive ones go first)."""
     generation = serving.current
     passes = _Passes(request, serving, path)
+    if request.method == "GET" and path in ANSWERED_ASLEEP:
+        passes.active = False  # what clients poll does not keep the server awake
+        remembered = serving.sleep.answers.get(path)
+        if serving.state in (State.SLEEPING, State.ASLEEP, State.WAKING) and remembered is not None:
+            return _remembered(serving, path, remembered.payload)
     if request.method == "GET" and (rewrites := built_ins.shown(generation, path)):
         return await _shown(passes, path, rewrites)
     growth = built_ins.growth(generation) if path in paths.GENERATING else None
@@ -234,6 +241,14 @@ async def _shown(passes: _Passes, path: str, rewrites: list[Shown]) -> web.Strea
     return web.json_response(answer, status=result.status, headers=headers)  # CORS and the rest as they were
 
 
+def _remembered(serving: Serving, path: str, answer: Any) -> web.Response:
+    """While asleep: what llama-server answered this GET before the sleep, as the built-ins rewrite it now."""
+    if isinstance(answer, dict):
+        for rewrite in built_ins.shown(serving.current, path):
+            answer = rewrite.rewrite(serving.current, path, answer)
+    return web.json_response(answer)
+
+
 async def _read_whole(request: web.Request, limit: int) -> bytes | None:
     """The request body (kept to be sent again after a growth); None when it is longer than `limit`."""
     parts: list[bytes] = []
@@ -254,6 +269,7 @@ class _Passes:
         self.request, self.serving, self.path = request, serving, path
         self.generation: Generation | None = None
         self.seat: Seat | None = None  # a background request's, while the answer loop may pause it
+        self.active = True  # it keeps the server awake (sleep.after); not what clients poll
         self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
 
     async def through(self, send: Callable[[Upstream], Awaitable[web.StreamResponse | Cut]],
@@ -309,7 +325,7 @@ class _Passes:
         """One pass through the gate to what serves now: `send` there, counted in flight, cut by the stop's drain
         deadline; stopped and Paused when `seat` (pausable now) is asked to pause."""
         serving, request = self.serving, self.request
-        admission = await serving.gate.enter()
+        admission = await serving.gate.enter(active=self.active)
         if admission is not Admission.ADMITTED:
             return _refused(serving, admission)
         self.generation = serving.current
@@ -359,6 +375,9 @@ class _Passes:
 
 
 def _refused(serving: Serving, admission: Admission) -> web.Response:
+    if admission is Admission.NOT_WOKEN:
+        return json_error(503, f"llama-wrapper is asleep and could not wake llama-server: {serving.gate.wake_failed}",
+                          "unavailable_error", {"Retry-After": RETRY_AFTER_S})
     if admission is Admission.TIMED_OUT:
         return json_error(503, f"llama-wrapper is {serving.lifecycle.state} and held this request for "
                           f"reload.hold_timeout ({serving.current.config.reload_hold_timeout:g}s)", "unavailable_error",

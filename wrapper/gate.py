@@ -1,10 +1,13 @@
-"""The request gate: it follows the wrapper's state. Requests are held while starting or reloading, pass while
-ready, and are refused once stopping; those admitted are tracked until they leave."""
+"""The request gate: it follows the wrapper's state. Requests are held while starting, reloading, falling asleep,
+asleep or waking (one that arrives while asleep wakes the server), pass while ready, and are refused once stopping;
+those admitted are tracked until they leave, and the last moment one came or went is kept (sleep.after)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -22,6 +25,7 @@ class Admission(Enum):
     ADMITTED = "admitted"  # the caller must `leave()`
     REFUSED = "refused"  # the wrapper is stopping
     TIMED_OUT = "timed out"  # held longer than the hold limit (a reload that takes too long)
+    NOT_WOKEN = "not woken"  # held while asleep, and the wake failed (`Gate.wake_failed` says why)
 
 
 class Gate:
@@ -35,6 +39,11 @@ class Gate:
         self.in_flight = 0
         self.held = 0
         self._exchanges: set[asyncio.Future[Any]] = set()
+        self.active_at = time.monotonic()  # the last moment a request came to the gate or left it
+        self.wake: Callable[[], None] | None = None  # called by a request that arrives while asleep
+        self._asleep = False
+        self._turned_away = asyncio.Event()  # a wake failed: those held for it are answered (a new one per wake)
+        self.wake_failed = ""
 
     def follow(self, state: State) -> None:
         """Called on every state change: the state alone decides what happens to a request."""
@@ -43,27 +52,36 @@ class Gate:
         elif state in (State.DRAINING, State.STOPPING, State.STOPPED):
             self._opened.clear()
             self._refusing.set()
-        else:  # starting, reloading, restarting: hold (a restart's own deadline is server.ready_timeout)
+        else:  # starting, reloading, restarting, asleep: hold (a restart's own deadline is server.ready_timeout)
             self._opened.clear()
+        self._asleep = state is State.ASLEEP
         self._hold_limit = self._reload_hold_timeout if state is State.RELOADING else None
 
-    async def enter(self, counted: bool = True) -> Admission:
-        """Wait until requests may pass, are refused, or the hold limit passes. `counted`: the caller is in
-        flight until it leaves (not counted: it only waited for the gate, and a drain does not wait for it)."""
+    async def enter(self, counted: bool = True, active: bool = True) -> Admission:
+        """Wait until requests may pass, are refused, or the hold limit passes; while asleep, wake the server and
+        wait for it. `counted`: the caller is in flight until it leaves (not counted: it only waited for the gate,
+        and a drain does not wait for it); not `active`: it does not keep the server awake (what a client polls)."""
         loop = asyncio.get_running_loop()
         deadline = None if self._hold_limit is None else loop.time() + self._hold_limit
+        if active:
+            self.active_at = time.monotonic()
+        turned_away = self._turned_away
         self.held += 1
         try:
-            while not self._opened.is_set() and not self._refusing.is_set():
+            while not self._opened.is_set() and not self._refusing.is_set() and not turned_away.is_set():
+                if self._asleep and self.wake is not None:
+                    self.wake()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(deadline):
-                        await first_of(self._opened.wait(), self._refusing.wait())
+                        await first_of(self._opened.wait(), self._refusing.wait(), turned_away.wait())
                 if deadline is not None and loop.time() >= deadline and not self._opened.is_set():
                     break
         finally:
             self.held -= 1
         if self._refusing.is_set():
             return Admission.REFUSED
+        if turned_away.is_set() and not self._opened.is_set():
+            return Admission.NOT_WOKEN
         if not self._opened.is_set():
             return Admission.TIMED_OUT
         if not counted:
@@ -71,6 +89,12 @@ class Gate:
         self.in_flight += 1
         self._idle.clear()
         return Admission.ADMITTED
+
+    def turn_away(self, why: str) -> None:
+        """A wake failed: the requests held for it are answered with `why`; the next one wakes the server again."""
+        self.wake_failed = why
+        self._turned_away.set()
+        self._turned_away = asyncio.Event()
 
     def track(self, exchange: asyncio.Future[Any]) -> None:
         """Remember an admitted request's exchange with llama-server, so that `cut()` can end it."""
@@ -80,6 +104,7 @@ class Gate:
         if exchange is not None:
             self._exchanges.discard(exchange)
         self.in_flight -= 1
+        self.active_at = time.monotonic()
         if self.in_flight == 0:
             self._idle.set()
 

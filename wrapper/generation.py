@@ -58,6 +58,11 @@ class Host(Protocol):
         ReloadRefused. Built-ins ask through wrapper/reload_ask.py, which waits for a reload that runs."""
         ...
 
+    def sleep_soon(self, why: str, idle_for: float) -> bool:
+        """Fall asleep now (wrapper/sleeping.py), when ready and idle for at least `idle_for` seconds; whether it
+        will."""
+        ...
+
     async def survive(self, step: Callable[[], Awaitable[T]]) -> T | None:
         """Run a built-in's step on the request path that may kill llama-server (a restore). When the server dies
         under it (ServerLost: the built-in set the culprit aside), the server is started again as at a start

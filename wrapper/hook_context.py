@@ -41,6 +41,7 @@ class HookContext(TypedDict):
     exit_code: int | None
     exit_signal: str | None
     reload: dict[str, Any] | None
+    sleep: bool
     env: dict[str, str]
 
 
@@ -86,7 +87,7 @@ class _Launch(Protocol):
 
 def build(event: str, launch: _Launch, pid: int | None, slots: list[dict[str, Any]] | None = None,
           result: str | None = None, finished: Exit | None = None,
-          reload: dict[str, Any] | None = None) -> HookContext:
+          reload: dict[str, Any] | None = None, sleep: bool = False) -> HookContext:
     model = launch.model.as_dict()
     return {
         "event": event,
@@ -99,6 +100,7 @@ def build(event: str, launch: _Launch, pid: int | None, slots: list[dict[str, An
         "exit_code": finished.code if finished else None,
         "exit_signal": finished.signal_name if finished else None,
         "reload": reload,
+        "sleep": sleep,
         "env": dict(os.environ),
     }
 
@@ -109,6 +111,7 @@ def environment(context: Mapping[str, Any]) -> dict[str, str]:
     pairs = {
         "LLAMA_WRAPPER_EVENT": context["event"],
         "LLAMA_WRAPPER_RESULT": context["result"],
+        "LLAMA_WRAPPER_SLEEP": "1" if context["sleep"] else "",
         "LLAMA_WRAPPER_EXIT_CODE": context["exit_code"],
         "LLAMA_WRAPPER_EXIT_SIGNAL": context["exit_signal"],
         "LLAMA_WRAPPER_URL": listen["url"],

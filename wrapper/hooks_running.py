@@ -46,7 +46,8 @@ class Hooks:
             task.cancel()
 
     async def run(self, event: str, generation: Generation, *, result: str | None = None,
-                  finished: Exit | None = None, reload: dict[str, Any] | None = None) -> list[HookRun]:
+                  finished: Exit | None = None, reload: dict[str, Any] | None = None,
+                  sleep: bool = False) -> list[HookRun]:
         """Run a hook; in a start hook a failure aborts the start (StartFailed), elsewhere it is logged.
         Returns the records of its actions."""
         hook_actions = generation.config.hooks[event]
@@ -55,7 +56,7 @@ class Hooks:
         if self.forced.is_set():
             log.warning("hook.skipped_by_second_signal", hook=event)
             return []
-        context = await _context(event, generation, result, finished, reload)
+        context = await _context(event, generation, result, finished, reload, sleep)
         before = self._runner.history[-1] if self._runner.history else None
         bound = _FOR.set(generation)
         try:  # the task copies the context, and with it the generation its built-ins are bound to
@@ -101,11 +102,11 @@ def _since(history: Sequence[HookRun], before: HookRun | None, event: str) -> li
 
 
 async def _context(event: str, generation: Generation, result: str | None, finished: Exit | None,
-                   reload: dict[str, Any] | None) -> dict[str, Any]:
+                   reload: dict[str, Any] | None, sleep: bool) -> dict[str, Any]:
     slots: list[dict[str, Any]] = []
     needs_slots = any(a.kind != "builtin" for a in generation.config.hooks[event])
     if needs_slots and generation.alive and event in SLOT_EVENTS:
         with contextlib.suppress(LlamaError):
             slots = await generation.client.slots()
     pid = generation.child.pid if generation.child else None
-    return dict(hook_context.build(event, generation.launch, pid, slots, result, finished, reload))
+    return dict(hook_context.build(event, generation.launch, pid, slots, result, finished, reload, sleep))

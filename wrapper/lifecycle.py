@@ -16,6 +16,9 @@ class State(StrEnum):
     READY = "ready"
     RELOADING = "reloading"
     RESTARTING = "restarting"  # llama-server was lost (a crash, a hang): started again, requests held meanwhile
+    SLEEPING = "sleeping"  # idle for sleep.after: the slots saved, llama-server stopped; requests held
+    ASLEEP = "asleep"  # no llama-server, its memory free; the next request that needs it wakes it
+    WAKING = "waking"  # llama-server started again and restored; requests held
     DRAINING = "draining"  # POST /wrapper/drain: refusing new requests, saved, waiting for the stop
     STOPPING = "stopping"
 
@@ -23,7 +26,10 @@ class State(StrEnum):
 _ALLOWED = {
     State.STOPPED: {State.STARTING, State.STOPPING},  # stopping: the public address could not be taken
     State.STARTING: {State.READY, State.STOPPING},
-    State.READY: {State.RELOADING, State.RESTARTING, State.DRAINING, State.STOPPING},
+    State.READY: {State.RELOADING, State.RESTARTING, State.SLEEPING, State.DRAINING, State.STOPPING},
+    State.SLEEPING: {State.ASLEEP, State.READY, State.STOPPING},  # ready: the sleep was given up (a request came)
+    State.ASLEEP: {State.WAKING, State.DRAINING, State.STOPPING},  # draining: nothing in flight, all kept
+    State.WAKING: {State.READY, State.ASLEEP, State.STOPPING},  # asleep: the wake failed
     State.RELOADING: {State.READY, State.STOPPING},
     State.RESTARTING: {State.READY, State.STOPPING},
     State.DRAINING: {State.STOPPING},

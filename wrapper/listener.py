@@ -15,11 +15,13 @@ from aiohttp import web
 from wrapper import built_ins
 from wrapper.auth import allowed, presented_bearer, presented_key
 from wrapper.forwarding import RETRY_AFTER_S, forward_request
+from wrapper.gate import Admission
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
 from wrapper.proxy import BadPath, canonical_path, json_error
 from wrapper.reload_plan import ReloadRefused
 from wrapper.serving import Serving
+from wrapper.sleeping import SLEEP, SleepSettings
 from wrapper.supervisor import Supervisor
 from wrapper.units import parse_duration
 
@@ -30,11 +32,17 @@ SERVING: web.AppKey[Serving] = web.AppKey("serving", Serving)
 _READ_METHODS = ("GET", "HEAD")
 
 
+AWAKE_SOON = (State.SLEEPING, State.ASLEEP, State.WAKING)  # well, and will serve: a request wakes the server
+
+
 async def health(request: web.Request) -> web.Response:
-    """200 only when ready: the child is healthy and every on_startup hook is done. Never waits, never asks a key."""
+    """200 when ready (the child is healthy and every on_startup hook is done) and while asleep (the wrapper will
+    serve: a request wakes the server). Never waits, never asks a key."""
     state = request.app[SERVING].lifecycle.state
     if state is State.READY:
         return web.json_response({"status": "ok"})
+    if state in AWAKE_SOON:
+        return web.json_response({"status": "ok", "sleep": str(state)})
     message = "Loading model" if state is State.STARTING else f"llama-wrapper is {state}"
     return json_error(503, message, "unavailable_error", {"Retry-After": RETRY_AFTER_S})
 
@@ -134,6 +142,42 @@ async def drain(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
+async def sleep(request: web.Request) -> web.Response:
+    """POST /wrapper/sleep: keep every slot and stop llama-server now (once the requests in flight are done)."""
+    if (refusal := _not_admin(request)) is not None:
+        return refusal
+    serving = request.app[SERVING]
+    if serving.lifecycle.state is State.ASLEEP:
+        return web.json_response({**serving.sleep.status(True, _sleep(serving)), "why": "asleep already"})
+    if serving.lifecycle.state is not State.READY:
+        return json_error(409, f"llama-wrapper is {serving.lifecycle.state}: it falls asleep only when ready",
+                          "conflict")
+    outcome = await asyncio.shield(serving.sleep.ask("asked (POST /wrapper/sleep)"))
+    return web.json_response(outcome, status=200 if outcome.get("asleep") else 409)
+
+
+async def wake(request: web.Request) -> web.Response:
+    """POST /wrapper/wake: start llama-server now and restore; answered once it serves (or 503 with the reason)."""
+    if (refusal := _not_admin(request)) is not None:
+        return refusal
+    serving = request.app[SERVING]
+    state = serving.lifecycle.state
+    if state is State.READY:
+        return web.json_response({"woken": True, "why": "awake already", "wake_s": None})
+    if state not in AWAKE_SOON:
+        return json_error(409, f"llama-wrapper is {state}: nothing to wake", "conflict")
+    admission = await serving.gate.enter(counted=False)
+    if admission is Admission.ADMITTED:
+        return web.json_response({"woken": True, "wake_s": serving.sleep.last_wake_s})
+    why = serving.gate.wake_failed if admission is Admission.NOT_WOKEN else f"llama-wrapper is {serving.state}"
+    return json_error(503, f"llama-server could not be woken: {why}", "unavailable_error",
+                      {"Retry-After": RETRY_AFTER_S})
+
+
+def _sleep(serving: Serving) -> SleepSettings:
+    return SLEEP.of(serving.current.config)
+
+
 async def status(request: web.Request) -> web.Response:
     return _unauthorized(request) or web.json_response(request.app[SUPERVISOR].status())
 
@@ -164,7 +208,8 @@ async def metrics(request: web.Request) -> web.Response:
     if (refusal := _unauthorized(request)) is not None:
         return refusal
     serving = request.app[SERVING]
-    server = await serving.current.client.metrics() if serving.current.launch.metrics else b""
+    awake = serving.current.launch.metrics and serving.current.alive
+    server = await serving.current.client.metrics() if awake else b""
     if server and not server.endswith(b"\n"):
         server += b"\n"
     METRICS.in_flight.set(serving.in_flight)  # the gauges read now
@@ -209,6 +254,8 @@ def application(supervisor: Supervisor) -> web.Application:
     app.router.add_post("/wrapper/reload", reload)
     app.router.add_post("/wrapper/drain", drain)
     app.router.add_get("/wrapper/drain", drain)
+    app.router.add_post("/wrapper/sleep", sleep)
+    app.router.add_post("/wrapper/wake", wake)
     for route in built_ins.all_routes():
         app.router.add_route(route.method, route.path, builtin_route)
     app.router.add_route("*", "/{tail:.*}", proxied)

@@ -92,6 +92,8 @@ class Metrics:
                                           "interactive request waited for a slot", buckets=DURATIONS, registry=r)
         self.background_queue = Gauge("llama_wrapper_priority_background_waiting", "Background requests waiting "
                                       "for a slot (paused ones included)", registry=r)
+        self.asleep = Gauge("llama_wrapper_asleep", "1 while asleep: llama-server stopped, its memory free (sleep:)",
+                            registry=r)
         for state in State:
             self.state.labels(state=str(state)).set(0)
 

@@ -17,6 +17,9 @@ log = structlog.get_logger()
 
 _STATE_STATUS = {State.STARTING: "starting: loading the model", State.READY: "ready",
                  State.RELOADING: "reloading", State.RESTARTING: "restarting llama-server: requests held",
+                 State.SLEEPING: "falling asleep: saving slots, stopping llama-server",
+                 State.ASLEEP: "asleep: llama-server stopped, its memory free; the next request wakes it",
+                 State.WAKING: "waking: starting llama-server, restoring slots; requests held",
                  State.DRAINING: "draining: refusing new requests",
                  State.STOPPING: "stopping", State.STOPPED: "stopped"}
 

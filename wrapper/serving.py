@@ -29,9 +29,10 @@ from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.priority import PRIORITY
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
-from wrapper.reloader import Reloader
+from wrapper.reloader import NextGeneration, Reloader
 from wrapper.seats import Seats
 from wrapper.server_context import AUTO_SLOTS
+from wrapper.sleeping import Sleep, idle_for
 from wrapper.watchdog import WATCHDOG, Loss, Lost, WatchdogSettings, died, hung
 
 log = structlog.get_logger()
@@ -61,6 +62,8 @@ class Serving:
         self.heard_at = time.monotonic()  # a request in flight last sent to llama-server or heard from it
         self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
         self.seats = Seats()  # the slots' queue (wrapper/seats.py), for the wrapper's life
+        self.sleep = Sleep()  # the wrapper's sleeps (wrapper/sleeping.py); the supervisor runs them
+        self.gate.wake = self.sleep.wake
 
     def heard(self) -> None:
         """A request in flight sent to llama-server, or a byte of an answer came back (the watchdog's stall)."""
@@ -73,6 +76,21 @@ class Serving:
     @property
     def in_flight(self) -> int:
         return self.gate.in_flight
+
+    def idle_s(self) -> float:
+        """How long nothing has been asked of llama-server: no request in flight, held or arriving, no reload and
+        no built-in's risky step running (0 while any is)."""
+        if self._reloading is not None or self._risky or self.cut_by_loss or self.seats.status().get("waiting"):
+            return 0.0
+        return idle_for(self.gate.active_at, self.gate.in_flight, self.gate.held)
+
+    def sleep_soon(self, why: str, idle_for: float) -> bool:
+        """A built-in asks for a sleep now (the pool: another member needs this one's memory); False unless the
+        wrapper is ready and idle for `idle_for` seconds."""
+        if self.lifecycle.state is not State.READY or self.idle_s() < max(idle_for, 1e-9):
+            return False
+        self.sleep.ask(why)
+        return True
 
     def queue(self) -> Generation:
         """Set the slots' queue for the generation that serves now (its slots, `priority:`); that generation."""
@@ -100,6 +118,8 @@ class Serving:
         """Reconfigure the running llama-server (see wrapper/reloader.py); one at a time, only when ready."""
         if self._reloading is not None:
             raise ReloadRefused(BUSY_RELOADING, 409, Refusal.BUSY)
+        if self.lifecycle.state is State.ASLEEP:
+            return self._reload_at_wake(Reloader(self).settle(body, why, asks, cut))
         if self.lifecycle.state is not State.READY:
             raise ReloadRefused(f"llama-wrapper is {self.lifecycle.state}: it reloads only when ready", 409,
                                 Refusal.NOT_READY)
@@ -110,6 +130,17 @@ class Serving:
         task.add_done_callback(self._reload_ended)
         self._reload_began.set()
         return await asyncio.shield(task)  # a client that hangs up does not stop the reload
+
+    def _reload_at_wake(self, nxt: NextGeneration) -> dict[str, Any]:
+        """A reload while asleep: checked now, applied when the server starts at the wake (the last one asked)."""
+        self.sleep.pending = nxt
+        built_ins.slept(self.current, True)  # its fit (a pool member's share) is taken at the wake, not now
+        answer = {"success": True, "n_ctx": None, "downtime_ms": 0.0, "drain_ms": 0.0, "changes": nxt.plan.changes,
+                  "message": "asleep: the new settings apply when the next request wakes llama-server",
+                  "at_wake": True, "save": None, "restore": None, "slots": []}
+        log.info("reload.at_wake", changes=nxt.plan.changes)
+        self.last_reload = answer
+        return answer
 
     async def _reload(self, cycle: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         self.last_reload = answer = await cycle

@@ -16,7 +16,7 @@ HOOK_RUNS_SHOWN = 20
 
 def document(state: State, generation: Generation, gate: Gate, started_at: float, ready_at: float | None,
              builtins: dict[str, Any], hook_runs: list[HookRun], last_reload: dict[str, Any] | None,
-             restarts: dict[str, Any], priority: dict[str, Any]) -> dict[str, Any]:
+             restarts: dict[str, Any], priority: dict[str, Any], sleep: dict[str, Any]) -> dict[str, Any]:
     launch, child = generation.launch, generation.child
     now = time.monotonic()
     return {
@@ -29,6 +29,7 @@ def document(state: State, generation: Generation, gate: Gate, started_at: float
         "requests": {"in_flight": gate.in_flight, "held": gate.held},
         "restarts": restarts,
         "priority": priority,
+        "sleep": sleep,
         "progress": PROGRESS.snapshot(),
         "argv_changes": launch.notes,
         **builtins,

@@ -30,10 +30,11 @@ class StopDrain:
         self._saved = False  # drained and saved: the stop has nothing left to wait for or save
 
     async def ask(self, timeout: float) -> dict[str, Any]:
-        """Drain now (ReloadRefused unless ready); a second call waits for the same drain."""
+        """Drain now (ReloadRefused unless ready or asleep: then the slots were kept already); a second call waits
+        for the same drain."""
         if self._task is None:
             state = self._serving.lifecycle.state
-            if state is not State.READY:
+            if state not in (State.READY, State.ASLEEP):
                 raise ReloadRefused(f"llama-wrapper is {state}: it drains only when ready", 409, Refusal.NOT_READY)
             self._task = asyncio.ensure_future(self._drain(timeout))
         return await asyncio.shield(self._task)
@@ -48,6 +49,7 @@ class StopDrain:
     async def _drain(self, timeout: float) -> dict[str, Any]:
         serving, notifier = self._serving, self._notifier
         began = time.monotonic()
+        asleep = serving.lifecycle.state is State.ASLEEP  # its slots were kept when it fell asleep
         serving.lifecycle.to(State.DRAINING)
         in_flight = serving.in_flight
         log.info("wrapper.drain", in_flight=in_flight, timeout_s=timeout)
@@ -58,7 +60,7 @@ class StopDrain:
         drained_s = time.monotonic() - began
         notifier.status("draining: running on_will_stop (saving slots)")
         PROGRESS.begin("draining: on_will_stop (saving slots)")
-        saved = [run.as_dict() for run in await self._hooks.run("on_will_stop", serving.current)]
+        saved = [] if asleep else [run.as_dict() for run in await self._hooks.run("on_will_stop", serving.current)]
         PROGRESS.end()
         self._saved = True
         answer = {"drained": True, "in_flight": in_flight, "left_in_flight": serving.in_flight,

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from wrapper import built_ins, status
+from wrapper import built_ins, sleep_cycle, status
 from wrapper.aio import first_of
 from wrapper.child import Exit
 from wrapper.config import Config
@@ -36,6 +36,7 @@ from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.progress import PROGRESS
 from wrapper.serving import Serving
+from wrapper.sleeping import SLEEP
 from wrapper.stop_drain import StopDrain
 from wrapper.watchdog import WATCHDOG, Budget, Lost
 
@@ -129,22 +130,35 @@ class Supervisor:
             METRICS.starts.labels(outcome="failed").inc()
             return await self._stop(Ended.START_FAILED)
         METRICS.starts.labels(outcome="ready").inc()
-        while (lost := await self._watch()) is not None:
-            restart = asyncio.ensure_future(self._restart(lost))
+        while (seen := await self._watch()) is not None:
+            if isinstance(seen, str):  # a sleep is due: back when woken, or a stop came while asleep
+                if not await sleep_cycle.cycle(self, seen, self._stop_requested):
+                    break
+                continue
+            restart = asyncio.ensure_future(self._restart(seen))
             await first_of(restart, self._stop_requested.wait())
             if not restart.done() or restart.cancelled() or not restart.result():
                 break  # a stop asked for (the restart is cancelled), or given up
         await self.serving.abandon_reload()  # SIGTERM mid-reload: the stop then saves what is there
         return await self._stop(Ended.HUNG if self._killed_hung else Ended.SERVED)
 
-    async def _watch(self) -> Lost | None:
-        """Until a stop is asked for (None) or llama-server is lost: dead on its own, or (with the watchdog) hung."""
+    async def _watch(self) -> Lost | str | None:
+        """Until a stop is asked for (None), llama-server is lost (dead on its own, or with the watchdog hung), or a
+        sleep is due (why)."""
         settings = WATCHDOG.of(self.serving.current.config)
         losing = asyncio.ensure_future(self.serving.lost(settings if settings.enabled else None))
-        await first_of(losing, self._stop_requested.wait())
-        if self._stop_requested.is_set() or not losing.done() or losing.cancelled():
+        sleeping = asyncio.ensure_future(sleep_cycle.due(self.serving))
+        try:
+            await first_of(losing, sleeping, self._stop_requested.wait())
+        finally:
+            for task in (losing, sleeping):
+                if not task.done():
+                    task.cancel()
+        if self._stop_requested.is_set() or not (losing.done() or sleeping.done()):
             return None
-        return losing.result()
+        if losing.done() and not losing.cancelled():
+            return losing.result()
+        return sleeping.result() if sleeping.done() and not sleeping.cancelled() else None
 
     async def _restart(self, lost: Lost) -> bool:
         """Start llama-server again as at a start (on_startup runs: the slots come back), requests held meanwhile;
@@ -203,11 +217,25 @@ class Supervisor:
                  restarts=self.budget.count, pause_s=round(self.ready_at - began, 3))
         return True
 
-    async def _bring_up(self, new: Generation) -> None:
+    def stop_background(self) -> None:
+        """The built-ins' work ends (a sleep: nothing to watch until the wake)."""
+        for task in self._background:
+            task.cancel()
+        self._background = []
+
+    def start_background(self) -> None:
+        self.ready_at = time.monotonic()
+        self._background = self._background_work()
+
+    async def bring_up(self, new: Generation) -> None:
+        """At a wake (wrapper/sleep_cycle.py): on_startup says `sleep`."""
+        await self._bring_up(new, sleep=True)
+
+    async def _bring_up(self, new: Generation, sleep: bool = False) -> None:
         """A new llama-server, installed once it answers, and the start hooks run for it (StartFailed)."""
         await new.start(built_ins.server_output)
         self.serving.install(new)
-        await surviving(new, built_ins.server_output, lambda: self.hooks.run("on_startup", new))
+        await surviving(new, built_ins.server_output, lambda: self.hooks.run("on_startup", new, sleep=sleep))
 
     async def _start(self) -> None:
         serving, generation = self.serving, self.serving.current
@@ -240,7 +268,8 @@ class Supervisor:
         bounded by their own timeouts), so that systemd does not kill the wrapper for a model that loads slowly."""
         serving = self.serving
         while True:
-            if serving.lifecycle.state in (State.RELOADING, State.RESTARTING) \
+            if serving.lifecycle.state in (State.RELOADING, State.RESTARTING, State.SLEEPING, State.ASLEEP,
+                                           State.WAKING) \
                     or await serving.current.client.healthy(timeout=every):
                 self.notifier.watchdog()
             await asyncio.sleep(every)
@@ -299,7 +328,8 @@ class Supervisor:
         return status.document(serving.lifecycle.state, serving.current, serving.gate, self.started_at,
                                self.ready_at, built_ins.status(serving.current), self.hooks.history,
                                serving.last_reload, {"count": self.budget.count, "last": self.budget.last},
-                               serving.seats.status())
+                               serving.seats.status(),
+                               serving.sleep.status(serving.state is State.ASLEEP, SLEEP.of(serving.current.config)))
 
 
 @contextlib.asynccontextmanager

@@ -192,3 +192,8 @@ def _held(state: DegradeState, generation: Generation) -> list[int]:
     """Tokens held per slot: as the last answers said, or as the slot book has them before any answer (what the
     start restored)."""
     return list(state.conversation.values()) or list(view_of(generation).tokens_per_slot().values())
+
+
+def slept(generation: Generation, asleep: bool) -> None:
+    """A sleep stopped the server (a pool member gives its share), or a wake is about to fit it again."""
+    pool_moves.slept(generation, asleep)

@@ -255,6 +255,15 @@ def _table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _sleeper(member: dict[str, Any]) -> str:
+    """A member asleep (its share free until it wakes), or one that sleeps when asked (the pool's last rung)."""
+    if member.get("asleep"):
+        return ", asleep (wakes at its next request)"
+    if member.get("sleeps_when_asked"):
+        return f", sleeps when asked after {member['sleeps_when_asked']:g}s idle"
+    return ""
+
+
 def _pool_lines(pool: dict[str, Any]) -> list[str]:
     new = pool.get("new_member")
     takes = [f"a new member takes {format_size(new['share'])}: rung {new['rung']} at n_ctx {new['n_ctx']}"] \
@@ -264,7 +273,7 @@ def _pool_lines(pool: dict[str, Any]) -> list[str]:
     lines = [f"pool {pool['dir']}: {format_size(pool['total'])} on the {pool['device']}, "
              f"{format_size(pool['used'])} used by {len(pool['members'])} member(s), {format_size(pool['free'])} free"]
     lines += [f"  {m['name']}: {format_size(m['share'])} (floor {format_size(m['floor'])}), rung {m['rung']}, "
-              f"n_ctx {m['n_ctx']}{', busy' if m['busy'] else ''}" for m in pool["members"]]
+              f"n_ctx {m['n_ctx']}{', busy' if m['busy'] else ''}{_sleeper(m)}" for m in pool["members"]]
     lines += takes
     if pool["free"] is not None and new is not None and new["share"] > pool["free"]:
         lines.append("  more than is free: a member starting now asks the others for the rest")

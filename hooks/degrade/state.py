@@ -42,6 +42,7 @@ class DegradeState:
     looked: tuple[int, int, bool, str, int, int] | None = None  # with a pool: what the last climb looked at
     giving: bool = False  # with a pool: a give is under way (its climb back waits for the answer)
     gave: bool = False  # with a pool: it gave memory to another member and has not climbed back yet
+    sleep_asks: list[Any] = field(default_factory=list)  # with a pool: the asks to sleep, answered once asleep
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ killed at any moment leaves the pool readable and consistent.
 
     DIR/pool.json             {"format", "version", "total", "source", "device", "created"}
     DIR/members/<pid>.json    one member: its share (the bytes its plan uses now), floor, busy, rung, n_ctx
-    DIR/asks/<id>.json        a member asking another to give bytes back, and the answer
+    DIR/asks/<id>.json        a member asking another to give bytes back (or to sleep: `kind`), and the answer
     DIR/moves.jsonl           what was given: who asked, how much, who gave what, how long (the last ones)
 
 A member whose pid is gone (or now names another process) is dead: its record and asks are removed by
@@ -49,6 +49,9 @@ class Member:
     asking: bool = False  # waiting for others to give: it gives nothing meanwhile
     serving: bool = False  # it answers asks (from ready to its stop); one still starting is not asked
     started: str = ""  # the process's start time (/proc), so that a reused pid is not taken for it
+    idle_since: float = 0.0  # time.time() since which it serves nothing (0 while busy)
+    sleeps_when_asked: float = 0.0  # its sleep.when_asked in seconds (0: never asked to sleep)
+    asleep: bool = False  # its llama-server stopped to sleep: its share is 0 until a wake fits it again
     at: float = field(default_factory=time.time)
 
     @property
@@ -57,6 +60,11 @@ class Member:
 
     def spare(self) -> int:
         return max(0, self.share - self.floor)
+
+    def may_sleep(self, now: float) -> bool:
+        """It may be asked to sleep: awake, idle for at least its sleep.when_asked, holding a share."""
+        return self.serving and not self.asleep and not self.busy and not self.asking and self.share > 0 \
+            and self.sleeps_when_asked > 0 and self.idle_since > 0 and now - self.idle_since >= self.sleeps_when_asked
 
 
 @dataclass
@@ -71,6 +79,7 @@ class Request:
     given: int = 0
     reason: str = ""
     took_s: float = 0.0
+    kind: str = "give"  # give: bytes above its floor; sleep: its whole share, by falling asleep
 
 
 def _stat(pid: int) -> list[str]:
@@ -273,8 +282,8 @@ class Locked:
                     found.append(_of(Request, data))
         return found
 
-    def ask(self, asker: Member, giver: Member, nbytes: int) -> Request:
-        made = Request(uuid.uuid4().hex[:12], asker.pid, asker.model, giver.pid, nbytes)
+    def ask(self, asker: Member, giver: Member, nbytes: int, kind: str = "give") -> Request:
+        made = Request(uuid.uuid4().hex[:12], asker.pid, asker.model, giver.pid, nbytes, kind=kind)
         self.write_ask(made)
         return made
 

@@ -5,7 +5,11 @@ An asker writes one ask per giver, idle members first, each for at most what tha
 floor, and waits (`degrade.pool_wait`; its client is held) until every giver has answered. A member that is
 asking gives nothing meanwhile (two members growing at once each refuse the other: nobody waits on anybody),
 and every share is taken under the pool's lock from what is free then, so the shares never add up to more than
-the total."""
+the total.
+
+The last rung: when the others' ladders cannot give enough, members idle for at least their `sleep.when_asked` are
+asked to sleep (longest idle first), each for its whole share; a sleeper answers once its server has stopped, its
+share 0 from then until a wake fits it again as at a start (which may ask another to sleep in turn)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import Fitted, fitted
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
+from wrapper.sleeping import SLEEP
 from wrapper.units import format_size
 
 log = structlog.get_logger()
@@ -36,10 +41,14 @@ def pool_of(settings: DegradeSettings) -> Pool | None:
     return Pool(settings.pool) if settings.pool is not None else None
 
 
+_IDLE_SINCE = [time.time()]  # since when this member serves nothing (kept by the serving loop)
+
+
 def record(generation: Generation, fit: Fitted, busy: bool = False, asking: bool = False) -> Member:
     """This member's record from a generation that serves."""
     return Member(os.getpid(), generation.launch.model.name, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking,
-                  serving=True)
+                  serving=True, idle_since=0.0 if busy else _IDLE_SINCE[0],
+                  sleeps_when_asked=SLEEP.of(generation.config).when_asked or 0.0)
 
 
 @dataclass
@@ -67,6 +76,22 @@ def place_asks(held: Locked, me: Member, short: int, exclude: frozenset[int] = f
         amount = min(giver.spare(), left)
         placed.append(held.ask(me, giver, amount))
         left -= amount
+    _mark(held, me, asking=bool(placed))
+    return placed
+
+
+def place_sleep_asks(held: Locked, me: Member, short: int, exclude: frozenset[int] = frozenset()) -> list[Request]:
+    """The last rung: ask members idle for at least their sleep.when_asked to sleep, longest idle first, each for
+    its whole share, until `short` is covered (none of `exclude`)."""
+    now = time.time()
+    sleepers = sorted((m for m in held.members() if m.pid != me.pid and m.pid not in exclude and m.may_sleep(now)),
+                      key=lambda m: m.idle_since)
+    placed, left = [], short
+    for sleeper in sleepers:
+        if left <= 0:
+            break
+        placed.append(held.ask(me, sleeper, sleeper.share, kind="sleep"))
+        left -= sleeper.share
     _mark(held, me, asking=bool(placed))
     return placed
 
@@ -99,7 +124,8 @@ def collect(held: Locked, placed: list[Request], late: bool = False) -> list[Req
 
 
 def _refused(ask: Request, why: str) -> Request:
-    return Request(ask.id, ask.asker, ask.asker_model, ask.giver, ask.bytes, ask.at, "refused", reason=why)
+    return Request(ask.id, ask.asker, ask.asker_model, ask.giver, ask.bytes, ask.at, "refused", reason=why,
+                   kind=ask.kind)
 
 
 def finish(held: Locked, me: Member, placed: list[Request], answers: list[Request], began: float) -> Asked:
@@ -120,15 +146,18 @@ def finish(held: Locked, me: Member, placed: list[Request], answers: list[Reques
 class Asking:
     """One round of asking: placed at once, answered when every giver has (or at `degrade.pool_wait`)."""
 
-    def __init__(self, pool: Pool, me: Member, short: int, wait: float, exclude: frozenset[int] = frozenset()) -> None:
+    def __init__(self, pool: Pool, me: Member, short: int, wait: float, exclude: frozenset[int] = frozenset(),
+                 sleep: bool = False) -> None:
         self.pool, self.me = pool, me
         self.began = time.monotonic()
         self.deadline = self.began + wait
         with pool.locked() as held:
-            self.placed = place_asks(held, me, short, exclude)
-        log.info("pool.ask", asker=me.name, short=short,
+            self.placed = (place_sleep_asks if sleep else place_asks)(held, me, short, exclude)
+        nobody = ("no other member has been idle for its sleep.when_asked" if sleep else
+                  "no other member has anything to spare above its floor")
+        log.info("pool.ask", asker=me.name, short=short, kind="sleep" if sleep else "give",
                  asks=[{"giver": a.giver, "bytes": a.bytes} for a in self.placed],
-                 message=None if self.placed else "no other member has anything to spare above its floor")
+                 message=None if self.placed else nobody)
 
     def poll(self) -> Asked | None:
         """What was given, once every answer is in; None while some are awaited."""
@@ -138,11 +167,18 @@ class Asking:
 
 
 def ask_now(pool: Pool, me: Member, short: int, wait: float) -> Asked:
-    """At a start (nothing served yet, no loop running): ask and wait for the answers here."""
-    asking = Asking(pool, me, short, wait)
-    while (done := asking.poll()) is None:
-        time.sleep(POLL_S)
-    return done
+    """At a start or a wake (nothing served, the loop not asked meanwhile): ask and wait for the answers here; what
+    the ladders could not give is asked of the idle members as sleep, within the same wait."""
+    deadline = time.monotonic() + wait
+    got = Asked(short)
+    for sleep in (False, True):
+        asking = Asking(pool, me, short - got.given, deadline - time.monotonic(), _asked_of(got, sleep), sleep)
+        while (done := asking.poll()) is None:
+            time.sleep(POLL_S)
+        got.answers += done.answers
+        if got.given >= short or time.monotonic() >= deadline:
+            break
+    return got
 
 
 async def ask(pool: Pool, me: Member, short: int, wait: float) -> Asked:
@@ -150,13 +186,20 @@ async def ask(pool: Pool, me: Member, short: int, wait: float) -> Asked:
     ones asked could not give is asked of the others, within the same wait."""
     began, deadline = time.monotonic(), time.monotonic() + wait
     got = Asked(short)
+    sleep = False  # the ladders first; what they cannot give, of the members idle long enough to sleep
     while True:
-        asked_of = frozenset(a.giver for a in got.answers)
-        done = await _round(Asking(pool, me, short - got.given, deadline - time.monotonic(), asked_of))
+        done = await _round(Asking(pool, me, short - got.given, deadline - time.monotonic(), _asked_of(got, sleep),
+                                   sleep))
         got.answers += done.answers
-        if not done.answers or got.given >= short or time.monotonic() >= deadline:
+        if got.given >= short or time.monotonic() >= deadline or (sleep and not done.answers):
             got.took_s = round(time.monotonic() - began, 3)
             return got
+        sleep = sleep or not done.answers
+
+
+def _asked_of(got: Asked, sleep: bool) -> frozenset[int]:
+    """The members asked already in this way (one that could give nothing above its floor may still sleep)."""
+    return frozenset(a.giver for a in got.answers if (a.kind == "sleep") == sleep)
 
 
 async def _round(asking: Asking) -> Asked:
@@ -206,11 +249,15 @@ async def serve_asks(host: Host, give: Callable[[Host, Request], Any], growing: 
 async def _serve_once(host: Host, pool: Pool, give: Callable[[Host, Request], Any], growing: Callable[[], bool],
                       busy: bool | None) -> bool | None:
     now_busy = host.in_flight > 0
+    if busy and not now_busy:
+        _IDLE_SINCE[0] = time.time()
     with pool.locked() as held:
         mine = [a for a in held.asks() if a.giver == os.getpid() and a.state == "asked"]
         me = held.member(os.getpid())
         if me is not None and (now_busy != busy or not me.serving):
             me.busy, me.serving, busy = now_busy, True, now_busy
+            me.idle_since = 0.0 if now_busy else _IDLE_SINCE[0]
+            me.sleeps_when_asked = SLEEP.of(host.current.config).when_asked or 0.0
             held.put(me)
         for gone in held.gone:
             log.info("pool.member_gone", member=gone.name, share=gone.share,
@@ -225,6 +272,36 @@ async def _serve_once(host: Host, pool: Pool, give: Callable[[Host, Request], An
             await answer(pool, asked, "refused", 0, f"it failed: {exc}", 0.0)
             raise
     return busy
+
+
+def fell_asleep(pool: Pool, asks: list[Request], share: int) -> None:
+    """This member's server stopped to sleep: its share goes to those that asked it to sleep (as much as each
+    asked), the rest is free; its record says asleep, with no share, answering no asks until it wakes."""
+    left = share
+    with pool.locked() as held:
+        me = held.member(os.getpid())
+        waiting = {a.id for a in held.asks()}
+        for asked in asks:
+            if asked.id not in waiting:
+                continue  # the asker stopped waiting
+            given = min(asked.bytes, left)
+            left -= given
+            asked.state, asked.given = "given" if given else "refused", given
+            asked.took_s = round(time.time() - asked.at, 3)  # from the ask to the server stopped
+            asked.reason = "fell asleep" if given else "fell asleep: its share went to another asker"
+            held.write_ask(asked)
+            asker = held.member(asked.asker)
+            if given and asker is not None:
+                asker.share += given
+                held.put(asker)
+        if me is not None:
+            me.share, me.floor, me.asleep, me.serving, me.busy, me.asking = 0, 0, True, False, False, False
+            held.put(me)
+    for asked in asks:
+        log.info("pool.gave", asker=f"{asked.asker_model}[{asked.asker}]", asked=asked.bytes, given=asked.given,
+                 what=asked.reason, took_s=asked.took_s)
+        if asked.given:
+            METRICS.pool_moves.labels(role="gave").inc()
 
 
 def _leave(pool: Pool) -> None:

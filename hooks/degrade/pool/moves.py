@@ -14,7 +14,7 @@ from hooks.degrade.move import move
 from hooks.degrade.planning import ladder_for
 from hooks.degrade.plans import GrowTo, TooLarge, plan_growth
 from hooks.degrade.pool import member
-from hooks.degrade.pool.folder import Request
+from hooks.degrade.pool.folder import Pool, Request
 from hooks.degrade.pool.plans import (
     Refuse,
     Running,
@@ -31,6 +31,7 @@ from hooks.degrade.wanted import Wanted
 from hooks.media import memory as projector_memory
 from wrapper import argv as args
 from wrapper.generation import Generation, Host
+from wrapper.sleeping import SLEEP
 from wrapper.units import format_size
 
 log = structlog.get_logger()
@@ -85,6 +86,9 @@ async def give(host: Host, asked: Request) -> None:
     pool = member.pool_of_generation(generation)
     fit = fitted(generation.launch)
     assert pool is not None
+    if asked.kind == "sleep":
+        await _sleep_for(host, pool, asked)
+        return
     if fit is None:
         await member.answer(pool, asked, "refused", 0, "this member runs without a plan", 0.0)
         return
@@ -118,6 +122,34 @@ async def give(host: Host, asked: Request) -> None:
         await member.answer(pool, asked, "given" if given else "refused", given, what, _since(began))
     finally:
         state.giving = False
+
+
+async def _sleep_for(host: Host, pool: Pool, asked: Request) -> None:
+    """Asked to sleep (the pool's last rung): fall asleep if still idle long enough; the answer goes once the
+    server has stopped (`slept`), with the whole share."""
+    when_asked = SLEEP.of(host.current.config).when_asked
+    why = f"the pool: {asked.asker_model}[{asked.asker}] needs {format_size(asked.bytes)} more than the ladders give"
+    if when_asked is None or not host.sleep_soon(why, when_asked):
+        await member.answer(pool, asked, "refused", 0, "it is not idle for sleep.when_asked now", 0.0)
+        return
+    state_of(host.current.shared).sleep_asks.append(asked)
+
+
+def slept(generation: Generation, asleep: bool) -> None:
+    """llama-server stopped for a sleep: the share goes to those that asked for it; about to wake: the next fit
+    takes what it needs as at a start (asking the others, and as a last rung idle ones to sleep)."""
+    pool = member.pool_of_generation(generation)
+    state = state_of(generation.shared)
+    if pool is None:
+        return
+    if asleep:
+        fit = fitted(generation.launch)
+        asks, state.sleep_asks = state.sleep_asks, []
+        member.fell_asleep(pool, asks, fit.share if fit is not None else 0)
+        log.info("pool.asleep", share=0, gave=sum(a.given for a in asks),
+                 message="asleep: this member's share is free until it wakes")
+    else:
+        state.started = False  # the wake fits as a start: it asks for what its conversations need
 
 
 def _what(before: Fitted, after: Fitted, projector: bool) -> str:
