@@ -77,6 +77,11 @@ class Serving:
     def in_flight(self) -> int:
         return self.gate.in_flight
 
+    @property
+    def reloading(self) -> bool:
+        """A reload (or a built-in's start again) runs now."""
+        return self._reloading is not None
+
     def idle_s(self) -> float:
         """How long nothing has been asked of llama-server: no request in flight, held or arriving, no reload and
         no built-in's risky step running (0 while any is)."""

@@ -53,12 +53,16 @@ async def due(serving: Serving) -> str:
     why."""
     sleep = serving.sleep
     while True:
-        if sleep.asked.is_set():
+        ready = serving.state is State.READY and not serving.reloading  # never in the middle of a reload
+        if ready and sleep.asked.is_set():
             sleep.asked.clear()
             return sleep.asked_why
         after = SLEEP.of(serving.current.config).after
-        if after is not None and serving.state is State.READY and serving.idle_s() >= after:
+        if ready and after is not None and serving.idle_s() >= after:
             return f"idle for sleep.after ({after:g}s)"
+        if sleep.asked.is_set():  # asked while a reload runs: once it is done
+            await asyncio.sleep(LOOK_EVERY_S)
+            continue
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(sleep.asked.wait(), LOOK_EVERY_S)
 
@@ -77,8 +81,8 @@ async def cycle(host: Sleeper, why: str, stop: asyncio.Event) -> bool:
             return False
         sleep.woken.clear()
         waking = asyncio.ensure_future(wake(host))
-        await first_of(waking, stop.wait())
-        if not waking.done():
+        await first_of(waking, stop.wait())  # a stop cancels the wake: a server it started is stopped
+        if stop.is_set() or waking.cancelled() or not waking.done():
             waking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await waking
@@ -179,7 +183,9 @@ async def _not_woken(host: Sleeper, old: Generation, new: Generation | None, why
 
 async def _remember(serving: Serving, generation: Generation) -> None:
     """What llama-server answers the GETs clients poll, for the sleep (each asked now, while it runs)."""
-    headers = {"Authorization": f"Bearer {generation.launch.api_key}"} if generation.launch.api_key else {}
+    headers = {"Accept-Encoding": "identity"}  # the session passes bodies through as they come: ask for plain JSON
+    if generation.launch.api_key:
+        headers["Authorization"] = f"Bearer {generation.launch.api_key}"
     for path in ANSWERED_ASLEEP:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             async with serving.session.get(generation.launch.url + path, headers=headers) as reply:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.asking import Asked
 from tests.helpers import Wrapper, child_argv, http, wait_for
 from wrapper import built_ins
 from wrapper.config import ConfigError
@@ -146,5 +147,32 @@ def test_a_sleep_and_a_wake_run_the_stop_and_start_hooks_with_sleep_said(tmp_pat
             "will_start sleep=", "startup False", "will_stop True", "stopped sleep=1", "will_start sleep=1",
             "startup True"]
         assert wrapper.stop() == 0
+    finally:
+        wrapper.kill()
+
+
+SLOW_WAKE = """
+sleep: {{after: 1s}}
+hooks:
+  on_will_start:
+    - shell: "test -e {marker} && sleep 5 || touch {marker}"
+"""
+
+
+def test_a_stop_during_a_wake_ends_it_and_leaves_no_server(tmp_path: Path) -> None:
+    """The first start touches the marker; the wake's on_will_start finds it and takes 5 s: a SIGTERM then."""
+    wrapper = Wrapper(tmp_path, child_argv(), SLOW_WAKE.format(marker=tmp_path / "started"))
+    try:
+        wrapper.wait_ready(60)
+        wait_for(lambda: wrapper.status()["state"] == "asleep", 30, "the wrapper to fall asleep")
+        asking = Asked(wrapper.url, "/echo", {"hello": 1}).start()
+        wait_for(lambda: wrapper.status()["state"] == "waking", 30, "the wake to begin")
+        assert wrapper.stop() == 0
+        asking.join(30)
+        assert asking.status == 503, asking.raw  # refused at the stop, not left hanging
+        spawned = wrapper.events("child.spawned")
+        assert len(spawned) == 1  # the wake was ended before it started a server
+        (stopped,) = wrapper.events("wrapper.stopped")
+        assert stopped["exit_status"] == 0
     finally:
         wrapper.kill()
