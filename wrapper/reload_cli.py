@@ -124,6 +124,10 @@ def reload(url: str, token_file: Path | None, config_path: Path | None, ctx: int
         click.echo(f"llama-wrapper: refused: {answer['error'].get('message')}", err=True)
         if answer["error"].get("code") in (401, 403):
             click.echo(f"  the token: {_where_looked(token_file, config_path)}", err=True)
+    elif answer.get("at_wake"):
+        click.echo(answer["message"])
+        for change in answer.get("changes") or []:
+            click.echo(f"  {change}")
     else:
         click.echo(f"{answer['message']}: n_ctx {answer['n_ctx']}, downtime {answer['downtime_ms']:.0f} ms "
                    f"({'overlapped' if answer['overlap'] else 'sequential'}); {answer.get('restore') or ''}")

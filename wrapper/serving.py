@@ -142,7 +142,8 @@ class Serving:
         built_ins.slept(self.current, True)  # its fit (a pool member's share) is taken at the wake, not now
         answer = {"success": True, "n_ctx": None, "downtime_ms": 0.0, "drain_ms": 0.0, "changes": nxt.plan.changes,
                   "message": "asleep: the new settings apply when the next request wakes llama-server",
-                  "at_wake": True, "save": None, "restore": None, "slots": []}
+                  "at_wake": True, "overlap": False, "overlap_why": "asleep: no server runs to overlap with",
+                  "context": None, "save": None, "restore": None, "slots": []}
         log.info("reload.at_wake", changes=nxt.plan.changes)
         self.last_reload = answer
         return answer

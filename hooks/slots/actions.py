@@ -296,8 +296,21 @@ async def warm(generation: Generation) -> str:
 
 
 def _warmable(generation: Generation) -> list[dict[str, Any]]:
-    return [e for e in _state(generation).restore if (e.get("outcome") == "failed" and e.get("tokens"))
-            or (e.get("outcome") == "skipped" and e.get("warmable"))]
+    return warmable(_state(generation).restore)
+
+
+NO_SPACE = "no available space in kv cache"  # llama-server's refusal of a restore into a full unified cache
+
+
+def warmable(report: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The slots of a restore report worth prefilling: failed or skipped as another layout, but not those refused
+    because the KV cache is full with what was restored (the slots together held more than its cells): a prefill
+    would only push a restored conversation out again. Their conversations stay in the store for their next turn."""
+    def retried(e: dict[str, Any]) -> bool:
+        failed = e.get("outcome") == "failed" and bool(e.get("tokens"))
+        return failed or (e.get("outcome") == "skipped" and bool(e.get("warmable")))
+
+    return [e for e in report if retried(e) and NO_SPACE not in str(e.get("reason", "")).lower()]
 
 
 async def _prefill(generation: Generation, store: Store, row: dict[str, Any]) -> int:

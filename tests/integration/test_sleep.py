@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from tests import pooled
 from tests.asking import Asked
-from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
+from tests.helpers import ROOT, Wrapper, chat, http, pid_alive, running, wait_for
 
 TOKEN = "sleep-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -123,6 +125,11 @@ def test_a_reload_while_asleep_is_applied_at_the_wake(tmp_path: Path, server_bin
         code, _, raw = http("POST", f"{wrapper.url}/wrapper/reload", {"n_ctx": 3072}, headers=ADMIN)
         answer = json.loads(raw)
         assert code == 200 and answer["at_wake"] and answer["success"], answer
+        token = tmp_path / "token"
+        token.write_text(TOKEN)
+        told = subprocess.run([sys.executable, "-m", "wrapper.cli", "reload", "--url", wrapper.url, "--token-file",
+                               str(token), "--ctx", "3072"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert told.returncode == 0 and "when the next request wakes" in told.stdout, (told.stdout, told.stderr)
         status = wrapper.status()
         assert status["state"] == "asleep" and status["sleep"]["reload_at_wake"], status["sleep"]
         turn = chat(wrapper.url, next_turn(first))
