@@ -29,7 +29,8 @@ class Seat:
     arrived: float = field(default_factory=time.monotonic)  # its first arrival: its place in its class
     pauses: int = 0
     tokens: int = 0  # the tokens its request sends (after a pause: with what it goes on from), once a step counted
-    prompt: int = 0  # its own request's prompt tokens (the first count)
+    prompt: int = 0  # its own request's prompt tokens (the first count; 0: not counted)
+    counted: bool = False  # a step counted its prompt (or chose not to: then `prompt` stays 0)
     generated: Callable[[], int] = lambda: 0  # the tokens generated in its slot so far (the exchange under way)
     plain: Callable[[], bool] = lambda: True  # its answer so far is text an assistant prefix can go on from
     pausable: bool = False  # in an exchange it can be paused from and resumed (set by the answer loop)

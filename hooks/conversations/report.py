@@ -17,6 +17,7 @@ from wrapper.metrics import METRICS
 from wrapper.proxy import Observer
 
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
+_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 _PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
 
 
@@ -34,6 +35,8 @@ def observer(generation: Generation) -> Observer | None:
         slot, left = ANSWERING.get(), left_in_slot(tail)
         if slot is not None and left is not None:
             conv.left[slot] = left
+        if slot is not None and (reused := _CACHE_N.findall(tail)):
+            conv.reused[slot] = int(reused[-1])
         tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)
         if tokens and ms:
             kept.rates.learn_prefill(int(tokens[-1]), float(ms[-1]) / 1000)
@@ -65,6 +68,6 @@ def status(generation: Generation) -> dict[str, Any]:
         "budget": STORE.of(generation.config).budget,
         "rates": {"prefill_tokens_per_s": rates.prefill_tps, "restore_bytes_per_s": rates.restore_bps,
                   "convert_bytes_per_s": rates.convert_bps},
-        "hits": conv.hits, "misses": dict(conv.misses), "decisions": list(conv.decisions),
+        "hits": conv.hits, "misses": dict(conv.misses), "continued": conv.continued, "decisions": list(conv.decisions),
         "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
     }

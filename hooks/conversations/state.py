@@ -33,6 +33,9 @@ class Conversations:
     kept_as: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # slot -> (its prompt, the tokens it
     # held) when it was last kept (checkpoints)
     left: dict[int, int] = field(default_factory=dict)  # slot -> the tokens its last answer left there (generated too)
+    reused: dict[int, int] = field(default_factory=dict)  # slot -> the tokens its answer now under way reused
+    # (its timings' cache_n), until the request is released
+    continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
 
     def rates_of(self, generation: Generation) -> KeptRates:
         if self.kept is None:

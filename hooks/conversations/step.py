@@ -11,13 +11,14 @@ from dataclasses import dataclass, replace
 
 import structlog
 
+from hooks.conversations.chain import Chain, Messages, messages_of
 from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import ANSWERING, Conversations, enabled, state
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
-from hooks.store import Entry, Store, common_prefix
+from hooks.store import Entry, Store, Unreadable, common_prefix
 from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.generation import Generation, Host, ServerLost
@@ -37,6 +38,14 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation) or store is None or out.payload is None:
         return out
     book = book_of(generation)
+    resuming = out.seat is not None and out.seat.pauses > 0
+    messages = messages_of(out.payload) if out.path in paths.CHAT else None
+    if messages is not None and not resuming and book.total:
+        asked = out.payload.get("id_slot")
+        slot = continuing(generation, conv := state(generation), store, messages,
+                          asked if isinstance(asked, int) and asked >= 0 else None)
+        if slot is not None:
+            return _continued(host, generation, conv, store, out, slot, messages)
     try:
         tokens = await _tokens(generation, out)
     except (LlamaError, ValueError, TypeError) as exc:
@@ -54,13 +63,13 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
     if slot is None:
         return out
-    reserved = _Reserved(slot)
+    reserved = _Reserved(slot, messages)
     out.after.append(lambda status: _release(host, generation, conv, reserved, tokens, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
-    resuming = out.seat is not None and out.seat.pauses > 0
     if out.seat is not None:
         out.seat.tokens, out.seat.slot = len(tokens), slot
-        out.seat.prompt = out.seat.prompt or len(tokens)
+        if not out.seat.counted:
+            out.seat.prompt, out.seat.counted = len(tokens), True
     try:
         if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
                                                                 resuming)) is None:
@@ -68,10 +77,59 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
             return out  # to the server started again, unpinned
     except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
         log.exception("conversations.internal_error", slot=slot)
+    return _pinned(out, slot)
+
+
+def _pinned(out: Outgoing, slot: int) -> Outgoing:
+    assert out.payload is not None
     out.payload["id_slot"] = slot
     out.body = json.dumps(out.payload).encode()
     ANSWERING.set(slot)
     return out
+
+
+def continuing(generation: Generation, conv: Conversations, store: Store, messages: Messages,
+               asked: int | None) -> int | None:
+    """The free slot holding the conversation this chat request goes on from (the longest, when two do), reserved
+    for it; None when no slot does, or when the store may hold more of it than that slot (then the whole lookup
+    decides). The slot then shares with the request at least what the book knows it holds, no entry can win
+    `cache.min_tokens` over it, and nothing leaves it: no template, tokens or lookup are needed."""
+    book = book_of(generation)
+    held = [(c.count, s) for s in range(book.total)
+            if s not in conv.busy and (asked is None or s == asked)
+            and isinstance(c := book.chain_of(s), Chain) and messages.continues(c)]
+    if not held:
+        return None
+    slot = max(held)[1]
+    known = book.holds(slot)
+    longer = len(known) + CACHE.of(generation.config).min_tokens
+    if any(_begins_with(entry, known) for entry in store.entries() if entry.n_tokens >= longer):
+        return None  # a longer state of it (another host's, another slot's): the lookup weighs a restore
+    conv.busy.add(slot)
+    return slot
+
+
+def _begins_with(entry: Entry, known: list[int]) -> bool:
+    try:
+        tokens = entry.tokens
+    except Unreadable:
+        return False
+    return tokens[:len(known)] == known
+
+
+def _continued(host: Host, generation: Generation, conv: Conversations, store: Store, out: Outgoing, slot: int,
+               messages: Messages) -> Outgoing:
+    """A request that goes on in the slot holding its conversation: pinned there as it is."""
+    book = book_of(generation)
+    book.pinned()
+    conv.continued += 1
+    reserved = _Reserved(slot, messages, continued=True)
+    out.after.append(lambda status: _release(host, generation, conv, reserved, None, status))
+    out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
+    if out.seat is not None:
+        out.seat.tokens, out.seat.slot = max(len(book.holds(slot)), conv.left.get(slot, 0)), slot
+        out.seat.counted = True  # its own prompt is not counted: a resumed answer's usage takes the server's
+    return _pinned(out, slot)
 
 
 async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
@@ -128,17 +186,28 @@ class _Reserved:
     """A request's slot, until it is answered or paused (then `_keep` let it go)."""
 
     slot: int
+    messages: Messages | None  # the request's, when it is a chat request
+    continued: bool = False  # it went on in the slot holding its conversation, its tokens not told
     released: bool = False
 
 
-def _release(host: Host, first: Generation, conv: Conversations, reserved: _Reserved, tokens: list[int],
+def _release(host: Host, first: Generation, conv: Conversations, reserved: _Reserved, tokens: list[int] | None,
              status: int | None) -> None:
     """The request is answered (or cut). It ran on the generation it began on, and on the current one when a
     growth's reload sent it again there: the slot of each holds something new."""
     if reserved.released:
         return  # paused: what the slot holds was kept, and the book says what it is
+    answered = status is not None and status < 400
+    reused = conv.reused.pop(reserved.slot, None)
+    chain = reserved.messages.chain() if reserved.messages is not None and answered else None
     for generation in {id(g): g for g in (first, host.current)}.values():
-        book_of(generation).served(reserved.slot, tokens if status is not None and status < 400 else None)
+        book = book_of(generation)
+        if not reserved.continued:
+            book.served(reserved.slot, tokens if answered else None, chain)
+        elif chain is not None and reused is not None and generation is first:
+            book.continued(reserved.slot, chain, reused)
+        else:  # no answer, or none that said what it reused, or another server's slot: unknown
+            book.served(reserved.slot, None)
     _let_go(conv, reserved)
 
 

@@ -45,6 +45,8 @@ class SlotBook:
     _state_version: int | None = None  # the slot-file version this server writes, once learnt
     _tokens: dict[int, list[int]] = field(default_factory=dict)
     _entry: dict[int, str] = field(default_factory=dict)  # the entry holding exactly what the slot holds
+    _chain: dict[int, object] = field(default_factory=dict)  # the conversation cache's chain of the slot's last
+    # request (hooks/conversations/chain.py): what it holds goes on from there
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -73,6 +75,10 @@ class SlotBook:
         """The entry that holds exactly what the slot holds, when that is known."""
         return self._entry.get(slot) if self._exact else None
 
+    def chain_of(self, slot: int) -> object | None:
+        """The chain of the request the slot served last, while it holds that request's conversation."""
+        return self._chain.get(slot)
+
     def slots(self) -> range:
         return range(max(1, self._total, *(s + 1 for s in self._tokens)))
 
@@ -90,14 +96,30 @@ class SlotBook:
 
     # -- what happened to a slot --------------------------------------------------------------------------------
 
-    def served(self, slot: int, tokens: list[int] | None) -> None:
+    def served(self, slot: int, tokens: list[int] | None, chain: object | None = None) -> None:
         """A request ran there: it holds its tokens (and what it generated, which the next turn repeats), or
-        something unknown (None: a request that failed may have left part of it)."""
+        something unknown (None: a request that failed may have left part of it). `chain`: the request's."""
         if tokens is None:
             self._tokens.pop(slot, None)
         else:
             self._tokens[slot] = tokens
+        self._set_chain(slot, chain if tokens is not None else None)
         self._entry.pop(slot, None)
+
+    def continued(self, slot: int, chain: object, reused: int) -> None:
+        """A request that went on from what the slot held ran there (its tokens were not told): the server kept
+        the first `reused` tokens of what the slot held, so the book's tokens up to there are still what it holds
+        first (the rest of it is not known token by token)."""
+        if len(self.holds(slot)) > reused:
+            self._tokens[slot] = self._tokens[slot][:reused]
+        self._set_chain(slot, chain)
+        self._entry.pop(slot, None)
+
+    def _set_chain(self, slot: int, chain: object | None) -> None:
+        if chain is None:
+            self._chain.pop(slot, None)
+        else:
+            self._chain[slot] = chain
 
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
         self._tokens[slot], self._entry[slot] = tokens, key
@@ -105,6 +127,7 @@ class SlotBook:
     def restored(self, slot: int, tokens: list[int], key: str | None) -> None:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it."""
         self._tokens[slot] = tokens
+        self._chain.pop(slot, None)
         if key is None:
             self._entry.pop(slot, None)
         else:
@@ -114,6 +137,7 @@ class SlotBook:
         """A request the server put in a slot of its own choosing: any slot may hold something else now."""
         self._tokens.clear()
         self._entry.clear()
+        self._chain.clear()
 
 
 _KEY = Key("slots.book", SlotBook)

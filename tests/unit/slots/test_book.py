@@ -39,3 +39,28 @@ def test_the_other_built_ins_read_tokens_per_slot() -> None:
     book.served(0, [1, 2, 3])
     book.restored(2, [4], "k")
     assert book.tokens_per_slot() == {0: 3, 2: 1}
+
+
+def test_a_slot_whose_conversation_went_on_keeps_what_the_server_reused_of_its_tokens() -> None:
+    book = SlotBook()
+    book.pinned()
+    book.saved(0, [1, 2, 3, 4], "k0")
+    book.continued(0, "chain-2", reused=10)  # the server kept all of it and went on: still a prefix of it
+    assert book.holds(0) == [1, 2, 3, 4] and book.chain_of(0) == "chain-2" and book.entry_of(0) is None
+    book.continued(0, "chain-3", reused=2)  # a template that wrote the history another way: only 2 kept
+    assert book.holds(0) == [1, 2] and book.chain_of(0) == "chain-3"
+
+
+def test_a_slot_tells_its_chain_only_while_it_holds_that_request() -> None:
+    book = SlotBook()
+    book.served(0, [1, 2], "a")
+    book.served(1, [3], "b")
+    book.saved(0, [1, 2, 9], "k0")  # a save does not change what it holds
+    assert (book.chain_of(0), book.chain_of(1)) == ("a", "b")
+    book.restored(0, [5, 6], "k5")
+    assert book.chain_of(0) is None
+    book.served(1, None, "b")  # failed: unknown
+    assert book.chain_of(1) is None
+    book.served(1, [3, 4], "c")
+    book.forgotten()
+    assert book.chain_of(1) is None and book.holds(1) == []
