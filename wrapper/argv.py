@@ -21,6 +21,7 @@ NO_KV_UNIFIED = ("-no-kvu", "--no-kv-unified")
 CACHE_IDLE_SLOTS = ("--cache-idle-slots",)
 NO_CACHE_IDLE_SLOTS = ("--no-cache-idle-slots",)
 CACHE_RAM = ("-cram", "--cache-ram")
+CACHE_REUSE = ("--cache-reuse",)
 MMPROJ = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
 SPEC = ("-md", "--model-draft", "--spec-draft-model", "-hfd", "--hf-repo-draft", "--spec-type",
         "--spec-draft-n-max", "--spec-default")  # speculative decoding (a draft model, or a --spec-type)

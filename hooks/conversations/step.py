@@ -20,6 +20,7 @@ from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
 from hooks.store import Entry, Store, Unreadable, common_prefix
 from hooks.store.settings import STORE
+from wrapper import argv as args
 from wrapper import paths
 from wrapper.generation import Generation, Host, ServerLost
 from wrapper.llama import LlamaError
@@ -95,6 +96,8 @@ def continuing(generation: Generation, conv: Conversations, store: Store, messag
     decides). The slot then shares with the request at least what the book knows it holds, no entry can win
     `cache.min_tokens` over it, and nothing leaves it: no template, tokens or lookup are needed."""
     book = book_of(generation)
+    if _shifts(generation.launch.argv):
+        return None  # its cache_n counts chunks reused out of place: not what the slot holds first
     held = [(c.count, s) for s in range(book.total)
             if s not in conv.busy and (asked is None or s == asked)
             and isinstance(c := book.chain_of(s), Chain) and messages.continues(c)]
@@ -107,6 +110,13 @@ def continuing(generation: Generation, conv: Conversations, store: Store, messag
         return None  # a longer state of it (another host's, another slot's): the lookup weighs a restore
     conv.busy.add(slot)
     return slot
+
+
+def _shifts(argv: list[str]) -> bool:
+    try:
+        return int(args.get(argv, args.CACHE_REUSE) or 0) > 0
+    except ValueError:
+        return True
 
 
 def _begins_with(entry: Entry, known: list[int]) -> bool:

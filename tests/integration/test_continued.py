@@ -90,3 +90,11 @@ def test_an_edited_message_takes_the_whole_lookup_and_what_leaves_a_slot_is_kept
         assert saved["tokens"] >= edited.history - 8  # its last answer too, although its tokens were never told
         assert edited.turn(wrapper.url) >= 0.95  # restored: looked up, not continued
         assert conversations(wrapper)["decisions"][-1]["choice"] == "restore"
+
+
+def test_with_cache_reuse_every_turn_takes_the_whole_lookup(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    chat = Chat("shifted")  # --cache-reuse: cache_n counts chunks reused out of place, not what a slot holds first
+    with running(tmp_path, [*argv(server_bin, demo_path), "--cache-reuse", "256"], config(tmp_path)) as wrapper:
+        shares = [chat.turn(wrapper.url) for _ in range(3)]
+        assert all(share >= 0.95 for share in shares[1:]), shares
+        assert conversations(wrapper)["continued"] == 0 and lookups(wrapper) == 3
