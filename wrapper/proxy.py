@@ -30,6 +30,7 @@ HOP_BY_HOP = frozenset(
     )
 )
 TAP_LIMIT = 64 * 1024  # how much of a response's end an observer gets to see
+WHOLE_LIMIT = 256 * 1024  # an answer of known length up to this is read whole and sent in one write
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986 pchar without '%': kept as they are when re-encoding
 
@@ -293,6 +294,8 @@ async def _through(request: web.Request, reply: aiohttp.ClientResponse, to: Upst
         upstream_connection.force_close()
     if reply.content_type != "text/event-stream":
         events = None  # an error answer: passed on whole, as it is
+        if going_on is None and _small(request, reply):
+            return await _whole(request, reply, to, path, read)
     response = going_on if going_on is not None else await _started(request, reply)
     tail = bytearray()
     observer, heard = to.observer, to.heard
@@ -313,6 +316,21 @@ async def _through(request: web.Request, reply: aiohttp.ClientResponse, to: Upst
         return Held(response, events)
     await response.write_eof()
     return response
+
+
+def _small(request: web.Request, reply: aiohttp.ClientResponse) -> bool:
+    return request.method != "HEAD" and reply.content_length is not None and 0 < reply.content_length <= WHOLE_LIMIT
+
+
+async def _whole(request: web.Request, reply: aiohttp.ClientResponse, to: Upstream, path: str,
+                 read: bytes | None) -> web.Response:
+    """A small answer of known length, read whole and passed on in one write (its headers with it)."""
+    body = read if read is not None else await reply.read()
+    if to.heard is not None:
+        to.heard()
+    if to.observer is not None:
+        to.observer(path, reply.status, body[-TAP_LIMIT:])
+    return web.Response(body=body, status=reply.status, reason=reply.reason, headers=_forwardable(reply.headers))
 
 
 async def _started(request: web.Request, reply: aiohttp.ClientResponse) -> web.StreamResponse:

@@ -1,7 +1,8 @@
 """What the proxy costs: the wrapper and direct access to the same llama-server, measured side by side.
 
-Prints a table of medians and ratios (wrapped / direct). Requests alternate between the two paths so that
-noise on a shared machine hits both alike. Run with `make bench` (it sets LLAMA_SERVER).
+Prints a table of medians and ratios (wrapped / direct); the `cost` column of the small request's rows is the time
+the wrapper adds to one request (`GET /v1/models`, on one reused connection). Requests alternate between the two
+paths so that noise on a shared machine hits both alike. Run with `make bench` (it sets LLAMA_SERVER).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests import models
 from tests.helpers import Wrapper
 
-SMALL_REQUESTS = 300
+SMALL_REQUESTS = 1000
 STREAMS = 12
 STREAM_TOKENS = 128
 CONCURRENT = 16
@@ -83,6 +84,8 @@ async def measure(wrapped: str, direct: str, wrapper_pid: int) -> list[tuple[str
                      statistics.median(lat[direct]) * 1e3, "ms"))
         rows.append(("small request latency (ms, p90)", statistics.quantiles(lat[wrapped], n=10)[-1] * 1e3,
                      statistics.quantiles(lat[direct], n=10)[-1] * 1e3, "ms"))
+        rows.append(("small request latency (ms, p99)", statistics.quantiles(lat[wrapped], n=100)[-1] * 1e3,
+                     statistics.quantiles(lat[direct], n=100)[-1] * 1e3, "ms"))
         ttfb: dict[str, list[float]] = {wrapped: [], direct: []}
         rate: dict[str, list[float]] = {wrapped: [], direct: []}
         wrapper_cpu, wrapped_tokens, wrapped_wall = 0.0, 0, 0.0
