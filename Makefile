@@ -33,6 +33,9 @@ test: $(VENV)/.installed
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit
 
+integration: $(VENV)/.installed  ## the integration tests alone, against the pinned llama-server (TESTS=FILE for one file)
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q $(or $(TESTS),tests/integration)
+
 bench: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_proxy.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_slots.py

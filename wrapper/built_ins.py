@@ -15,7 +15,7 @@ from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper import logs
 from wrapper.actions import BuiltinFn
-from wrapper.config import Config, ConfigError, load_config, parse_config
+from wrapper.config import Config, load_config, parse_config
 from wrapper.generation import Generation, Host
 from wrapper.kept import Kept, Key
 from wrapper.launch import Asks, Launch
@@ -36,17 +36,11 @@ SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, SLEEP, *BUILTIN_SECTIO
 def load(path: str | os.PathLike[str] | None) -> Config:
     """Read a config with every built-in's section and check its built-in actions and their options;
     ConfigError names every problem. None: every default."""
-    config = load_config(path, SECTIONS) if path is not None else parse_config("", "<defaults>", SECTIONS)
-    if found := problems(config):
-        raise ConfigError("\n".join(found))
-    return config
+    return load_config(path, SECTIONS, problems) if path is not None else parse_config("", "<defaults>", SECTIONS)
 
 
 def parse(text: str, name: str = "<config>") -> Config:
-    config = parse_config(text, name, SECTIONS)
-    if found := problems(config):
-        raise ConfigError("\n".join(found))
-    return config
+    return parse_config(text, name, SECTIONS, problems)
 
 
 def sections() -> tuple[Section[Any], ...]:
@@ -93,6 +87,15 @@ def warnings(config: Config) -> list[str]:
     return found
 
 
+def checked(config: Config, probe: bool) -> dict[str, Any]:
+    """What `check` says of what a config names outside it (an object store), `probe`: tried."""
+    found: dict[str, Any] = {}
+    for builtin in BUILTINS:
+        if builtin.checked is not None and (said := builtin.checked(config, probe)):
+            found.update(said)
+    return found
+
+
 def launch_for(config: Config, shared: Kept, asks: Asks | None = None) -> Launch:
     """The child's command line: the wrapper's own changes, then each built-in's in turn, every one noted.
     `shared`: the built-ins' lifelong state (what serves keeps it); `asks`: what a built-in's move asks the next
@@ -125,6 +128,17 @@ def observer(generation: Generation) -> Observer | None:
             watch(path, status, tail)
 
     return every
+
+
+def families_off(generation: Generation) -> tuple[str, ...]:
+    """The metric families of the features this generation's config leaves off (not shown in /metrics)."""
+    config, used = generation.config, in_use(generation)
+    off = [prefix for b in BUILTINS if b not in used for prefix in b.families]
+    off += [prefix for b in used if b.families_off is not None for prefix in b.families_off(config)]
+    sleep = SLEEP.of(config)
+    if sleep.after is None and sleep.when_asked is None:
+        off.append("llama_wrapper_asleep")
+    return tuple(off)
 
 
 def refresh_metrics(generation: Generation) -> None:

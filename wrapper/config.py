@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -111,18 +112,35 @@ def parse_listen(text: str) -> Listen:
     return Listen(host, int(port))
 
 
-def load_config(path: str | os.PathLike[str], sections: Sequence[Section[Any]] = ()) -> Config:
-    """Read and check a config file; raises ConfigError listing every problem with file:line. `sections`: the
-    built-ins' own (wrapper/built_ins.py passes them)."""
+Check = Callable[["Config"], list[str]]
+"""More problems of a config read (the built-ins' actions and options: wrapper/built_ins.py), `file:line: ...`."""
+
+
+def load_config(path: str | os.PathLike[str], sections: Sequence[Section[Any]] = (), check: Check | None = None,
+                ) -> Config:
+    """Read and check a config file; raises ConfigError listing every problem with file:line, in line order.
+    `sections`: the built-ins' own, `check` their other checks (wrapper/built_ins.py passes both)."""
     name = os.fspath(path)
     try:
         text = Path(name).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{name}: cannot read the config: {exc.strerror}") from exc
-    return parse_config(text, name, sections)
+    return parse_config(text, name, sections, check)
 
 
-def parse_config(text: str, name: str = "<config>", sections: Sequence[Section[Any]] = ()) -> Config:
+_LINE = re.compile(r":(\d+): ")
+
+
+def _in_line_order(problems: list[str]) -> list[str]:
+    def line(problem: str) -> int:
+        found = _LINE.search(problem)
+        return int(found.group(1)) if found else 0
+
+    return sorted(problems, key=line)  # stable: one line's problems as they were found
+
+
+def parse_config(text: str, name: str = "<config>", sections: Sequence[Section[Any]] = (),
+                 check: Check | None = None) -> Config:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -134,9 +152,11 @@ def parse_config(text: str, name: str = "<config>", sections: Sequence[Section[A
         return Config(source=name, settings=defaults)
     reader = Reader(name)
     config = _read_root(reader, root, sections)
-    if reader.errors:
-        raise ConfigError("\n".join(reader.errors))
-    return replace(config, warnings=tuple(reader.warnings), settings={**defaults, **config.settings})
+    config = replace(config, warnings=tuple(reader.warnings), settings={**defaults, **config.settings})
+    problems = [*reader.errors, *(check(config) if check is not None else [])]
+    if problems:
+        raise ConfigError("\n".join(_in_line_order(problems)))
+    return config
 
 
 def _read_root(r: Reader, root: yaml.Node, sections: Sequence[Section[Any]]) -> Config:

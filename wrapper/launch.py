@@ -112,7 +112,7 @@ def prepare(config: Config) -> Launch:
     model = from_argv(argv)
     if model.path and not os.path.isfile(model.path):
         raise ConfigError(f"the model file {model.path!r} (-m) does not exist: give the path of a .gguf file "
-                          "(llama.cpp/get-model prints the demo model's)")
+                          "(in a clone of llama-wrapper, `make model` prints the demo model's)")
     if model.path and (magic := _magic(model.path)) != b"GGUF":
         raise ConfigError(f"the model file {model.path!r} (-m) is not a GGUF file (it starts with {magic!r}, not "
                           "b'GGUF'): give the path of a .gguf model, not a folder, a download page or a sidecar")

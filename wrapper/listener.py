@@ -215,7 +215,7 @@ async def metrics(request: web.Request) -> web.Response:
     METRICS.in_flight.set(serving.in_flight)  # the gauges read now
     METRICS.held.set(serving.gate.held)
     built_ins.refresh_metrics(serving.current)
-    return web.Response(body=server + METRICS.text(),
+    return web.Response(body=server + METRICS.text(built_ins.families_off(serving.current)),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

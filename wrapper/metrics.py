@@ -111,8 +111,18 @@ class Metrics:
         self.degrade_context.set(n_ctx or 0)
         self.degrade_budget.set(budget or 0)
 
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
+    def text(self, off: tuple[str, ...] = ()) -> bytes:
+        """The exposition, without the families whose names begin with one of `off` (a feature that is off)."""
+        out = generate_latest(self.registry)
+        if not off:
+            return out
+        prefixes = tuple(prefix.encode() for prefix in off)
+        kept = []
+        for line in out.split(b"\n"):
+            name = line.split(b" ", 3)[2] if line.startswith(b"# ") and line.count(b" ") >= 2 else line
+            if not name.startswith(prefixes):
+                kept.append(line)
+        return b"\n".join(kept)
 
 
 METRICS = Metrics()

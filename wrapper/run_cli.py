@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
+import structlog
 import yaml
 
 from wrapper import built_ins, logs
+from wrapper.auth import default_token_file
 from wrapper.config import HOOK_EVENTS, Config, ConfigError, parse_listen
-from wrapper.exits import EXIT_CONFIG
+from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
 from wrapper.kept import Kept
 from wrapper.listener import serve
 from wrapper.supervisor import supervise
 from wrapper.units import parse_duration
 from wrapper.usage import RUN_EXAMPLES, SERVER_COMMAND_SETTINGS, ServerCommand
+
+log = structlog.get_logger()
 
 
 class _Duration(click.ParamType):  # type: ignore[type-arg]
@@ -79,15 +84,20 @@ def run(config_path: str | None, listen: str | None, ready_timeout: float | None
     except (ConfigError, ValueError) as exc:
         click.echo(f"llama-wrapper: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
+    if config_path is None:
+        log.info("wrapper.no_config", hint="no hooks run and nothing is saved: give --config hooks.yaml (e.g. "
+                 "examples/chat.yaml: the slot built-ins keep the conversations across stops)")
     sys.exit(asyncio.run(supervise(config, launch, shared, serve)))
 
 
 @click.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False), required=False,
                 envvar="LLAMA_WRAPPER_CONFIG")
-def check(config_path: str | None) -> None:
-    """Validate CONFIG (default: $LLAMA_WRAPPER_CONFIG) and print the resolved settings and hooks; starts
-    nothing. Exit 2 on errors."""
+@click.option("--probe", is_flag=True, help="Also try what the config names outside (the object store: one "
+              "listing of its bucket); exit 1 when that fails.")
+def check(config_path: str | None, probe: bool) -> None:
+    """Validate CONFIG (default: $LLAMA_WRAPPER_CONFIG) and print the resolved settings and hooks (for an object
+    store: its endpoint and where its credentials come from); starts nothing. Exit 2 on errors."""
     if not config_path:
         click.echo("llama-wrapper: check which config? give CONFIG, or set LLAMA_WRAPPER_CONFIG", err=True)
         sys.exit(EXIT_CONFIG)
@@ -98,7 +108,11 @@ def check(config_path: str | None) -> None:
         sys.exit(EXIT_CONFIG)
     for warning in [*config.warnings, *built_ins.warnings(config)]:
         click.echo(f"warning: {warning}", err=True)
-    click.echo(yaml.safe_dump(_resolved(config), sort_keys=False, width=110), nl=False)
+    outside = built_ins.checked(config, probe)
+    click.echo(yaml.safe_dump({**_resolved(config), **({"reaches": outside} if outside else {})}, sort_keys=False,
+                              width=110), nl=False)
+    if probe and any(str(said.get("probe", "")).startswith("failed") for said in outside.values()):
+        sys.exit(EXIT_FAILED)
 
 
 def _resolved(config: Config) -> dict[str, Any]:
@@ -116,13 +130,14 @@ def _resolved(config: Config) -> dict[str, Any]:
         "server": {"argv": list(config.argv) or "(after --)", "ready_timeout": f"{config.ready_timeout:g}s",
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
                    "env": config.env},
+        "built-ins": [b.family for b in built_ins.uses(config)],
         **{section.name: section.shown(config) for section in built_ins.sections()},
         "preemption": dict(zip(("enabled", "why"), built_ins.preemption(config), strict=True)),
-        "built-ins": [b.family for b in built_ins.uses(config)],
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
-        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else None},
+        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else
+                  f"(not set: LLAMA_WRAPPER_ADMIN_TOKEN, else {default_token_file(os.environ)})"},
         "hooks": hooks,
     }
 

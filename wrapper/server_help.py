@@ -68,6 +68,29 @@ def flag_arity(binary: str) -> dict[str, bool] | None:
     return {str(k): bool(v) for k, v in data.items()} if isinstance(data, dict) else None
 
 
+def unknown_flags(argv: list[str]) -> list[str]:
+    """The flags of a command line (the binary first) that the binary's `--help` does not list; none when that
+    cannot be learnt. A value that follows a flag taking one is not a flag, whatever it begins with."""
+    arity = flag_arity(argv[0]) if argv else None
+    if arity is None:
+        return []
+    unknown, takes_value = [], False
+    for token in argv[1:]:
+        if takes_value:
+            takes_value = False
+            continue
+        if not token.startswith("-") or _NUMBER.fullmatch(token):
+            continue
+        name, has_value, _ = token.partition("=")
+        if name not in arity:
+            unknown.append(name)
+        takes_value = arity.get(name, False) and not has_value
+    return unknown
+
+
+_NUMBER = re.compile(r"-[0-9.]+")
+
+
 def devices(binary: str) -> list[str] | None:
     """The accelerators the binary sees (`--list-devices`: e.g. `CUDA0: NVIDIA H200 (143771 MiB, …)`); [] on a
     CPU-only build, None when that cannot be learnt."""

@@ -26,7 +26,7 @@ from wrapper.config import Config, ConfigError
 from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
 from wrapper.kept import Kept
 from wrapper.launch import Launch
-from wrapper.server_help import devices, planning
+from wrapper.server_help import devices, planning, unknown_flags
 from wrapper.units import format_size, parse_size
 from wrapper.usage import SERVER_COMMAND_SETTINGS, ServerCommand
 
@@ -81,6 +81,9 @@ def _plan(commands: Commands, budget: str | None, backend: str | None, config_pa
         settings = DEGRADE.of(config)
         config = replace(config, argv=tuple(server_argv) or config.argv,
                          settings={**config.settings, DEGRADE.name: replace(settings, pool=None)})
+        if unknown := unknown_flags(list(config.argv)):
+            raise ConfigError(f"{config.argv[0]} does not know {', '.join(unknown)} (its --help does not list "
+                              f"{'it' if len(unknown) == 1 else 'them'}): llama-server would refuse to start")
         pooled = _pool(Path(pool_dir).expanduser() if pool_dir else settings.pool, config, settings, backend)
         size = _size(budget)
         if backend is not None and size is None and (budget == "auto" or DEGRADE.of(config).budget is None):

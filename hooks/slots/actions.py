@@ -17,6 +17,7 @@ import structlog
 
 from hooks import kvfile
 from hooks.slots.book import book_of
+from hooks.slots.restorable import Mismatch
 from hooks.slots.reuse import ReuseTracker
 from hooks.slots.settings import FAMILY, SLOTS
 from hooks.slots.stores import store_of
@@ -270,7 +271,7 @@ async def _restore_one(generation: Generation, store: Store, held: Noted) -> dic
         if exc.conversion is not None:
             entry["conversion"] = exc.conversion
         entry["warmable"] = exc.warmable
-        return _skipped(entry, exc.reason, failed=exc.failed)
+        return _skipped(entry, exc.reason, failed=exc.failed, expected=exc.kind is Mismatch.MEDIA)
     entry.update(outcome="restored", entry=done.entry.key, file=done.entry.name, tokens=done.n_restored,
                  bytes=done.header.bytes, server_ms=done.server_ms, total_ms=done.total_ms,
                  saved_at=done.entry.record.get("saved_at"))
@@ -394,7 +395,10 @@ def _sweep(store: Store) -> None:
         log.info("slots.swept", removed=removed)
 
 
-def _skipped(entry: dict[str, Any], reason: str, failed: bool = False) -> dict[str, Any]:
+def _skipped(entry: dict[str, Any], reason: str, failed: bool = False, expected: bool = False) -> dict[str, Any]:
+    """`expected`: a state with media while the server runs without its projector (the media built-in dropped it
+    while idle, or the argv has none): its conversation is prefilled at its next turn, nothing is wrong."""
     entry.update(outcome="failed" if failed else "skipped", reason=reason)
-    log.warning("slots.restore_skipped", slot=entry["slot"], reason=reason, file=entry["file"])
+    (log.info if expected else log.warning)("slots.restore_skipped", slot=entry["slot"], reason=reason,
+                                            file=entry["file"])
     return entry

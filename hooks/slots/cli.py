@@ -17,8 +17,9 @@ import structlog
 from hooks import kvfile
 from hooks.slots.settings import SLOTS
 from hooks.store import Entry, Store, layout
+from hooks.store.bucket import BucketError
 from hooks.store.opening import folder_only, opened
-from hooks.store.settings import STORE, StoreSettings
+from hooks.store.settings import STORE, StoreSettings, bucket_for
 from wrapper.commands import Commands
 from wrapper.config import Config, ConfigError, parse_config
 from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
@@ -46,6 +47,8 @@ def _stores(root: Path, config_path: str | None) -> list[Store]:
     `store.url` names a bucket, the folder in front of it (its manifests listed once)."""
     settings = STORE.of(_config(config_path)) if config_path else StoreSettings()
     folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if settings.url:  # a model the bucket holds and this host never served (the host a conversation moves to)
+        folders = sorted({*folders, *(root / name for name in _bucket_folders(settings))})
     stores = []
     for folder in folders:
         store, problem = opened(folder, settings)
@@ -60,6 +63,15 @@ def _stores(root: Path, config_path: str | None) -> list[Store]:
             return [folder_only(f) for f in folders]
         stores.append(store)
     return stores
+
+
+def _bucket_folders(settings: StoreSettings) -> list[str]:
+    try:
+        with _quiet():
+            return [name for name in bucket_for(settings).folders() if name not in ("", ".", "..")]
+    except (BucketError, ValueError) as exc:
+        click.echo(f"llama-wrapper: the store's models are not listed: {exc}", err=True)
+        return []
 
 
 _DIR = click.option("--dir", "directory", type=click.Path(file_okay=False), envvar="LLAMA_WRAPPER_SLOTS_DIR",
@@ -192,6 +204,18 @@ def inspect(path: str) -> None:
     click.echo(json.dumps(summary, indent=2))
 
 
+def _ids_hint(root: Path, asked: str) -> str:
+    """The model ids of the folder (MODEL ID in `slots ls`), those whose model's name contains `asked` first."""
+    names = {row["model_id"]: str(row.get("model") or "?") for row in _rows([folder_only(p) for p in sorted(
+        root.iterdir()) if p.is_dir()])} if root.is_dir() else {}
+    if not names:
+        return " (it holds none)"
+    matching = [i for i, name in names.items() if asked and asked.lower() in name.lower()]
+    shown = matching or list(names)
+    return (f"; {'that is model id' if len(matching) == 1 else 'model ids'}: "
+            + ", ".join(f"{i} ({names[i]})" for i in shown[:10]) + (" …" if len(shown) > 10 else ""))
+
+
 @slots.command("rm")
 @_DIR
 @_CONFIG
@@ -201,7 +225,8 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
     """Remove the saved slots of MODEL_ID (as `slots ls` shows it)."""
     folder = _slots_dir(directory, config_path) / model_id
     if "/" in model_id or model_id in ("", ".", "..") or not folder.is_dir():
-        click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}", err=True)
+        click.echo(f"llama-wrapper: no saved slots for model id {model_id!r} in {folder.parent}"
+                   f"{_ids_hint(folder.parent, model_id)}", err=True)
         sys.exit(EXIT_FAILED)
     legacy = [saved for saved in layout.legacy_slots(folder) if slot is None or saved.slot == slot]
     store = folder_only(folder)

@@ -12,6 +12,7 @@ rejects boto3's default CRC checksums takes AWS_REQUEST_CHECKSUM_CALCULATION=whe
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib.util
 import re
@@ -176,6 +177,16 @@ class Bucket:
                     for page in pages for item in page.get("Contents", [])]
         except Exception as e:
             raise self._failure("LIST", under or "(all)", e) from None
+
+    def folders(self) -> builtins.list[str]:
+        """The names of the folders at the top of the prefix (one per model id), all pages."""
+        pages = self._s3.get_paginator("list_objects_v2").paginate(
+            Bucket=self.where.bucket, Prefix=self.where.prefix, Delimiter="/")
+        try:
+            return sorted(item["Prefix"][len(self.where.prefix):].rstrip("/")
+                          for page in pages for item in page.get("CommonPrefixes", []))
+        except Exception as e:
+            raise self._failure("LIST", "(folders)", e) from None
 
     def delete(self, name: str) -> None:
         with contextlib.suppress(NotFound):  # S3 itself answers 204 for a missing name; some servers 404

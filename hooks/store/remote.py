@@ -143,6 +143,16 @@ class Remote:
             return 0  # there already: a chunk or tail is named by what it holds
         return size
 
+    def holds_longer(self, entry: Entry) -> bool:
+        """Whether the bucket holds a longer state of the entry's conversation (all its tokens first): the entry
+        is of no use there."""
+        try:
+            tokens = entry.tokens
+        except Unreadable:
+            return False
+        return any(len(known.tokens) > len(tokens) and known.tokens[:len(tokens)] == tokens
+                   for known in self.index.values())
+
     def forget_shorter(self, entry: Entry) -> int:
         """Remove the manifests (and tails) of shorter states of the entry's conversation, as a commit does in a
         folder: the longer one holds all they hold and names their chunks; how many went."""

@@ -293,7 +293,8 @@ class TieredStore:
         if not self._reconciled:  # what the folder holds and the bucket does not: committed before a stop
             self._reconciled = True
             for entry in self.folder.entries():
-                if entry.key not in self.remote.index and entry.key not in self.pending and entry.by_content:
+                if entry.key not in self.remote.index and entry.key not in self.pending and entry.by_content \
+                        and not self.remote.holds_longer(entry):  # another host went on with it: not sent again
                     self.pending[entry.key] = entry
 
     async def upload_pending(self, deadline: float | None = None) -> int:
@@ -302,6 +303,11 @@ class TieredStore:
         while self.pending and (deadline is None or time.monotonic() < deadline):
             key, entry = next(iter(self.pending.items()))
             began = time.monotonic()
+            if self.remote.holds_longer(entry):  # another host went on with it meanwhile
+                del self.pending[key]
+                log.info("store.not_uploaded", entry=key, tokens=entry.n_tokens,
+                         why="the store holds a longer state of this conversation")
+                continue
             try:
                 sent = await threads.run(self.remote.upload, self.folder.directory, entry, self.host)
             except Unreadable:

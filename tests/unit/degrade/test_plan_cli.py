@@ -250,3 +250,14 @@ def test_plan_for_a_pool_plans_a_new_member_under_what_is_free_and_writes_nothin
     assert f"pool {pool}: 40.00 GiB on the CPU, 10.00 GiB used by 1 member(s), 30.00 GiB free" in table
     assert "a new member takes" in table
     assert tree(pool) == before
+
+
+def test_a_flag_the_binary_does_not_know_is_refused_as_run_would_be(home: Path) -> None:
+    server = str(home / "bin" / "llama-server")  # its --help by the shell alone: PATH has nothing else
+    Path(server).write_text("#!/bin/sh\nprintf -- '-m FNAME  the model\\n-c N  the context\\n-ngl N  layers\\n'\n")
+    Path(server).chmod(0o755)
+    model = gemma3_27b(home / "g.gguf")
+    result = plan_cli("--budget", "40GiB", "--", server, "-m", model, "-c", "8192", "--no-such", "-ngl", "-1")
+    assert result.exit_code != 0
+    assert f"{server} does not know --no-such (its --help does not list it)" in result.output
+    assert plan_cli("--budget", "40GiB", "--", server, "-m", model, "-c=8192", "-ngl", "-1").exit_code == 0

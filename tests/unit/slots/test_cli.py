@@ -39,6 +39,8 @@ def test_ls_inspect_rm(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "aaaa").iterdir()) == sorted(["slot0.json", first.name])
     assert runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), "nope"]).exit_code == 1
     assert runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), ".."]).exit_code == 1
+    by_name = runner.invoke(main, ["slots", "rm", "--dir", str(tmp_path), "chat"])  # the model's name, not its id
+    assert by_name.exit_code == 1 and "model ids: aaaa (chat), bbbb (chat)" in by_name.output, by_name.output
 
 
 def test_ls_names_a_pair_that_does_not_match(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from hooks.store.bucket import Bucket
@@ -168,6 +169,27 @@ async def test_what_a_killed_wrapper_had_not_uploaded_goes_up_after_its_restart(
     assert await restored(b, TOKENS) == data
 
 
+async def test_a_shorter_state_is_not_sent_again_once_another_host_went_on_with_its_conversation(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    a = host(server, tmp_path / "a", prefix, "a")
+    save(a, TOKENS[:40])
+    await a.upload_pending()
+    b = host(server, tmp_path / "b", prefix, "b")  # the conversation moved to b and went on there
+    await b.look(force=True)
+    save(b, TOKENS[:70])
+    await b.upload_pending()  # its shorter state in the bucket is removed
+    listed = server._client().list_objects_v2(Bucket=server.bucket, Prefix=f"{prefix}/")
+    names = [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith(".json")]
+    assert len(names) == 1
+    again = host(server, tmp_path / "a", prefix, "a")  # a restarts on its folder, which still holds the 40
+    await again.look(force=True)
+    assert not again.pending
+    save(again, TOKENS[:50])  # a state of it made here meanwhile: the bucket's longer one holds it too
+    await again.upload_pending()
+    listed = server._client().list_objects_v2(Bucket=server.bucket, Prefix=f"{prefix}/")
+    assert [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith(".json")] == names
+
+
 async def test_slots_ls_opens_the_store_as_the_wrapper_does_and_says_where(
         tmp_path: Path, server: S3Server, prefix: str) -> None:
     a, b = host(server, tmp_path / "a", prefix, "a"), host(server, tmp_path / "b", prefix, "b")
@@ -182,3 +204,44 @@ async def test_slots_ls_opens_the_store_as_the_wrapper_does_and_says_where(
     rows = [json.loads(line) for line in listed.output.splitlines()]
     assert sorted((r["tokens"], r["where"]) for r in rows) == [(40, "store"), (70, "local")], listed.output
     assert not any("problem" in r for r in rows)
+
+
+async def test_slots_ls_on_a_fresh_host_lists_what_the_bucket_holds(tmp_path: Path, server: S3Server,
+                                                                    prefix: str) -> None:
+    a = host(server, tmp_path / "a", prefix, "a")
+    save(a, TOKENS[:40])
+    await a.upload_pending()
+    fresh = tmp_path / "fresh"  # the host a conversation moves to: no model folder yet
+    config = tmp_path / "c.yaml"
+    config.write_text(f"slots: {{dir: {fresh}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
+                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
+                      "region: us-east-1, timeout: 3s}\n")
+    listed = await asyncio.to_thread(CliRunner().invoke, main, ["slots", "ls", "--config", str(config), "--json"])
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    assert [(r["model_id"], r["tokens"], r["where"]) for r in rows] == [("model", 40, "store")], listed.output
+    assert not fresh.exists()  # a listing writes nothing
+
+
+def test_check_says_which_endpoint_and_credentials_and_probe_tries_them(
+        tmp_path: Path, server: S3Server, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"slots: {{dir: {tmp_path / 'slots'}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
+                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
+                      "region: us-east-1, timeout: 3s}\n")
+    probed = CliRunner().invoke(main, ["check", str(config), "--probe"])
+    assert probed.exit_code == 0, probed.output
+    store = yaml.safe_load(probed.output)["reaches"]["store"]
+    assert store["endpoint"] == server.endpoint and store["endpoint_from"] == "store.endpoint"
+    assert store["credentials"] == "store.access_key and store.secret_key of the config"
+    assert store["probe"].startswith("ok: listed") and server.secret_key not in probed.output
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    config.write_text(f"slots: {{dir: {tmp_path / 'slots'}}}\nstore: {{url: {server.store(prefix)}, "
+                      "region: us-east-1, timeout: 2s}\n")
+    failed = CliRunner().invoke(main, ["check", str(config), "--probe"])
+    store = yaml.safe_load(failed.output)["reaches"]["store"]
+    assert failed.exit_code == 1 and store["probe"].startswith("failed: ")
+    assert (store["endpoint"], store["endpoint_from"]) == ("http://127.0.0.1:9", "AWS_ENDPOINT_URL")
+    assert store["credentials"] == "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+    assert "reaches" not in CliRunner().invoke(main, ["check", str(tmp_path / "none.yaml")]).output

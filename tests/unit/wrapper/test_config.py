@@ -314,8 +314,8 @@ def test_a_missing_model_is_one_sentence_before_anything_starts(tmp_path: Path) 
                            "/nonexistent.gguf"], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and not marker.exists()
     assert done.stderr.strip().splitlines() == ["llama-wrapper: the model file '/nonexistent.gguf' (-m) does not "
-                                                "exist: give the path of a .gguf file (llama.cpp/get-model prints "
-                                                "the demo model's)"]
+                                                "exist: give the path of a .gguf file (in a clone of llama-wrapper, "
+                                                "`make model` prints the demo model's)"]
 
 
 def test_reload_takes_the_address_as_listen_does() -> None:

@@ -27,6 +27,10 @@ def test_the_wrapper_families_are_strictly_valid_and_counters_only_grow(tmp_path
         assert promtext.value(first, "llama_wrapper_starts_total", outcome="ready") == 1
         assert promtext.value(first, "llama_wrapper_hook_runs_total", hook="on_startup", outcome="ok") == 1
         assert all(name.startswith("llama_wrapper_") for name in first)
+        off = ("llama_wrapper_store_", "llama_wrapper_degrade_", "llama_wrapper_pool_", "llama_wrapper_spec_",
+               "llama_wrapper_asleep", "llama_wrapper_conversation_cache_", "llama_wrapper_slot_",
+               "llama_wrapper_projector_")
+        assert not [name for name in first if name.startswith(off)]  # features this config leaves off
         for _ in range(3):
             assert http("GET", f"{wrapper.url}/echo")[0] == 200
         assert http("GET", f"{wrapper.url}/wrapper/status")[0] == 200  # not proxied: not counted
