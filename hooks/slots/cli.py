@@ -162,14 +162,15 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
     if not rows:
         click.echo(f"no saved slots in {root}")
         return
-    click.echo(f"{'MODEL ID':<17} {'SLOT':>4} {'TOKENS':>8} {'SIZE':>9} {'K/V':<10} {'WHERE':<6} {'SAVED':<25} "
-               f"{'FILE':<26} MODEL")
-    for row in rows:
-        size = f"{row['bytes'] / 1e6:.1f} MB"
-        click.echo(f"{row['model_id']:<17} {row['slot']:>4} {row.get('tokens', '?')!s:>8} {size:>9} "
-                   f"{row.get('cache_types', '?'):<10} {row.get('where', 'local'):<6} "
-                   f"{row.get('problem') or row.get('saved_at')!s:<25} {Path(row['file']).name:<26} "
-                   f"{row.get('model', '?')}")
+    table = [(str(row["model_id"]), str(row["slot"]), str(row.get("tokens", "?")), f"{row['bytes'] / 1e6:.1f} MB",
+              str(row.get("cache_types", "?")), str(row.get("where", "local")), Path(row["file"]).name,
+              str(row.get("model", "?")), str(row.get("problem") or row.get("saved_at"))) for row in rows]
+    header = ("MODEL ID", "SLOT", "TOKENS", "SIZE", "K/V", "WHERE", "FILE", "MODEL", "SAVED")
+    widths = [max(len(cells[i]) for cells in (header, *table)) for i in range(len(header) - 1)]
+    right = {1, 2, 3}  # numbers
+    for cells in (header, *table):  # SAVED last: a problem there may be long
+        click.echo(" ".join(cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+                            for i, cell in enumerate(cells[:-1])) + " " + cells[-1])
     click.echo(f"\n{root}/<model id>/<file> is what `llama-wrapper slots inspect` reads")
 
 
@@ -201,7 +202,31 @@ def inspect(path: str) -> None:
     if "sidecar" not in summary and Path(path).name.startswith(layout.ENTRY_PREFIX):
         summary["problem"] = ("no sidecar names this file: it is no entry (a chunked state's tail without its "
                               "manifest says nothing of its chunks); the next start sweeps it")
-    click.echo(json.dumps(summary, indent=2))
+    sidecar = summary.get("sidecar")
+    if isinstance(sidecar, dict) and sidecar.get("bytes") not in (None, summary.get("bytes")):
+        summary["bytes_are"] = ("`bytes`: this file (a chunked state's tail: the cells after its last whole chunk); "
+                                "`sidecar.bytes`: the whole state it makes with the chunks the sidecar names")
+    click.echo(folded(summary))
+
+
+def folded(value: Any, indent: int = 0, width: int = 116) -> str:
+    """JSON as `json.dumps(indent=2)` writes it, but a list of plain values on as few lines as fit `width`."""
+    pad = " " * indent
+    if isinstance(value, dict) and value:
+        items = [f"{pad}  {json.dumps(k)}: {folded(v, indent + 2, width).lstrip()}" for k, v in value.items()]
+        return pad + "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and value and all(not isinstance(v, (dict, list)) for v in value):
+        lines, line = [], ""
+        for text in (json.dumps(v) for v in value):
+            if line and len(pad) + 2 + len(line) + len(text) + 2 > width:
+                lines.append(line)
+                line = ""
+            line = f"{line} {text}," if line else f"{text},"
+        lines.append(line.rstrip(","))
+        return pad + "[\n" + "\n".join(f"{pad}  {each}" for each in lines) + f"\n{pad}]"
+    if isinstance(value, list) and value:
+        return pad + "[\n" + ",\n".join(folded(v, indent + 2, width) for v in value) + f"\n{pad}]"
+    return pad + json.dumps(value)
 
 
 def _ids_hint(root: Path, asked: str) -> str:

@@ -140,3 +140,14 @@ def test_ls_names_a_noted_slot_whose_sidecar_is_gone_and_inspect_an_orphan_tail(
     assert (row["slot"], row["tokens"], row["where"]) == (1, 3, "gone") and "no sidecar" in row["problem"]
     inspected = json.loads(runner.invoke(main, ["slots", "inspect", str(folder / entry.name)]).output)
     assert "no sidecar names this file" in inspected["problem"]
+
+
+def test_inspect_folds_long_lists_and_stays_json() -> None:
+    from hooks.slots.cli import folded
+
+    summary = {"tokens": 3, "sidecar": {"chunks": {"count": 200, "names": [f"{i:032x}" for i in range(200)]}},
+               "nested": [{"a": [1, 2]}, []], "empty": {}}
+    text = folded(summary)
+    assert json.loads(text) == summary
+    assert 2 * len(text.splitlines()) < len(json.dumps(summary, indent=2).splitlines())
+    assert max(len(line) for line in text.splitlines()) <= 116
