@@ -48,12 +48,19 @@ class Conversations:
 
     def miss(self, reason: str) -> None:
         self.misses[reason] = self.misses.get(reason, 0) + 1
-        METRICS.conv_lookups.labels(result="miss", reason=reason).inc()
+        METRICS.conv_lookups.labels(result="miss", reason=LABELS.get(reason, "other")).inc()
 
-    def hit(self, key: str) -> None:
+    def hit(self, key: str, at_start: bool = False) -> None:
+        """A lookup answered from the store: restored now, or (`at_start`) what the start restored into the slot."""
         self.hits += 1
         self.hits_by_entry[key] = self.hits_by_entry.get(key, 0) + 1
-        METRICS.conv_lookups.labels(result="hit", reason="restored").inc()
+        METRICS.conv_lookups.labels(result="hit", reason="restored_at_start" if at_start else "restored").inc()
+
+
+LABELS = {"not cached": "not_cached", "the slot holds as much": "in_slot", "too little to win": "too_little",
+          "a prefill is quicker": "prefill_quicker", "the server refused it": "refused", "not usable": "unusable",
+          "the server died restoring it": "server_died"}
+"""The `reason` label of a miss in /metrics, for the reason status gives in words."""
 
 
 ANSWERING: ContextVar[int | None] = ContextVar("answering", default=None)

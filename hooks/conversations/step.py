@@ -318,7 +318,11 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
         conv.decisions.made(**record)
         log.info("conversations.decision", **record)
     if not decision.restore or entry is None:
-        conv.miss(decision.miss or "not cached")
+        book = book_of(generation)
+        if decision.miss == "the slot holds as much" and book.restored_unchanged(slot):
+            conv.hit(book.entry_of(slot) or f"slot {slot}", at_start=True)  # the start's restore answers it
+        else:
+            conv.miss(decision.miss or "not cached")
         return
     try:
         done = await restore_into(generation, store, entry, slot)

@@ -45,6 +45,7 @@ class SlotBook:
     _state_version: int | None = None  # the slot-file version this server writes, once learnt
     _tokens: dict[int, list[int]] = field(default_factory=dict)
     _entry: dict[int, str] = field(default_factory=dict)  # the entry holding exactly what the slot holds
+    _from_store: set[int] = field(default_factory=set)  # slots holding what a restore put there, unchanged
     _chain: dict[int, object] = field(default_factory=dict)  # the conversation cache's chain of the slot's last
     # request (hooks/conversations/chain.py): what it holds goes on from there
 
@@ -74,6 +75,10 @@ class SlotBook:
     def entry_of(self, slot: int) -> str | None:
         """The entry that holds exactly what the slot holds, when that is known."""
         return self._entry.get(slot) if self._exact else None
+
+    def restored_unchanged(self, slot: int) -> bool:
+        """Whether the slot holds what a restore put there, no request served since."""
+        return slot in self._from_store
 
     def chain_of(self, slot: int) -> object | None:
         """The chain of the request the slot served last, while it holds that request's conversation."""
@@ -105,6 +110,7 @@ class SlotBook:
             self._tokens[slot] = tokens
         self._set_chain(slot, chain if tokens is not None else None)
         self._entry.pop(slot, None)
+        self._from_store.discard(slot)
 
     def continued(self, slot: int, chain: object, reused: int) -> None:
         """A request that went on from what the slot held ran there (its tokens were not told): the server kept
@@ -114,6 +120,7 @@ class SlotBook:
             self._tokens[slot] = self._tokens[slot][:reused]
         self._set_chain(slot, chain)
         self._entry.pop(slot, None)
+        self._from_store.discard(slot)
 
     def _set_chain(self, slot: int, chain: object | None) -> None:
         if chain is None:
@@ -128,6 +135,7 @@ class SlotBook:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it."""
         self._tokens[slot] = tokens
         self._chain.pop(slot, None)
+        self._from_store.add(slot)
         if key is None:
             self._entry.pop(slot, None)
         else:
@@ -138,6 +146,7 @@ class SlotBook:
         self._tokens.clear()
         self._entry.clear()
         self._chain.clear()
+        self._from_store.clear()
 
 
 _KEY = Key("slots.book", SlotBook)

@@ -96,6 +96,23 @@ def process_start(pid: int) -> str:
     return stat[19] if len(stat) > 19 else ""
 
 
+def started_at(started: str) -> str | None:
+    """A process start time as /proc gives it (clock ticks since the boot) as an ISO time; None unknown."""
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        at = boot + int(started) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(at))
+
+
+def _shown(member: Member) -> dict[str, Any]:
+    """A member as /wrapper/memory and `plan --pool` show it: `started` as a time (the record keeps /proc's
+    ticks, which tell a reused pid apart)."""
+    return {**asdict(member), "name": member.name, "started": started_at(member.started)}
+
+
 def alive(pid: int, started: str) -> bool:
     """The member's process runs: it exists, is no zombie (killed, not yet reaped), and is the one that wrote
     the record (a pid used again names another start time)."""
@@ -323,4 +340,4 @@ class Locked:
         return {"dir": str(self.dir), "total": made.get("total"), "source": made.get("source"),
                 "device": made.get("device"), "used": used,
                 "free": (int(made["total"]) - used) if made else None,
-                "members": [{**asdict(m), "name": m.name} for m in members], "moves": self.moves()}
+                "members": [_shown(m) for m in members], "moves": self.moves()}

@@ -64,3 +64,12 @@ def test_a_slot_tells_its_chain_only_while_it_holds_that_request() -> None:
     book.served(1, [3, 4], "c")
     book.forgotten()
     assert book.chain_of(1) is None and book.holds(1) == []
+
+
+def test_a_slot_restored_at_the_start_is_told_until_it_serves() -> None:
+    book = SlotBook()
+    book.restored(0, [1, 2], "k0")
+    book.saved(0, [1, 2], "k0")  # saved again unchanged: still what the restore put there
+    assert book.restored_unchanged(0)
+    book.served(0, [1, 2, 3])
+    assert not book.restored_unchanged(0)

@@ -5,6 +5,7 @@ it writes; and the asks: who is asked for what, the answers, what a finished rou
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import os
@@ -502,6 +503,13 @@ def test_moves_keeps_the_last_ones(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".moves.*.tmp"))
 
 
+def process_started_s() -> float:
+    """When this process started (its elapsed time from ps: the source /proc does not share with the wrapper)."""
+    elapsed = subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True,
+                             check=True).stdout
+    return time.time() - int(elapsed)
+
+
 def test_summary_reports_the_living_members_and_what_is_free(tmp_path: Path) -> None:
     made(tmp_path, total=1000)
     write_member(tmp_path, Member(exited_pid(), "gone", share=500))
@@ -512,6 +520,8 @@ def test_summary_reports_the_living_members_and_what_is_free(tmp_path: Path) -> 
     assert (found["total"], found["used"], found["free"], found["device"]) == (1000, 300, 700, "CUDA0")
     assert [m["name"] for m in found["members"]] == [f"me[{os.getpid()}]"]
     assert found["moves"] == [{"i": 1}]
+    started = datetime.datetime.strptime(found["members"][0]["started"], "%Y-%m-%dT%H:%M:%S%z")  # a time, not ticks
+    assert abs(started.timestamp() - process_started_s()) < 5
 
 
 # -- known bugs -------------------------------------------------------------------------------------------------
