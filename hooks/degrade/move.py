@@ -31,7 +31,7 @@ async def move(host: Host, state: DegradeState, ask: Wanted, why: str, cut: bool
     fit = fitted(host.current.launch)
     rolled_back = isinstance(asked, RolledBack)
     step = {"at": time.time(), "why": why, "success": not rolled_back, "rung": fit.rung if fit else None,
-            "n_ctx": answer.get("n_ctx"), "downtime_ms": answer.get("downtime_ms"),
+            "n_ctx": answer.get("n_ctx"), "share": fit.share if fit else None, "downtime_ms": answer.get("downtime_ms"),
             "wait_s": round(time.monotonic() - began, 3), "restore": answer.get("restore")}
     state.steps.append(step)
     log.info("degrade.step", **step)

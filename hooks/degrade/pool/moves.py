@@ -196,7 +196,8 @@ async def relax(host: Host, state: DegradeState, needed: int, why: str) -> str |
             state.gave = state.gave and plan.index > 0
         return None
     problem = await move(host, state, Wanted(rung=plan.rung, ctx=plan.ctx, up=True, projector=plan.projector),
-                         f"relax to {plan.rung}, n_ctx {plan.ctx} ({why}; {format_size(free)} for it in the pool)",
+                         f"relax to {plan.rung}, n_ctx {plan.ctx} ({why}; the pool has {format_size(free)} free "
+                         "for it)",
                          cut=False)
     member.publish(host.current, busy=False)  # what runs now, whether the move took effect or not
     if problem is not None:
