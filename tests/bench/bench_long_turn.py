@@ -4,8 +4,9 @@ tokens of history, measured side by side with llama-server direct in one run.
 One llama-server (Gemma 3 270M, -np 1) behind a wrapper with the slot built-ins and the conversation cache on. For
 each length one conversation grows turn by turn: every measured request is the next turn of the conversation its
 slot holds (an answer of ~20 tokens and a question of ~20, so ~45 new tokens to prefill), sent alternately through
-the wrapper and direct, so that both prefill the same and noise hits both alike. It prints the median of each and
-their ratio per length: a cost that grows with the history shows as a ratio that grows down the table.
+the wrapper and direct (pinned to slot 0 as the wrapper pins it), so that both prefill the same and noise hits
+both alike. It prints the median of each and their ratio per length, and the time outside the server's own
+prefill: a cost that grows with the history shows as an `added` that grows down the table.
 
     LLAMA_SERVER=$(llama.cpp/build-server) python tests/bench/bench_long_turn.py [--turns N] [--model smollm2]
 """
@@ -21,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -62,11 +64,15 @@ def history(url: str, tokens: int) -> list[dict[str, str]]:
     return messages
 
 
-def turn(url: str, messages: list[dict[str, str]]) -> tuple[float, float, int, int]:
-    """(seconds to the answer of one token, of them the server's prefill, tokens reused, tokens prefilled)."""
+def turn(url: str, messages: list[dict[str, str]], pinned: bool = False) -> tuple[float, float, int, int]:
+    """(seconds to the answer of one token, of them the server's prefill, tokens reused, tokens prefilled).
+    `pinned`: name slot 0, as the wrapper does (llama-server treats a request without `id_slot` otherwise: its
+    prompt-cache lookup costs tens of milliseconds at 16k, which would flatter the wrapper)."""
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 1, "temperature": 0}
+    if pinned:
+        body["id_slot"] = 0
     began = time.perf_counter()
-    status, _, raw = http("POST", f"{url}/v1/chat/completions",
-                          {"messages": messages, "max_tokens": 1, "temperature": 0}, timeout=900)
+    status, _, raw = http("POST", f"{url}/v1/chat/completions", body, timeout=900)
     seconds = time.perf_counter() - began
     assert status == 200, raw[:300]
     timings = json.loads(raw)["timings"]
@@ -94,7 +100,7 @@ def measure(wrapped: str, direct: str, length: int, turns: int) -> Row:
         base = (wrapped, direct)[index % 2]
         messages += [{"role": "assistant", "content": paragraph(index, 18)},
                      {"role": "user", "content": paragraph(index + 3, 16) + " What now?"}]
-        seconds, prefill_s, reused, prefilled = turn(base, messages)
+        seconds, prefill_s, reused, prefilled = turn(base, messages, pinned=base == direct)
         times[base].append(seconds)
         outside[base].append(seconds - prefill_s)
         time.sleep(0.2)  # a person reads the answer; an agent runs its tool
