@@ -136,10 +136,19 @@ def _resolved(config: Config) -> dict[str, Any]:
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
-        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else
-                  f"(not set: LLAMA_WRAPPER_ADMIN_TOKEN, else {default_token_file(os.environ)})"},
+        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else _default_token()},
         "hooks": hooks,
     }
+
+
+def _default_token() -> str:
+    """Where the admin token comes from when the config names no file (wrapper/auth.py's order)."""
+    default = default_token_file(os.environ)
+    if os.environ.get("LLAMA_WRAPPER_ADMIN_TOKEN"):
+        return "(not set: LLAMA_WRAPPER_ADMIN_TOKEN, which is set)"
+    if default.is_file():
+        return f"(not set: {default}, which exists)"
+    return f"(not set, and no token: POST /wrapper/* is off until {default} or LLAMA_WRAPPER_ADMIN_TOKEN exists)"
 
 
 def _body(action: Any) -> Any:

@@ -66,6 +66,8 @@ def decide(candidate: Candidate | None, rates: Rates, rule: Rule) -> Decision:
     if candidate is None or candidate.shared == 0:
         return Decision(False, "not cached", "not cached")
     gain = candidate.shared - candidate.in_slot
+    if gain <= 0 and candidate.shared < rule.min_tokens:
+        return Decision(False, "not cached", "not cached")  # what it shares is a chat template's first tokens
     if gain <= 0:
         return Decision(False, "the slot holds as much", "the slot holds as much")
     restore_bps = rule.restore_bps or rates.restore_bps or ASSUMED_RESTORE_BPS

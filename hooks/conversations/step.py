@@ -249,6 +249,9 @@ async def _make_room(generation: Generation, conv: Conversations, store: Store, 
     book = book_of(generation)
     settings = CACHE.of(generation.config)
     held = book.holds(slot)
+    if book.partial(slot):  # it may hold more than the book says: saved (a state too short is not kept)
+        await save_slot(generation, conv, store, slot, "it leaves its slot")
+        return
     if len(held) < settings.min_tokens:
         return  # too short to keep
     if len(held) - common_prefix(held, tokens) < settings.min_tokens:
@@ -319,7 +322,8 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
         log.info("conversations.decision", **record)
     if not decision.restore or entry is None:
         book = book_of(generation)
-        if decision.miss == "the slot holds as much" and book.restored_unchanged(slot):
+        if decision.miss == "the slot holds as much" and book.restored_unchanged(slot) \
+                and in_slot >= settings.min_tokens:
             conv.hit(book.entry_of(slot) or f"slot {slot}", at_start=True)  # the start's restore answers it
         else:
             conv.miss(decision.miss or "not cached")

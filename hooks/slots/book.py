@@ -46,6 +46,8 @@ class SlotBook:
     _tokens: dict[int, list[int]] = field(default_factory=dict)
     _entry: dict[int, str] = field(default_factory=dict)  # the entry holding exactly what the slot holds
     _from_store: set[int] = field(default_factory=set)  # slots holding what a restore put there, unchanged
+    _partial: set[int] = field(default_factory=set)  # slots that hold more than their tokens here say (a turn went
+    # on there untold, or something unknown): a conversation taking such a slot saves it first
     _chain: dict[int, object] = field(default_factory=dict)  # the conversation cache's chain of the slot's last
     # request (hooks/conversations/chain.py): what it holds goes on from there
 
@@ -75,6 +77,11 @@ class SlotBook:
     def entry_of(self, slot: int) -> str | None:
         """The entry that holds exactly what the slot holds, when that is known."""
         return self._entry.get(slot) if self._exact else None
+
+    def partial(self, slot: int) -> bool:
+        """Whether the slot may hold more than `holds` says: its tokens are only a prefix of what it holds (a turn
+        went on there untold), or unknown (a request that failed, or one the server placed itself)."""
+        return slot in self._partial
 
     def restored_unchanged(self, slot: int) -> bool:
         """Whether the slot holds what a restore put there, no request served since."""
@@ -106,8 +113,10 @@ class SlotBook:
         something unknown (None: a request that failed may have left part of it). `chain`: the request's."""
         if tokens is None:
             self._tokens.pop(slot, None)
+            self._partial.add(slot)
         else:
             self._tokens[slot] = tokens
+            self._partial.discard(slot)
         self._set_chain(slot, chain if tokens is not None else None)
         self._entry.pop(slot, None)
         self._from_store.discard(slot)
@@ -119,6 +128,7 @@ class SlotBook:
         if len(self.holds(slot)) > reused:
             self._tokens[slot] = self._tokens[slot][:reused]
         self._set_chain(slot, chain)
+        self._partial.add(slot)
         self._entry.pop(slot, None)
         self._from_store.discard(slot)
 
@@ -130,11 +140,13 @@ class SlotBook:
 
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
         self._tokens[slot], self._entry[slot] = tokens, key
+        self._partial.discard(slot)
 
     def restored(self, slot: int, tokens: list[int], key: str | None) -> None:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it."""
         self._tokens[slot] = tokens
         self._chain.pop(slot, None)
+        self._partial.discard(slot)
         self._from_store.add(slot)
         if key is None:
             self._entry.pop(slot, None)
@@ -142,7 +154,9 @@ class SlotBook:
             self._entry[slot] = key
 
     def forgotten(self) -> None:
-        """A request the server put in a slot of its own choosing: any slot may hold something else now."""
+        """A request the server put in a slot of its own choosing: any slot may hold something else now (each is
+        saved before a conversation takes it)."""
+        self._partial.update(self.slots())
         self._tokens.clear()
         self._entry.clear()
         self._chain.clear()

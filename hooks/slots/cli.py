@@ -209,13 +209,20 @@ def inspect(path: str) -> None:
     click.echo(folded(summary))
 
 
+def _plain(value: Any) -> bool:
+    """A value written inline: not a mapping, and a list only when short and flat (a layer's `[1, 384]`)."""
+    if isinstance(value, list):
+        return all(not isinstance(v, (dict, list)) for v in value) and len(json.dumps(value)) <= 24
+    return not isinstance(value, dict)
+
+
 def folded(value: Any, indent: int = 0, width: int = 116) -> str:
     """JSON as `json.dumps(indent=2)` writes it, but a list of plain values on as few lines as fit `width`."""
     pad = " " * indent
     if isinstance(value, dict) and value:
         items = [f"{pad}  {json.dumps(k)}: {folded(v, indent + 2, width).lstrip()}" for k, v in value.items()]
         return pad + "{\n" + ",\n".join(items) + f"\n{pad}}}"
-    if isinstance(value, list) and value and all(not isinstance(v, (dict, list)) for v in value):
+    if isinstance(value, list) and value and all(_plain(v) for v in value):
         lines, line = [], ""
         for text in (json.dumps(v) for v in value):
             if line and len(pad) + 2 + len(line) + len(text) + 2 > width:
@@ -237,7 +244,7 @@ def _ids_hint(root: Path, asked: str) -> str:
         return " (it holds none)"
     matching = [i for i, name in names.items() if asked and asked.lower() in name.lower()]
     shown = matching or list(names)
-    return (f"; {'that is model id' if len(matching) == 1 else 'model ids'}: "
+    return (f"; {'its model id is' if len(matching) == 1 else 'model ids'}: "
             + ", ".join(f"{i} ({names[i]})" for i in shown[:10]) + (" …" if len(shown) > 10 else ""))
 
 

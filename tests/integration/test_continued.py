@@ -99,3 +99,29 @@ def test_with_cache_reuse_every_turn_takes_the_whole_lookup(tmp_path: Path, serv
         shares = [chat.turn(wrapper.url) for _ in range(3)]
         assert all(share >= 0.95 for share in shares[1:]), shares
         assert conversations(wrapper)["continued"] == 0 and lookups(wrapper) == 3
+
+
+def test_nothing_a_slot_holds_is_overwritten_unsaved_after_a_refused_request_or_an_untold_turn(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    short = Chat("short", size=1)  # its first turn under cache.min_tokens: it grows untold, turn by turn
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        short.turn(wrapper.url)
+        for _ in range(3):
+            short.messages[-1]["content"] = "Go on, at length. " + FILLER * 4
+            short.turn(wrapper.url)
+        assert conversations(wrapper)["continued"] == 3 and short.history > 256
+        status, _, _ = http("POST", f"{wrapper.url}/v1/chat/completions", {"messages": "hello", "max_tokens": 4})
+        assert status == 400  # refused by llama-server: it ran in no slot
+        cold: dict[str, Any] = {"messages": [{"role": "user", "content": "Cache off. " + FILLER * 20}],
+                                "max_tokens": 4, "cache_prompt": False}
+        Chat("other").turn(wrapper.url)  # takes the only slot: what it held is saved first
+        saved = [e for e in wrapper.events("conversations.saved") if e["why"] == "it leaves its slot"]
+        assert [e["tokens"] >= short.history - 8 for e in saved] == [True], saved
+        assert short.turn(wrapper.url) >= 0.95  # restored whole
+        assert http("POST", f"{wrapper.url}/v1/chat/completions", cold)[0] == 200
+        cold["messages"] += [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "More."}]
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions", cold)
+        assert status == 200 and json.loads(raw)["timings"]["cache_n"] == 0  # went on in its slot, reusing 0
+        Chat("third").turn(wrapper.url)  # the cache-off conversation leaves: saved whole all the same
+        last = [e for e in wrapper.events("conversations.saved") if e["why"] == "it leaves its slot"][-1]
+        assert last["tokens"] >= json.loads(raw)["usage"]["prompt_tokens"], last

@@ -31,6 +31,7 @@ MB = 1_000_000
     ("a quick remote fetch", Candidate(30000, 0, 300 * MB, fetch_s=1.0), MEASURED, RULE, True, "wins 30000 tokens"),
     ("nothing cached", None, MEASURED, RULE, False, "not cached"),
     ("the slot holds as much", Candidate(3000, 3000, 300 * MB), MEASURED, RULE, False, "the slot holds as much"),
+    ("a template's first tokens", Candidate(6, 6, 300 * MB), MEASURED, RULE, False, "not cached"),
 ])
 def test_restore_or_prefill(case: str, candidate: Candidate | None, rates: Rates, rule: Rule, restore: bool,
                             why: str) -> None:

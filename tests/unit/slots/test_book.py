@@ -73,3 +73,19 @@ def test_a_slot_restored_at_the_start_is_told_until_it_serves() -> None:
     assert book.restored_unchanged(0)
     book.served(0, [1, 2, 3])
     assert not book.restored_unchanged(0)
+
+
+def test_a_slot_holding_more_than_its_tokens_say_is_partial_until_saved() -> None:
+    book = SlotBook()
+    book.learnt_total(2)
+    book.served(0, [1, 2], "a")
+    assert not book.partial(0)
+    book.continued(0, "b", reused=2)  # its next turn went on there untold
+    assert book.partial(0) and book.holds(0) == [1, 2]
+    book.saved(0, [1, 2, 3, 4], "k")
+    assert not book.partial(0)
+    book.served(1, None)  # a request that failed there: unknown
+    assert book.partial(1)
+    book.served(1, [5])
+    book.forgotten()  # a request the server placed itself: every slot may hold anything
+    assert book.partial(0) and book.partial(1)
