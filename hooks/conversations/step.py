@@ -109,6 +109,7 @@ def continuing(generation: Generation, conv: Conversations, store: Store, messag
     if any(_begins_with(entry, known) for entry in store.entries() if entry.n_tokens >= longer):
         return None  # a longer state of it (another host's, another slot's): the lookup weighs a restore
     conv.busy.add(slot)
+    conv.reused.pop(slot, None)  # what an earlier answer there reused (one paused before its release) is not this
     return slot
 
 
