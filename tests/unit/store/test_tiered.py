@@ -45,6 +45,15 @@ def host(server: S3Server, folder: Path, prefix: str, name: str = "h") -> Tiered
     return TieredStore(DirectoryStore(folder / "model", chunk_tokens=16), Remote(bucket, "model"), name, 0.0)
 
 
+def store_config(tmp_path: Path, server: S3Server, prefix: str, slots_dir: Path) -> Path:
+    """A config naming `slots_dir` and the test server's bucket, with its endpoint and credentials."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"slots: {{dir: {slots_dir}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
+                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
+                      "region: us-east-1, timeout: 3s}\n")
+    return config
+
+
 def save(store: TieredStore, tokens: list[int]) -> bytes:
     data = state(tokens)
     store.folder.directory.mkdir(parents=True, exist_ok=True)
@@ -196,10 +205,7 @@ async def test_slots_ls_opens_the_store_as_the_wrapper_does_and_says_where(
     save(a, TOKENS[:40])
     await a.upload_pending()
     save(b, TOKENS[:70])  # b's own, not uploaded
-    config = tmp_path / "c.yaml"
-    config.write_text(f"slots: {{dir: {tmp_path / 'b'}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
-                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
-                      "region: us-east-1, timeout: 3s}\n")
+    config = store_config(tmp_path, server, prefix, tmp_path / "b")
     listed = await asyncio.to_thread(CliRunner().invoke, main, ["slots", "ls", "--config", str(config), "--json"])
     rows = [json.loads(line) for line in listed.output.splitlines()]
     assert sorted((r["tokens"], r["where"]) for r in rows) == [(40, "store"), (70, "local")], listed.output
@@ -212,10 +218,7 @@ async def test_slots_ls_on_a_fresh_host_lists_what_the_bucket_holds(tmp_path: Pa
     save(a, TOKENS[:40])
     await a.upload_pending()
     fresh = tmp_path / "fresh"  # the host a conversation moves to: no model folder yet
-    config = tmp_path / "c.yaml"
-    config.write_text(f"slots: {{dir: {fresh}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
-                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
-                      "region: us-east-1, timeout: 3s}\n")
+    config = store_config(tmp_path, server, prefix, fresh)
     listed = await asyncio.to_thread(CliRunner().invoke, main, ["slots", "ls", "--config", str(config), "--json"])
     rows = [json.loads(line) for line in listed.output.splitlines()]
     assert [(r["model_id"], r["tokens"], r["where"]) for r in rows] == [("model", 40, "store")], listed.output
@@ -224,10 +227,7 @@ async def test_slots_ls_on_a_fresh_host_lists_what_the_bucket_holds(tmp_path: Pa
 
 def test_check_says_which_endpoint_and_credentials_and_probe_tries_them(
         tmp_path: Path, server: S3Server, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = tmp_path / "c.yaml"
-    config.write_text(f"slots: {{dir: {tmp_path / 'slots'}}}\nstore: {{url: {server.store(prefix)}, endpoint: "
-                      f"'{server.endpoint}', access_key: {server.access_key}, secret_key: {server.secret_key}, "
-                      "region: us-east-1, timeout: 3s}\n")
+    config = store_config(tmp_path, server, prefix, tmp_path / "slots")
     probed = CliRunner().invoke(main, ["check", str(config), "--probe"])
     assert probed.exit_code == 0, probed.output
     store = yaml.safe_load(probed.output)["reaches"]["store"]
