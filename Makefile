@@ -3,8 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 LISTEN ?= 127.0.0.1:8080
 CTX ?= 8192
+CONFIG ?= examples/hooks.yaml
+ARGS ?=
 
-.PHONY: demo test unit integration bench lint server old-server model clean
+.PHONY: demo demo-media demo-spec demo-store demo-pool s3 docs test unit integration bench lint server old-server model clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,8 +26,28 @@ model: $(VENV)/.installed  ## print the default model's path, assembling it on f
 demo: $(VENV)/.installed
 	@server=$$(llama.cpp/build-server) && model=$$(llama.cpp/get-model) && \
 	echo "serving $$model on http://$(LISTEN) — Ctrl-C stops everything" && \
-	exec $(VENV)/bin/llama-wrapper run --config examples/hooks.yaml --listen $(LISTEN) -- \
-	    "$$server" -m "$$model" -c $(CTX)
+	exec $(VENV)/bin/llama-wrapper run --config $(CONFIG) --listen $(LISTEN) -- \
+	    "$$server" -m "$$model" -c $(CTX) $(ARGS)
+
+# The tries of README's "Try it on the demo": each is the demo with one feature on.
+demo-media: $(VENV)/.installed  ## the projector on demand, with a tiny projector of random weights
+	@$(MAKE) -s demo CONFIG=examples/media.yaml ARGS='--mmproj "$$$$($(PY) -m tests.demo projector "$$$$model")"'
+
+demo-spec: $(VENV)/.installed  ## the demo model as its own draft, only while one request decodes
+	@$(MAKE) -s demo CONFIG=examples/spec.yaml ARGS='-md "$$$$model" --spec-type draft-simple -np 2'
+
+demo-store: $(VENV)/.installed  ## the demo on the bucket of `make s3` (run that first, in another shell)
+	@$(MAKE) -s demo CONFIG=examples/store.yaml
+
+s3: $(VENV)/.installed  ## a local S3 server (SeaweedFS) on 127.0.0.1:8333 for demo-store, until Ctrl-C
+	@exec $(PY) -m tests.demo s3
+
+demo-pool: $(VENV)/.installed  ## two wrappers of the demo model sharing one pool, on LISTEN's port and the next
+	@server=$$(llama.cpp/build-server) && model=$$(llama.cpp/get-model) && \
+	exec $(PY) -m tests.demo pool "$$server" "$$model" $(LISTEN)
+
+docs: $(VENV)/.installed  ## write docs/configuration.md's reference from the declared sections
+	$(PY) -m wrapper.reference docs/configuration.md
 
 test: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q tests/unit tests/integration

@@ -86,12 +86,15 @@ def _pick_ports(count: int) -> list[int]:
 
 
 class S3Server:
-    def __init__(self, folder: Path, bucket: str = "wrapper") -> None:
+    def __init__(self, folder: Path, bucket: str = "wrapper", s3_port: int | None = None) -> None:
+        """`s3_port`: the S3 gateway's port (it and port+10000 must be free), else one picked as the others."""
         self.folder = folder
         self.bucket = bucket
         self.data = folder / "data"
         self.log_path = folder / "weed.log"
         self.ports = dict(zip(_COMPONENTS, _pick_ports(len(_COMPONENTS)), strict=True))
+        if s3_port is not None:
+            self.ports["s3"] = s3_port
         self.access_key = ACCESS_KEY
         self.secret_key = SECRET_KEY
         self._proc: subprocess.Popen[bytes] | None = None

@@ -68,7 +68,7 @@ def token_path(text: str) -> Path:
 
 
 def default_token_file(env: Mapping[str, str]) -> Path:
-    """Where the README makes the token, and where the wrapper and `reload` look when nothing names one."""
+    """Where docs/reload.md makes the token, and where the wrapper and `reload` look when nothing names one."""
     base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME") or "~").expanduser() / ".config")
     return Path(base) / "llama-wrapper" / "admin-token"
 

@@ -1,4 +1,4 @@
-"""The wrapper's exit statuses, in one place (the README's table). A child that died on its own passes its own
+"""The wrapper's exit statuses, in one place (docs/commands.md's table). A child that died on its own passes its own
 status through (128 + signal when a signal ended it)."""
 
 from __future__ import annotations

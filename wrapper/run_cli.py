@@ -42,7 +42,7 @@ DURATION = _Duration()
 @click.command(cls=ServerCommand, epilog=RUN_EXAMPLES, context_settings=SERVER_COMMAND_SETTINGS)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="LLAMA_WRAPPER_CONFIG",
               show_envvar=True, help="YAML file: server, hooks and the other sections (slots, cache, store, watchdog, "
-              "priority, degrade, ...; see README).")
+              "priority, degrade, ...; see docs/configuration.md).")
 @click.option("--listen", envvar="LLAMA_WRAPPER_LISTEN", show_envvar=True, metavar="HOST:PORT",
               help="Public address [default: listen from the config, else llama-server's --host/--port, "
                    "else 127.0.0.1:8080].")

@@ -1,6 +1,6 @@
 """A built-in's section of the config, declared once in the built-in's own module: a frozen dataclass whose
 fields carry their YAML key, kind (how a value is read and shown) and a one-line doc. The loader, `check`, the
-file:line errors and the README's table all come from that declaration.
+file:line errors and the table of docs/configuration.md all come from that declaration.
 
     @dataclass(frozen=True)
     class SlotSettings:
@@ -160,7 +160,7 @@ class Section(Generic[T]):
         return {key: field.metadata["kind"].show(getattr(value, field.name)) for key, field in self.fields()}
 
     def table(self) -> str:
-        """The README's table of this section's keys."""
+        """The table of this section's keys (docs/configuration.md)."""
         rows = [f"| `{self.name}.{key}` | {_cell(field.metadata['kind'].name)} | {_default(field)} | "
                 f"{_cell(field.metadata['doc'])} |" for key, field in self.fields()]
         return "\n".join(["| key | type | default | what it does |", "|---|---|---|---|", *rows])

@@ -1,5 +1,5 @@
-"""The README's commands, run as written (only the demo's port differs) in a fresh home against the demo: what a
-newcomer types must work on a fresh clone."""
+"""The commands of the README and docs/, run as written (only the demo's port differs) in a fresh home against the
+demo: what a newcomer types must work on a fresh clone."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests import docs
 from tests.helpers import running
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+README = docs.text()  # the README, then docs/
 SH_BLOCKS: list[str] = re.findall(r"```sh\n(.*?)```", README, re.S)
 
 
 def _block(marker: str) -> str:
-    (block,) = [b for b in SH_BLOCKS if marker in b]
+    (block,) = {b for b in SH_BLOCKS if marker in b}  # one block (a page may show another's again)
     return block
 
 

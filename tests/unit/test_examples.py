@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import docs
 from tests.unit.degrade.test_plan_cli import gemma3_27b
 from wrapper.units import parse_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-README = (ROOT / "README.md").read_text()
+README = docs.text()  # the README, then docs/: a block is looked for in all of them
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
@@ -30,7 +31,7 @@ def _cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _readme_block(first_line: str) -> Any:
-    """The README's YAML block that starts with `first_line`, parsed."""
+    """The YAML block of the README or docs/ that starts with `first_line`, parsed."""
     for block in re.findall(r"```yaml\n(.*?)```", README, re.S):
         if block.startswith(first_line):
             return yaml.safe_load(block)
@@ -45,7 +46,7 @@ def _wrapper_argv(cmd: str) -> tuple[list[str], list[str]]:
     return words[:cut], words[cut + 1:]
 
 
-@pytest.mark.parametrize("name", ["chat.yaml", "gemma-27b.yaml", "hooks.yaml"])
+@pytest.mark.parametrize("name", ["chat.yaml", "gemma-27b.yaml", "hooks.yaml", "media.yaml", "spec.yaml", "store.yaml"])
 def test_each_wrapper_config_passes_check_without_a_warning(name: str, tmp_path: Path) -> None:
     done = _cli("check", str(EXAMPLES / name), home=tmp_path)
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
@@ -78,6 +79,7 @@ def test_the_readme_shows_the_examples_as_they_are() -> None:
     assert _readme_block("# examples/llama-swap-27b.yaml") == yaml.safe_load(
         (EXAMPLES / "llama-swap-27b.yaml").read_text())
     assert _readme_block("# examples/gemma-27b.yaml") == yaml.safe_load((EXAMPLES / "gemma-27b.yaml").read_text())
+    assert _readme_block("# examples/store.yaml") == yaml.safe_load((EXAMPLES / "store.yaml").read_text())
     quick = _readme_block("# llama-swap's config.yaml")  # the quick start's: the same budgets as the example's
     example = yaml.safe_load((EXAMPLES / "llama-swap.yaml").read_text())
     assert quick["healthCheckTimeout"] == example["healthCheckTimeout"]

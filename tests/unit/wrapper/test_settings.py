@@ -1,4 +1,4 @@
-"""A built-in's section, declared once: read with file:line errors, shown by `check`, tabled in the README."""
+"""A built-in's section, declared once: read with file:line errors, shown by `check`, in docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hooks.conversations.settings import CACHE
 from hooks.store.settings import STORE
 from tests.helpers import ROOT
-from wrapper import built_ins
+from wrapper import built_ins, reference
 from wrapper.config import ConfigError, parse_config
 from wrapper.settings import BOOL, DURATION, Section, choice, setting
 
@@ -41,11 +41,12 @@ def test_its_errors_name_file_and_line() -> None:
     assert "t.yaml:4: unknown key 'loud' in toy" in message
 
 
-def test_the_readme_tables_are_the_declarations() -> None:
-    readme = (Path(ROOT) / "README.md").read_text()
+def test_the_configuration_reference_is_the_declarations() -> None:
+    page = Path(ROOT) / "docs" / "configuration.md"
+    text = page.read_text()
+    assert reference.written_into(text) == text, "docs/configuration.md's reference is stale: run `make docs`"
     for section in built_ins.sections():
-        assert section.table() in readme, f"README.md lacks the table of {section.name}:, which is now:\n" + \
-            section.table()
+        assert f"### {section.name}\n" in text and section.table() in text
 
 
 def test_a_key_that_moved_names_its_new_place() -> None:
