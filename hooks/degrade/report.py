@@ -48,21 +48,36 @@ def observer(generation: Generation) -> Observer:
 def status(generation: Generation) -> dict[str, Any]:
     state = state_of(generation.shared)
     fit = fitted(generation.launch)
+    total = _pool_total(generation)
     return {
-        "budget": fit.budget if fit else state.budget, "budget_source": fit.budget_source if fit else "",
+        "budget": total if total is not None else fit.budget if fit else state.budget,
+        "budget_source": fit.budget_source if fit else "",
         "rung": fit.rung if fit else None, "n_ctx": fit.n_ctx if fit else None,
         "ladder": [r.as_dict() for r in fit.rungs] if fit else [],
-        "pool": {"dir": fit.pool, "share": fit.share, "floor": fit.floor, "gave": state.gave} if fit and fit.pool
-        else None,
+        "pool": {"dir": fit.pool, "share": fit.share, "floor": fit.floor, "available": fit.budget, "gave": state.gave}
+        if fit and fit.pool else None,
         "steps": state.steps[-20:],
         "swa_window_note": ("the sliding-window cache is not full: restored slots would not be reused, so the "
                             "slots saved with it are kept") if fit and fit.swa_dropped else None,
     }
 
 
+def _pool_total(generation: Generation) -> int | None:
+    """A pool member's budget is the pool's total, as for every member (what the pool had free for it at its last
+    fit is its `available`); None outside a pool."""
+    fit = fitted(generation.launch)
+    pool = member.pool_of_generation(generation) if fit is not None and fit.pool else None
+    if pool is None:
+        return None
+    with pool.locked() as held:
+        return int(held.total)
+
+
 def metrics(generation: Generation) -> None:
     fit = fitted(generation.launch)
-    METRICS.degrade(fit.rung if fit else None, fit.n_ctx if fit else None, fit.budget if fit else None)
+    total = _pool_total(generation)
+    METRICS.degrade(fit.rung if fit else None, fit.n_ctx if fit else None,
+                    total if total is not None else fit.budget if fit else None)
     pool = member.pool_of_generation(generation)
     if pool is not None and fit is not None:
         with pool.locked() as held:
@@ -88,8 +103,10 @@ def memory(generation: Generation) -> dict[str, Any]:
     else:
         pooled = None
     return {
-        "budget": {"bytes": fit.budget if fit else None, "source": fit.budget_source if fit else None,
-                   "device": planned["budget_device"] if planned else None},
+        "budget": {"bytes": pooled["total"] if pooled else fit.budget if fit else None,
+                   "source": fit.budget_source if fit else None,
+                   "device": planned["budget_device"] if planned else None,
+                   **({"available": fit.budget} if pooled and fit else {})},
         "pool": pooled,
         "rung": fit.rung if fit else None, "n_ctx": fit.n_ctx if fit else None,
         "planned": planned,

@@ -28,6 +28,10 @@ def test_the_task_grows_on_what_the_main_gives_up_and_the_main_gets_it_back(
     pair = pooled.start_pair(tmp_path, server_bin, demo_path, projector)
     try:
         pair.watch()
+        for wrapper in (pair.main, pair.task):  # the first member and the one that joined say the same budget
+            said = wrapper.status()["degrade"]
+            assert said["budget"] == pair.total and 0 < said["pool"]["available"] <= pair.total, said
+            assert pooled.memory(wrapper)["budget"]["bytes"] == pair.total
         pooled.load_projector(pair.main)
         status, first = pooled.chat(pair.main.url, TURN)
         assert status == 200, first
