@@ -54,7 +54,7 @@ def long_request() -> str:
 
 
 def run_s3(port: int) -> None:
-    folder = Path(os.environ.get("LLAMA_WRAPPER_CACHE") or Path.home() / ".cache" / "llama-wrapper") / "demo-s3"
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-wrapper" / "demo-s3"
     server = s3server.S3Server(folder, BUCKET, s3_port=port)
     server.start()
     print(f"a local S3 server (SeaweedFS) on {server.endpoint}, bucket {BUCKET!r}, its data in {server.data}\n"

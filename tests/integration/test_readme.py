@@ -3,17 +3,21 @@ demo: what a newcomer types must work on a fresh clone."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
+import signal
+import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tests import docs
-from tests.helpers import running
+from tests import docs, s3server
+from tests.demo import long_request as demo_long
+from tests.helpers import free_port, http, running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 README = docs.text()  # the README, then docs/
@@ -103,3 +107,129 @@ def test_the_plan_example_prints_what_the_readme_shows(tmp_path: Path, demo_path
     assert done.stdout.startswith(paragraph), done.stdout
     assert done.stdout.rstrip("\n") == shown.rstrip("\n")
     assert not any(home.rglob("*"))  # plan wrote nothing
+
+
+class _Try:
+    """A `make demo-*` target run as the README says, in its own session (Ctrl-C: SIGINT to the group)."""
+
+    def __init__(self, target: str, env: dict[str, str], port: int, log: Path) -> None:
+        self.log = log.open("wb")
+        self.proc = subprocess.Popen(["make", "-s", target, f"LISTEN=127.0.0.1:{port}"], cwd=ROOT, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.path = log
+
+    def wait_ready(self, *ports: int) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.path.read_text()[-3000:]
+            return all(_healthy(port) for port in ports)
+        wait_for(ready, 300, f"{ports} to serve", interval=0.5)
+
+    def stop(self) -> bool:
+        """Ctrl-C as a terminal sends it (to the whole group: make and what it runs); True when what make ran
+        exited cleanly (make itself dies of the SIGINT)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        code = self.proc.wait(120)
+        self.log.close()
+        said = self.path.read_text(errors="replace")
+        return code in (0, -signal.SIGINT) and ('"exit_status": 0' in said or "Ctrl-C stops it" in said) \
+            and "Traceback" not in said
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200
+    except OSError:
+        return False
+
+
+def _status(port: int) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(http("GET", f"http://127.0.0.1:{port}/wrapper/status")[2])
+    return found
+
+
+def _try_env(tmp_path: Path, demo_path: str) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {**_env(home, demo_path), "MAKEFLAGS": ""}
+
+
+def test_images_on_demand_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    demo = _Try("demo-media", env, port, tmp_path / "demo.log")
+    try:
+        demo.wait_ready(port)
+        assert "--mmproj" not in _status(port)["server"]["argv"]  # on demand: not loaded yet
+        done = _sh(_block("tests.demo image"), env, port)
+        assert done.returncode == 0, done.stderr
+        answer, end = json.JSONDecoder().raw_decode(done.stdout)
+        assert answer["choices"][0]["message"]["content"], answer
+        assert "'loaded': True" in done.stdout[end:] and "'loads': 1" in done.stdout[end:], done.stdout[end:]
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
+
+
+def test_the_draft_only_while_alone_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    demo = _Try("demo-spec", env, port, tmp_path / "demo.log")
+    try:
+        demo.wait_ready(port)
+        assert _status(port)["spec"]["running"] is True
+        done = _sh(_block("Tell a long story"), env, port)
+        assert done.returncode == 0, done.stderr
+        # two streams of 600 tokens decode together for longer than spec.calm (10 s): the draft goes off
+        wait_for(lambda: _status(port)["spec"]["running"] is False, 120, "the draft to be switched off", 0.5)
+        assert "--spec-type" not in _status(port)["server"]["argv"]
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
+
+
+def test_a_pool_of_two_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    while not _port_free(port + 1):
+        port = free_port()
+    demo = _Try("demo-pool", {**env, "TMPDIR": str(tmp_path)}, port, tmp_path / "demo.log")
+    try:
+        demo.wait_ready(port, port + 1)
+        block = _block("tests.demo long").replace("127.0.0.1:8081", f"127.0.0.1:{port + 1}")
+        done = _sh(block, env, port)
+        assert done.returncode == 0, done.stderr
+        answer, end = json.JSONDecoder().raw_decode(done.stdout)
+        assert answer["choices"][0]["message"]["content"], answer
+        moves = ast.literal_eval(done.stdout[end:].strip())
+        assert moves and moves[-1]["given"] > 0, done.stdout[end:]  # the main gave the task what it asked
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_the_object_store_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    s3server.skip_without_weed()
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    store = _Try("s3", env, port, tmp_path / "s3.log")
+    demo = None
+    try:
+        wait_for(lambda: b"Ctrl-C stops it" in (tmp_path / "s3.log").read_bytes(), 120, "make s3 to serve", 0.5)
+        demo = _Try("demo-store", env, port, tmp_path / "demo.log")
+        demo.wait_ready(port)
+        status, _, raw = http("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json.loads(demo_long()))
+        assert status == 200, raw
+        assert demo.stop(), demo.path.read_text()[-3000:]
+        probe, listed, removed = (_sh(line, env) for line in _block("check --probe").splitlines())
+        assert probe.returncode == 0 and "probe: 'ok: listed" in probe.stdout, probe.stdout + probe.stderr
+        assert listed.returncode == 0 and " both " in listed.stdout, listed.stdout + listed.stderr
+        assert removed.returncode == 0
+        again = _sh(_block("check --probe").splitlines()[1], env)  # a fresh host: the bucket's alone
+        assert " store " in again.stdout and " local " not in again.stdout, again.stdout
+    finally:
+        if demo is not None:
+            demo.stop()
+        assert store.stop(), store.path.read_text()[-3000:]
