@@ -9,6 +9,8 @@
   event. A request is sent again at most once per loss; one that was in flight at two losses gets a 502 that
   says so and is not sent a third time (a prompt that kills the server).
 
+- a stream handed over by a reload (wrapper/reloader.py): cut while the new server takes over, it goes on there
+  as after a loss, without counting as one;
 - a background request paused for an interactive one (wrapper/seats.py): it goes on from the text generated so
   far, as after a loss, once `pauses.resume` has kept its state, waited for a slot and run the steps again for
   the request that goes on (which restore that state). One that asked for a JSON answer is sent as a stream and
@@ -186,7 +188,7 @@ class AnswerLoop:
                     sent = json.dumps(request_now).encode()
                     if response is not None:
                         log.info("wrapper.stream_resumed", path=self.path, chars=len(so_far.text),
-                                 tokens=so_far.tokens)
+                                 tokens=so_far.tokens, after="reload" if result.handed_over else "loss")
                     continue
                 resumed = await self._resumed(request_now, so_far.tokens)
                 if isinstance(resumed, bytes):
@@ -307,6 +309,8 @@ class AnswerLoop:
         this request was not in flight at MAX_LOSSES losses."""
         if self.lost is None:
             return False
+        if cut.handed_over:  # a reload paused it: it goes on on the next server, not a loss
+            return True
         loss = await self.lost()
         if loss is not Loss.BACK:
             self.gone = loss is Loss.GONE

@@ -97,6 +97,7 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
             if growth is None and not watched and pauses is None:
                 result = await passes.through(lambda to: forward(request, to, path, sent), False)
             else:
+                passes.resumable = watched and payload is not None and path in paths.CONTINUABLE
                 result = await AnswerLoop(serving, growth, path, sent, passes.exchange,
                                           lambda: _slot_ctx(serving.current), passes.lost if watched else None,
                                           pauses).run()
@@ -182,7 +183,7 @@ class _Pauses:
     async def collect(self, body: bytes, wanted: Wanted, events: Events) -> web.StreamResponse | Caught | \
             Collected | Cut | Paused:
         request, path = self.passes.request, self.passes.path
-        return await self.passes.send(lambda to: collect(request, to, wanted, path, body, events), self.seat)
+        return await self.passes.send(lambda to: collect(request, to, wanted, path, body, events), self.seat, True)
 
     async def resume(self, request_now: dict[str, Any], generated: int) -> bytes | str:
         """Keep what the slot holds, give the seat up, wait for one again (ahead of later background requests),
@@ -270,6 +271,8 @@ class _Passes:
         self.generation: Generation | None = None
         self.seat: Seat | None = None  # a background request's, while the answer loop may pause it
         self.active = True  # it keeps the server awake (sleep.after); not what clients poll
+        self.resumable = False  # its streamed passes go on after a cut (the answer loop with `lost`): a reload may
+        # hand them over to the next server (wrapper/gate.py)
         self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
 
     async def through(self, send: Callable[[Upstream], Awaitable[web.StreamResponse | Cut]],
@@ -292,7 +295,7 @@ class _Passes:
         """The answer loop's pass: a whole answer it wants caught, an event stream through `events`."""
         request, path = self.request, self.path
         sender = lambda to: catch(request, to, wanted, path, body, events, going_on)  # noqa: E731
-        return await (self.send(sender, self.seat) if self.seat is not None else self.send(sender))
+        return await self.send(sender, self.seat, events is not None)
 
     async def lost(self) -> Loss:
         """After a cut pass: whether its server was lost, and whether another will serve (the next pass waits at
@@ -303,7 +306,7 @@ class _Passes:
         self._why = GONE_WHY if loss is Loss.GONE else None
         return loss
 
-    async def _passed(self, send: Callable[[Upstream], Awaitable[R]], again: bool) -> R | web.StreamResponse:
+    async def _passed(self, send: Callable[[Upstream], Awaitable[R]], again: bool) -> R | web.StreamResponse | Cut:
         """One pass, and (`again`) once more to the server started again when the one it went to was lost under it
         before its answer began. A cut pass learns whether its server was lost, which says what its client is
         told."""
@@ -315,15 +318,17 @@ class _Passes:
         return await self.send(send)
 
     @overload
-    async def send(self, send: Callable[[Upstream], Awaitable[R]]) -> R | web.StreamResponse: ...
+    async def send(self, send: Callable[[Upstream], Awaitable[R]]) -> R | web.StreamResponse | Cut: ...
 
     @overload
-    async def send(self, send: Callable[[Upstream], Awaitable[R]], seat: Seat) -> R | web.StreamResponse | Paused: ...
+    async def send(self, send: Callable[[Upstream], Awaitable[R]], seat: Seat | None,
+                   resumable: bool) -> R | web.StreamResponse | Cut | Paused: ...
 
-    async def send(self, send: Callable[[Upstream], Awaitable[R]],
-                   seat: Seat | None = None) -> R | web.StreamResponse | Paused:
+    async def send(self, send: Callable[[Upstream], Awaitable[R]], seat: Seat | None = None,
+                   resumable: bool = False) -> R | web.StreamResponse | Cut | Paused:
         """One pass through the gate to what serves now: `send` there, counted in flight, cut by the stop's drain
-        deadline; stopped and Paused when `seat` (pausable now) is asked to pause."""
+        deadline; stopped and Paused when `seat` (pausable now) is asked to pause; a Cut that goes on when a
+        reload hands a `resumable` pass (of a request the answer loop continues) over to the next server."""
         serving, request = self.serving, self.request
         admission = await serving.gate.enter(active=self.active)
         if admission is not Admission.ADMITTED:
@@ -332,7 +337,7 @@ class _Passes:
         to = Upstream(serving.current.launch.url, serving.session, built_ins.observer(serving.current),
                       serving.heard)
         exchange = asyncio.ensure_future(send(to))
-        serving.gate.track(exchange)
+        serving.gate.track(exchange, resumable and self.resumable)
         try:
             if seat is not None and seat.pausable and await self._paused(exchange, seat):
                 return Paused(request.get(STARTED))
@@ -341,8 +346,10 @@ class _Passes:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # we are cancelled ourselves (the client went away)
-            # Only the exchange was cut (the stop's drain deadline passed): tell the client, if it can still hear.
             started = request.get(STARTED)
+            if serving.gate.handed_over(exchange):  # a reload hands it to the next server: the loop goes on there
+                return Cut("handed over to the reloaded llama-server", request, started, handed_over=True)
+            # Only the exchange was cut (the stop's drain deadline passed): tell the client, if it can still hear.
             log.warning("proxy.cut", method=request.method, path=self.path, mid_response=started is not None)
             if started is not None:
                 return await broken_off(request, started, "llama-wrapper is stopping: the answer was cut at the "

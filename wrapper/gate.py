@@ -39,6 +39,8 @@ class Gate:
         self.in_flight = 0
         self.held = 0
         self._exchanges: set[asyncio.Future[Any]] = set()
+        self._resumable: set[asyncio.Future[Any]] = set()  # exchanges whose answer can go on on the next server
+        self._handed: set[asyncio.Future[Any]] = set()  # those a reload cut to hand them over
         self.active_at = time.monotonic()  # the last moment a request came to the gate or left it
         self.wake: Callable[[], None] | None = None  # called by a request that arrives while asleep
         self._asleep = False
@@ -96,13 +98,18 @@ class Gate:
         self._turned_away.set()
         self._turned_away = asyncio.Event()
 
-    def track(self, exchange: asyncio.Future[Any]) -> None:
-        """Remember an admitted request's exchange with llama-server, so that `cut()` can end it."""
+    def track(self, exchange: asyncio.Future[Any], resumable: bool = False) -> None:
+        """Remember an admitted request's exchange with llama-server, so that `cut()` can end it; `resumable`: its
+        answer can go on from where it is on another server (a stream the answer loop continues)."""
         self._exchanges.add(exchange)
+        if resumable:
+            self._resumable.add(exchange)
 
     def leave(self, exchange: asyncio.Future[Any] | None = None) -> None:
         if exchange is not None:
             self._exchanges.discard(exchange)
+            self._resumable.discard(exchange)
+            self._handed.discard(exchange)
         self.in_flight -= 1
         self.active_at = time.monotonic()
         if self.in_flight == 0:
@@ -114,6 +121,18 @@ class Gate:
         for exchange in pending:
             exchange.cancel()
         return len(pending)
+
+    def hand_over(self) -> int:
+        """Cut the resumable exchanges for a reload that continues them on the next server (`handed_over()` tells
+        them from a cut at a deadline); how many."""
+        pending = [exchange for exchange in self._resumable if not exchange.done()]
+        for exchange in pending:
+            self._handed.add(exchange)
+            exchange.cancel()
+        return len(pending)
+
+    def handed_over(self, exchange: asyncio.Future[Any]) -> bool:
+        return exchange in self._handed
 
     async def drain(self, timeout: float, force: asyncio.Event, cut: bool = True) -> bool:
         """Let requests in flight finish within `timeout` (or until `force`), then cut the rest so that slots are

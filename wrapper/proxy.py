@@ -152,6 +152,7 @@ class Cut:
     error: str
     request: web.BaseRequest
     response: web.StreamResponse | None = None
+    handed_over: bool = False  # a reload cut it to go on on the next server (wrapper/gate.py)
 
     async def answer(self, why: str | None = None) -> web.StreamResponse:
         """`why`: what the client is told (default: that llama-server could not be reached, and the error)."""

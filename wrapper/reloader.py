@@ -58,6 +58,8 @@ class ReloadHost(Protocol):
 
     async def drain(self, timeout: float, cut: bool = True) -> bool: ...
 
+    def hand_over(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class NextGeneration:
@@ -69,11 +71,30 @@ class NextGeneration:
     asked_ctx: int | None = None  # the -c asked for: the config's after a body's edits, else the fit's
     before_ctx: str | None = None  # the -c the previous generation ran with
     cut: bool = True  # answers still in flight at the drain's deadline are cut; else the reload is given up
+    hand_over: bool = False  # streams in flight are paused and go on on the new server instead of being waited for
+
+
+def _hands_over(current: Generation, config: Config, launch: Launch) -> bool:
+    """Whether streams in flight are handed over (cut, their slots saved and restored, continued on the new server:
+    a pause of the reload's downtime) rather than waited for: when a built-in carries conversations across, and
+    each slot holds at least as much as before (what a stream holds fits there)."""
+    if not (built_ins.keeps_conversations(current.config) and built_ins.keeps_conversations(config)):
+        return False
+    before, after = current.launch.argv, launch.argv
+    try:
+        old_ctx, new_ctx = int(args.get(before, args.CTX_SIZE) or 0), int(args.get(after, args.CTX_SIZE) or 0)
+        old_np, new_np = int(args.get(before, args.PARALLEL) or 1), int(args.get(after, args.PARALLEL) or 1)
+    except ValueError:
+        return False
+    unified = args.last_of(before, args.KV_UNIFIED, args.NO_KV_UNIFIED) is \
+        args.last_of(after, args.KV_UNIFIED, args.NO_KV_UNIFIED)
+    return unified and old_ctx > 0 and new_ctx >= old_ctx and new_np == old_np
 
 
 class Reloader:
     def __init__(self, host: ReloadHost) -> None:
         self.host = host
+        self.handed = 0  # streams the run handed over to the new server
 
     def settle(self, body: dict[str, Any], why: str | None = None,
                 asks: Asks | None = None, cut: bool = True) -> NextGeneration:
@@ -111,7 +132,8 @@ class Reloader:
             raise ReloadRefused(f"nothing to change: {said}", reason=Refusal.NOTHING_TO_CHANGE)
         overlap, overlap_why = self._overlap(config, launch)
         return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why, asked,
-                              args.get(current.launch.argv, args.CTX_SIZE), cut)
+                              args.get(current.launch.argv, args.CTX_SIZE), cut,
+                              overlap and _hands_over(current, new_config, launch))
 
     def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
         policy = config.reload_overlap
@@ -142,6 +164,9 @@ class Reloader:
                     return await self._roll_back(nxt, old, None, str(exc))
             began = time.monotonic()
             host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
+            if nxt.hand_over and (handed := host.hand_over()):  # paused now, they go on once the new one serves
+                self.handed = handed
+                log.info("reload.handed_over", streams=handed)
             PROGRESS.begin("reloading: draining")
             if not await host.drain(old.config.reload_drain_timeout, nxt.cut):
                 return await self._given_up(nxt, old, began)
@@ -200,8 +225,7 @@ class Reloader:
         return await self._answer(nxt, False, f"reload failed, the previous settings are back: {reason}",
                                   downtime_ms, None, None, host.current)
 
-    @staticmethod
-    async def _answer(nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
+    async def _answer(self, nxt: NextGeneration, success: bool, message: str, downtime_ms: float,
                       saved: str | None, restored: str | None, generation: Generation,
                       drain_ms: float = 0.0) -> dict[str, Any]:
         context = generation.context
@@ -222,7 +246,8 @@ class Reloader:
             message += " (no slots.save/slots.restore hooks: conversations are prefilled again)"
         answer = {
             "success": success, "n_ctx": n_ctx, "message": message, "downtime_ms": downtime_ms,
-            "drain_ms": drain_ms, "overlap": nxt.overlap, "overlap_why": nxt.overlap_why, "changes": changes,
+            "drain_ms": drain_ms, "handed_over": self.handed, "overlap": nxt.overlap, "overlap_why": nxt.overlap_why,
+            "changes": changes,
             "context": ({**context.as_dict(), "asked": nxt.asked_ctx, "why": story.why if story else None}
                         if success and context is not None else None),
             "save": saved, "restore": restored, "slots": built_ins.restore_report(generation) if success else [],

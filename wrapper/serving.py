@@ -113,6 +113,10 @@ class Serving:
         """Make a new generation the current one: requests released from now on go to it."""
         self.current = generation
 
+    def hand_over(self) -> int:
+        """Cut the streams in flight that go on on the next server (a reload's hand-over); how many."""
+        return self.gate.hand_over()
+
     async def drain(self, timeout: float, cut: bool = True) -> bool:
         """Let the requests in flight finish within `timeout` (a second signal ends the wait), cut the rest (unless
         not `cut`); whether none is left."""
