@@ -305,3 +305,42 @@ def test_with_degrade_an_impossible_context_is_reported_as_the_one_that_runs(tmp
         status, answer = reload(wrapper, {"n_ctx": 4096})
         assert status == 200 and answer["success"] and answer["n_ctx"] == 4096, answer
         assert ctx_of(wrapper) == "4096"
+
+
+async def _chat_stream(url: str, began: asyncio.Event) -> bytes:
+    body = {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}], "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        assert reply.status == 200
+        data = await reply.content.readany()
+        began.set()
+        return data + await reply.read()
+
+
+def test_streams_in_flight_are_handed_over_to_the_new_server(tmp_path: Path, server_bin: str,
+                                                              demo_path: str) -> None:
+    """A reload with overlap pauses the streams instead of waiting for them: each client gets one whole answer."""
+    argv = [server_bin, "-m", demo_path, "-c", "2048", "-np", "2"]
+    with running(tmp_path, argv, config(tmp_path, "always"), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        async def scenario() -> tuple[list[bytes], Any]:
+            began = [asyncio.Event(), asyncio.Event()]
+            streams = [asyncio.ensure_future(_chat_stream(wrapper.url, event)) for event in began]
+            await asyncio.gather(*(event.wait() for event in began))
+            answer = await asyncio.to_thread(reload, wrapper, {"n_ctx": 4096})
+            return list(await asyncio.gather(*streams)), answer
+
+        streams, (status, answer) = asyncio.run(scenario())
+        assert status == 200 and answer["success"], answer
+        assert answer["handed_over"] >= 1, answer  # a stream that ended before the cut is not handed over
+        for raw in streams:
+            events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+            assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events[-3:]
+            chunks = [json.loads(event) for event in events[:-1]]
+            assert not any("error" in chunk for chunk in chunks), chunks[-2:]
+            finishes = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+            assert [f for f in finishes if f] == [finishes[-1]] and finishes[-1] in ("stop", "length")
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+            assert len(text) > 40, text
+        resumed = wrapper.events("wrapper.stream_resumed")
+        assert len(resumed) == answer["handed_over"] and all(e["after"] == "reload" for e in resumed), resumed
+        assert wrapper.events("reload.handed_over")[0]["streams"] == answer["handed_over"]
