@@ -56,7 +56,7 @@ class Server(Generation):
 
 
 class Serving:
-    """Only what ReloadHost names: the state, the current generation, a new one, install, drain."""
+    """Only what ReloadHost names: the state, the current generation, a new one, install, hand over, drain."""
 
     def __init__(self, config: Config, launch: Launch) -> None:
         self.journal: list[str] = []
@@ -78,6 +78,10 @@ class Serving:
     def install(self, generation: Generation) -> None:
         self.journal.append(f"install {ctx(generation)}")
         self.current = generation
+
+    def hand_over(self) -> int:
+        self.journal.append("hand over")
+        return 0
 
     async def drain(self, timeout: float, cut: bool = True) -> bool:
         self.journal.append(f"drain {timeout:g}s" + ("" if cut else ", cutting none"))
