@@ -165,6 +165,7 @@ class AnswerLoop:
         answer_id: str | None = None
         response: web.StreamResponse | None = None
         held = b""  # the last events of the answer so far, sent when it cannot go on
+        interrupted: web.BaseRequest | None = None  # the client's request, once a pass was cut or paused
         growths = 0
         while True:
             n_ctx = self.slot_context()
@@ -177,6 +178,7 @@ class AnswerLoop:
             if isinstance(result, Paused | Cut):
                 if result.response is not None:
                     response = result.response
+                interrupted = result.request if isinstance(result, Cut) else self._request()
                 so_far.add(events.content)
                 if isinstance(result, Cut) and not await self._go_on_after(result):
                     return await self._told_after_loss(result)
@@ -209,6 +211,12 @@ class AnswerLoop:
             if not isinstance(result, Held):
                 if response is None or result is response:
                     return result
+                if not held and interrupted is not None and isinstance(result, web.Response):
+                    # it waited to go on (a loss, a hand-over, a pause) and was refused: the client is told why
+                    why = (json_object(result.body if isinstance(result.body, bytes) else b"") or {}).get("error")
+                    told = str((why or {}).get("message") or f"status {result.status}") if isinstance(why, dict) \
+                        else f"status {result.status}"
+                    return await broken_off(interrupted, response, told)
                 break  # a refusal (held too long, stopping) after the stream began: end it as it ended before
             response, held = result.response, result.events.release()
             so_far.add(result.events.content)

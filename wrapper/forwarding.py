@@ -97,7 +97,8 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
             if growth is None and not watched and pauses is None:
                 result = await passes.through(lambda to: forward(request, to, path, sent), False)
             else:
-                passes.resumable = watched and payload is not None and path in paths.CONTINUABLE
+                passes.resumable = watched and payload is not None and path in paths.CONTINUABLE \
+                    and not payload.get("tools") and payload.get("n") in (None, 1)  # a prefix it can go on from
                 result = await AnswerLoop(serving, growth, path, sent, passes.exchange,
                                           lambda: _slot_ctx(serving.current), passes.lost if watched else None,
                                           pauses).run()
@@ -183,7 +184,7 @@ class _Pauses:
     async def collect(self, body: bytes, wanted: Wanted, events: Events) -> web.StreamResponse | Caught | \
             Collected | Cut | Paused:
         request, path = self.passes.request, self.passes.path
-        return await self.passes.send(lambda to: collect(request, to, wanted, path, body, events), self.seat, True)
+        return await self.passes.send(lambda to: collect(request, to, wanted, path, body, events), self.seat)
 
     async def resume(self, request_now: dict[str, Any], generated: int) -> bytes | str:
         """Keep what the slot holds, give the seat up, wait for one again (ahead of later background requests),
@@ -295,7 +296,8 @@ class _Passes:
         """The answer loop's pass: a whole answer it wants caught, an event stream through `events`."""
         request, path = self.request, self.path
         sender = lambda to: catch(request, to, wanted, path, body, events, going_on)  # noqa: E731
-        return await self.send(sender, self.seat, events is not None)
+        resumable = None if events is None else (lambda: events.plain and events.final is None)
+        return await self.send(sender, self.seat, resumable)
 
     async def lost(self) -> Loss:
         """After a cut pass: whether its server was lost, and whether another will serve (the next pass waits at
@@ -322,10 +324,10 @@ class _Passes:
 
     @overload
     async def send(self, send: Callable[[Upstream], Awaitable[R]], seat: Seat | None,
-                   resumable: bool) -> R | web.StreamResponse | Cut | Paused: ...
+                   resumable: Callable[[], bool] | None = None) -> R | web.StreamResponse | Cut | Paused: ...
 
     async def send(self, send: Callable[[Upstream], Awaitable[R]], seat: Seat | None = None,
-                   resumable: bool = False) -> R | web.StreamResponse | Cut | Paused:
+                   resumable: Callable[[], bool] | None = None) -> R | web.StreamResponse | Cut | Paused:
         """One pass through the gate to what serves now: `send` there, counted in flight, cut by the stop's drain
         deadline; stopped and Paused when `seat` (pausable now) is asked to pause; a Cut that goes on when a
         reload hands a `resumable` pass (of a request the answer loop continues) over to the next server."""
@@ -337,7 +339,7 @@ class _Passes:
         to = Upstream(serving.current.launch.url, serving.session, built_ins.observer(serving.current),
                       serving.heard)
         exchange = asyncio.ensure_future(send(to))
-        serving.gate.track(exchange, resumable and self.resumable)
+        serving.gate.track(exchange, resumable if self.resumable else None)
         try:
             if seat is not None and seat.pausable and await self._paused(exchange, seat):
                 return Paused(request.get(STARTED))

@@ -39,7 +39,8 @@ class Gate:
         self.in_flight = 0
         self.held = 0
         self._exchanges: set[asyncio.Future[Any]] = set()
-        self._resumable: set[asyncio.Future[Any]] = set()  # exchanges whose answer can go on on the next server
+        self._resumable: dict[asyncio.Future[Any], Callable[[], bool]] = {}  # exchanges that can go on on the next
+        # server, each with whether it can at this moment
         self._handed: set[asyncio.Future[Any]] = set()  # those a reload cut to hand them over
         self.active_at = time.monotonic()  # the last moment a request came to the gate or left it
         self.wake: Callable[[], None] | None = None  # called by a request that arrives while asleep
@@ -98,17 +99,18 @@ class Gate:
         self._turned_away.set()
         self._turned_away = asyncio.Event()
 
-    def track(self, exchange: asyncio.Future[Any], resumable: bool = False) -> None:
-        """Remember an admitted request's exchange with llama-server, so that `cut()` can end it; `resumable`: its
-        answer can go on from where it is on another server (a stream the answer loop continues)."""
+    def track(self, exchange: asyncio.Future[Any], resumable: Callable[[], bool] | None = None) -> None:
+        """Remember an admitted request's exchange with llama-server, so that `cut()` can end it; `resumable`:
+        whether its answer can go on from where it is now on another server (a stream the answer loop continues:
+        only text so far, not yet ended)."""
         self._exchanges.add(exchange)
-        if resumable:
-            self._resumable.add(exchange)
+        if resumable is not None:
+            self._resumable[exchange] = resumable
 
     def leave(self, exchange: asyncio.Future[Any] | None = None) -> None:
         if exchange is not None:
             self._exchanges.discard(exchange)
-            self._resumable.discard(exchange)
+            self._resumable.pop(exchange, None)
             self._handed.discard(exchange)
         self.in_flight -= 1
         self.active_at = time.monotonic()
@@ -125,7 +127,7 @@ class Gate:
     def hand_over(self) -> int:
         """Cut the resumable exchanges for a reload that continues them on the next server (`handed_over()` tells
         them from a cut at a deadline); how many."""
-        pending = [exchange for exchange in self._resumable if not exchange.done()]
+        pending = [exchange for exchange, now in self._resumable.items() if not exchange.done() and now()]
         for exchange in pending:
             self._handed.add(exchange)
             exchange.cancel()
