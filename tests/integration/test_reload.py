@@ -310,7 +310,9 @@ def test_with_degrade_an_impossible_context_is_reported_as_the_one_that_runs(tmp
 async def _chat_stream(url: str, began: asyncio.Event) -> bytes:
     body = {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}], "max_tokens": 400,
             "temperature": 0, "stream": True}
-    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/chat/completions", json=body) as reply:
+    unbounded = aiohttp.ClientTimeout(total=None)  # a busy machine decodes slowly: no 5-minute default
+    async with aiohttp.ClientSession(timeout=unbounded) as session, \
+            session.post(f"{url}/v1/chat/completions", json=body) as reply:
         assert reply.status == 200
         data = await reply.content.readany()
         began.set()
