@@ -97,8 +97,7 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
             if growth is None and not watched and pauses is None:
                 result = await passes.through(lambda to: forward(request, to, path, sent), False)
             else:
-                passes.resumable = watched and payload is not None and path in paths.CONTINUABLE \
-                    and not payload.get("tools") and payload.get("n") in (None, 1)  # a prefix it can go on from
+                passes.resumable = watched and payload is not None and _goes_on(path, payload)
                 result = await AnswerLoop(serving, growth, path, sent, passes.exchange,
                                           lambda: _slot_ctx(serving.current), passes.lost if watched else None,
                                           pauses).run()
@@ -150,11 +149,16 @@ def _pausable(serving: Serving, outgoing: Outgoing) -> bool:
     from), for several choices, or for a JSON answer with token probabilities (a gathered stream has none)."""
     seat, payload = outgoing.seat, outgoing.payload
     if seat is None or seat.klass is not priority.Class.BACKGROUND or not serving.seats.preempt \
-            or not outgoing.keep or payload is None or outgoing.path not in paths.CONTINUABLE:
+            or not outgoing.keep or payload is None or not _goes_on(outgoing.path, payload):
         return False
     whole = payload.get("stream") is not True
-    return not payload.get("tools") and payload.get("n") in (None, 1) \
-        and not (whole and (payload.get("logprobs") or payload.get("n_probs")))
+    return not (whole and (payload.get("logprobs") or payload.get("n_probs")))
+
+
+def _goes_on(path: str, payload: dict[str, Any]) -> bool:
+    """An answer that can go on from its text so far (an assistant prefix, or the prompt appended to): chat or
+    /completion, no tools (a tool call has no prefix to go on from), one choice."""
+    return path in paths.CONTINUABLE and not payload.get("tools") and payload.get("n") in (None, 1)
 
 
 @contextlib.asynccontextmanager
