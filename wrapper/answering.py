@@ -36,9 +36,9 @@ from wrapper.gathered import Gathered, whole_answer
 from wrapper.generation import Host
 from wrapper.proxy import Caught, Collected, Cut, Held, Wanted, broken_off, json_error, json_object
 from wrapper.seats import Paused, Seat
+from wrapper.serving import GONE_WHY, Loss
 from wrapper.sse import Carry, Events, as_answer
 from wrapper.steps import CannotGrow, Grown, Growth
-from wrapper.watchdog import GONE_WHY, Loss
 
 log = structlog.get_logger()
 

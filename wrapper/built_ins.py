@@ -20,12 +20,10 @@ from wrapper.generation import Generation, Host
 from wrapper.kept import Kept, Key
 from wrapper.launch import Asks, Launch
 from wrapper.launch import prepare as prepare_launch
-from wrapper.priority import PRIORITY
 from wrapper.proxy import Observer
+from wrapper.sections import PRIORITY, SLEEP, WATCHDOG
 from wrapper.settings import Section
-from wrapper.sleeping import SLEEP
 from wrapper.steps import Before, Growth, Shown
-from wrapper.watchdog import WATCHDOG
 
 log = structlog.get_logger()
 

@@ -22,10 +22,9 @@ from wrapper import argv as args
 from wrapper import built_ins, paths, priority
 from wrapper.answering import AnswerLoop
 from wrapper.gate import Admission
-from wrapper.generation import Generation
+from wrapper.generation import Generation, Host
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
-from wrapper.priority import PRIORITY
 from wrapper.proxy import (
     STARTED,
     Caught,
@@ -42,11 +41,11 @@ from wrapper.proxy import (
     json_object,
 )
 from wrapper.seats import Paused, Seat
-from wrapper.serving import Serving
+from wrapper.sections import PRIORITY, WATCHDOG
+from wrapper.serving import GONE_WHY, Loss, Serving
 from wrapper.sleeping import ANSWERED_ASLEEP
 from wrapper.sse import Events
 from wrapper.steps import Before, Outgoing, Reply, Shown
-from wrapper.watchdog import GONE_WHY, WATCHDOG, Loss
 
 log = structlog.get_logger()
 
@@ -55,14 +54,14 @@ BODY_LIMIT = 32 << 20  # a request read whole (for a step, or to be sent again a
 R = TypeVar("R", bound=web.StreamResponse | Caught | Held | Collected | Cut)
 
 
-async def forward_request(request: web.Request, serving: Serving, path: str) -> web.StreamResponse:
+async def forward_request(request: web.Request, serving: Serving, host: Host, path: str) -> web.StreamResponse:
     """Forward one request: as a stream, or read whole when a step, a growth, a lost server or a pause may need it
     again. A request that decodes waits for a seat first (wrapper/seats.py: interactive ones go first)."""
     generation = serving.current
-    passes = _Passes(request, serving, path)
+    passes = _Passes(request, serving, host, path)
     if request.method == "GET" and path in ANSWERED_ASLEEP:
         passes.active = False  # what clients poll does not keep the server awake
-        remembered = serving.sleep.answers.get(path)
+        remembered = serving.remembered.get(path)
         if serving.state in (State.SLEEPING, State.ASLEEP, State.WAKING) and remembered is not None:
             return _remembered(serving, path, remembered.payload)
     if request.method == "GET" and (rewrites := built_ins.shown(generation, path)):
@@ -88,7 +87,7 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
         runs = [outgoing]  # the steps' runs: one, and one more at each resume after a pause
         status: int | None = None
         try:
-            refusal = await _stepped(serving, steps, outgoing)
+            refusal = await _stepped(serving, host, steps, outgoing)
             if refusal is not None:
                 status = refusal.status
                 return refusal
@@ -98,7 +97,7 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
                 result = await passes.through(lambda to: forward(request, to, path, sent), False)
             else:
                 passes.resumable = watched and payload is not None and _goes_on(path, payload)
-                result = await AnswerLoop(serving, growth, path, sent, passes.exchange,
+                result = await AnswerLoop(host, growth, path, sent, passes.exchange,
                                           lambda: _slot_ctx(serving.current), passes.lost if watched else None,
                                           pauses).run()
             status = result.status
@@ -109,7 +108,7 @@ async def forward_request(request: web.Request, serving: Serving, path: str) -> 
                     done(status)
 
 
-async def _stepped(serving: Serving, steps: list[Before], outgoing: Outgoing) -> web.Response | None:
+async def _stepped(serving: Serving, host: Host, steps: list[Before], outgoing: Outgoing) -> web.Response | None:
     """Run the steps on `outgoing` (it becomes what they make of it); a refusal or a step's Reply, else None. The
     steps talk to llama-server: only once the gate lets requests through (not counted in flight: a step may wait
     for a slot that a growth's drain would otherwise wait for in turn)."""
@@ -119,7 +118,7 @@ async def _stepped(serving: Serving, steps: list[Before], outgoing: Outgoing) ->
     if admission is not Admission.ADMITTED:
         return _refused(serving, admission)
     for step in steps:
-        stepped = await step.run(serving, outgoing)
+        stepped = await step.run(host, outgoing)
         if isinstance(stepped, Reply):
             return web.json_response(stepped.body, status=stepped.status, headers=dict(stepped.headers))
         outgoing.body, outgoing.payload = stepped.body, stepped.payload
@@ -217,7 +216,7 @@ class _Pauses:
             raise
         out = Outgoing("POST", path, json.dumps(request_now).encode(), request_now, seat=seat)
         self.runs.append(out)
-        refusal = await _stepped(serving, self.steps, out)
+        refusal = await _stepped(serving, self.passes.host, self.steps, out)
         pause_s = round(time.monotonic() - paused_at, 3)
         if refusal is not None:
             why = json_object(refusal.body if isinstance(refusal.body, bytes) else b"") or {}
@@ -271,8 +270,8 @@ class _Passes:
     """One request's passes through the gate to llama-server, and the generation the last one went to (so that a
     cut pass can tell a lost server from a refusal)."""
 
-    def __init__(self, request: web.Request, serving: Serving, path: str) -> None:
-        self.request, self.serving, self.path = request, serving, path
+    def __init__(self, request: web.Request, serving: Serving, host: Host, path: str) -> None:
+        self.request, self.serving, self.host, self.path = request, serving, host, path
         self.generation: Generation | None = None
         self.seat: Seat | None = None  # a background request's, while the answer loop may pause it
         self.active = True  # it keeps the server awake (sleep.after); not what clients poll

@@ -93,6 +93,10 @@ class Gate:
         self._idle.clear()
         return Admission.ADMITTED
 
+    def idle_s(self) -> float:
+        """How long nothing has come or gone (0 while a request is in flight or held)."""
+        return 0.0 if self.in_flight or self.held else max(0.0, time.monotonic() - self.active_at)
+
     def turn_away(self, why: str) -> None:
         """A wake failed: the requests held for it are answered with `why`; the next one wakes the server again."""
         self.wake_failed = why
@@ -124,7 +128,7 @@ class Gate:
             exchange.cancel()
         return len(pending)
 
-    def hand_over(self) -> int:
+    def carry_streams(self) -> int:
         """Cut the resumable exchanges for a reload that continues them on the next server (`handed_over()` tells
         them from a cut at a deadline); how many."""
         pending = [exchange for exchange, now in self._resumable.items() if not exchange.done() and now()]

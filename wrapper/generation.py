@@ -18,13 +18,11 @@ from wrapper.config import Config
 from wrapper.kept import Kept
 from wrapper.launch import Asks, Launch
 from wrapper.llama import LlamaClient, LlamaError
-from wrapper.metrics import METRICS
 from wrapper.server_context import ServerContext, server_context, training_context, with_context
 
 log = structlog.get_logger()
 
 READY_POLL = 0.1
-RESTARTS_AFTER_LOSS = 3  # starts again after llama-server died under a restore (each time one file set aside)
 T = TypeVar("T")
 
 
@@ -34,7 +32,7 @@ class StartFailed(Exception):
 
 class ServerLost(Exception):
     """llama-server died under a built-in's step (a restore it could not survive). The built-in has set aside
-    what caused it; the wrapper starts the generation's server again instead of failing."""
+    what caused it; the wrapper starts the server again (as after a crash, under the same restart budget)."""
 
 
 class Host(Protocol):
@@ -65,8 +63,9 @@ class Host(Protocol):
 
     async def survive(self, step: Callable[[], Awaitable[T]]) -> T | None:
         """Run a built-in's step on the request path that may kill llama-server (a restore). When the server dies
-        under it (ServerLost: the built-in set the culprit aside), the server is started again as at a start
-        (on_startup runs; requests wait as for a reload) and None is returned: the request goes on to it."""
+        under it (ServerLost: the built-in set the culprit aside), the loss is reported and the server started
+        again as after a crash (on_startup runs; requests are held meanwhile); None is returned once the wrapper
+        no longer serves with the lost one: the request goes on to the next."""
         ...
 
 
@@ -161,20 +160,3 @@ class Generation:
     @property
     def alive(self) -> bool:
         return self.child is not None and self.child.alive
-
-
-async def surviving(generation: Generation, on_line: Callable[[Generation, str], None],
-                    step: Callable[[], Awaitable[T]]) -> T:
-    """Run a step on a started generation (the start hooks, a reload's take-over); when llama-server dies under
-    it (ServerLost: the built-in set the culprit aside), start the server again and run the step again."""
-    for attempt in range(RESTARTS_AFTER_LOSS + 1):
-        try:
-            return await step()
-        except ServerLost as exc:
-            await generation.stop()
-            if attempt == RESTARTS_AFTER_LOSS:
-                raise StartFailed(f"llama-server died under a restore {attempt + 1} times: {exc}") from exc
-            log.warning("wrapper.restarting_server", on="restore", why=str(exc), attempt=attempt + 1)
-            METRICS.server_restarts.labels(reason="restore").inc()
-            await generation.start(on_line)
-    raise AssertionError("unreachable")

@@ -44,7 +44,10 @@ class IllegalTransition(RuntimeError):
 class Lifecycle:
     def __init__(self, *followers: Callable[[State], None]) -> None:
         self.state = State.STOPPED
-        self._followers = followers  # the gate (what a request meets follows from the state alone), systemd
+        self._followers = list(followers)  # the gate (what a request meets follows from the state alone), systemd
+
+    def followed_by(self, follower: Callable[[State], None]) -> None:
+        self._followers.append(follower)
 
     def to(self, new: State) -> None:
         if new not in _ALLOWED[self.state]:

@@ -16,12 +16,13 @@ from wrapper import built_ins
 from wrapper.auth import allowed, presented_bearer, presented_key
 from wrapper.forwarding import RETRY_AFTER_S, forward_request
 from wrapper.gate import Admission
+from wrapper.life import ServerLife
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
 from wrapper.proxy import BadPath, canonical_path, json_error
 from wrapper.reload_plan import ReloadRefused
+from wrapper.sections import SLEEP
 from wrapper.serving import Serving
-from wrapper.sleeping import SLEEP, SleepSettings
 from wrapper.supervisor import Supervisor
 from wrapper.units import parse_duration
 
@@ -29,6 +30,7 @@ log = structlog.get_logger()
 
 SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor", Supervisor)
 SERVING: web.AppKey[Serving] = web.AppKey("serving", Serving)
+LIFE: web.AppKey[ServerLife] = web.AppKey("life", ServerLife)
 _READ_METHODS = ("GET", "HEAD")
 
 
@@ -99,7 +101,7 @@ async def reload(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         return json_error(400, "the body must be a JSON object of reload fields", "invalid_request_error")
     try:
-        answer = await request.app[SERVING].reload(body)
+        answer = await request.app[LIFE].reload(body)
     except ReloadRefused as exc:
         return json_error(exc.status, str(exc), "invalid_request_error" if exc.status == 400 else "conflict")
     except asyncio.CancelledError:
@@ -136,7 +138,7 @@ async def drain(request: web.Request) -> web.Response:
     except ValueError as exc:
         return json_error(400, f"timeout: {exc}", "invalid_request_error")
     try:
-        answer = await request.app[SUPERVISOR].stop_drain.ask(timeout)
+        answer = await request.app[LIFE].drain_before_stop(timeout)
     except ReloadRefused as exc:
         return json_error(exc.status, str(exc), "conflict")
     return web.json_response(answer)
@@ -146,13 +148,12 @@ async def sleep(request: web.Request) -> web.Response:
     """POST /wrapper/sleep: keep every slot and stop llama-server now (once the requests in flight are done)."""
     if (refusal := _not_admin(request)) is not None:
         return refusal
-    serving = request.app[SERVING]
-    if serving.lifecycle.state is State.ASLEEP:
-        return web.json_response({**serving.sleep.status(True, _sleep(serving)), "why": "asleep already"})
-    if serving.lifecycle.state is not State.READY:
-        return json_error(409, f"llama-wrapper is {serving.lifecycle.state}: it falls asleep only when ready",
-                          "conflict")
-    outcome = await asyncio.shield(serving.sleep.ask("asked (POST /wrapper/sleep)"))
+    life = request.app[LIFE]
+    if life.state is State.ASLEEP:
+        return web.json_response({**life.sleep.status(True, SLEEP.of(life.current.config)), "why": "asleep already"})
+    if life.state is not State.READY:
+        return json_error(409, f"llama-wrapper is {life.state}: it falls asleep only when ready", "conflict")
+    outcome = await asyncio.shield(life.sleep.ask("asked (POST /wrapper/sleep)"))
     return web.json_response(outcome, status=200 if outcome.get("asleep") else 409)
 
 
@@ -160,7 +161,7 @@ async def wake(request: web.Request) -> web.Response:
     """POST /wrapper/wake: start llama-server now and restore; answered once it serves (or 503 with the reason)."""
     if (refusal := _not_admin(request)) is not None:
         return refusal
-    serving = request.app[SERVING]
+    serving, life = request.app[SERVING], request.app[LIFE]
     state = serving.lifecycle.state
     if state is State.READY:
         return web.json_response({"woken": True, "why": "awake already", "wake_s": None})
@@ -168,14 +169,10 @@ async def wake(request: web.Request) -> web.Response:
         return json_error(409, f"llama-wrapper is {state}: nothing to wake", "conflict")
     admission = await serving.gate.enter(counted=False)
     if admission is Admission.ADMITTED:
-        return web.json_response({"woken": True, "wake_s": serving.sleep.last_wake_s})
+        return web.json_response({"woken": True, "wake_s": life.sleep.last_wake_s})
     why = serving.gate.wake_failed if admission is Admission.NOT_WOKEN else f"llama-wrapper is {serving.state}"
     return json_error(503, f"llama-server could not be woken: {why}", "unavailable_error",
                       {"Retry-After": RETRY_AFTER_S})
-
-
-def _sleep(serving: Serving) -> SleepSettings:
-    return SLEEP.of(serving.current.config)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -197,7 +194,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
     if _is_slot_action(request.method, path) and not serving.current.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
-    response = await forward_request(request, serving, path)
+    response = await forward_request(request, serving, request.app[LIFE], path)
     METRICS.answered(response.status)
     return response
 
@@ -240,7 +237,7 @@ async def builtin_route(request: web.Request) -> web.Response:
             return json_error(400, "the body must be a JSON object", "invalid_request_error")
     if serving.lifecycle.state is not State.READY and request.method == "POST":
         return json_error(409, f"llama-wrapper is {serving.lifecycle.state}", "conflict")
-    status_code, answer = await declared.handler(serving, body)
+    status_code, answer = await declared.handler(request.app[LIFE], body)
     return web.json_response(answer, status=status_code)
 
 
@@ -248,6 +245,7 @@ def application(supervisor: Supervisor) -> web.Application:
     app = web.Application()
     app[SUPERVISOR] = supervisor
     app[SERVING] = supervisor.serving
+    app[LIFE] = supervisor.life
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
     app.router.add_get("/metrics", metrics)

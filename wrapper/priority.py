@@ -13,14 +13,10 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import yaml
-
-from wrapper.settings import COUNT, Kind, Section, setting
-from wrapper.yamlread import Reader
+from wrapper.sections import PrioritySettings
 
 HEADER = "X-Priority"
 TIER = "service_tier"
@@ -29,51 +25,6 @@ TIER = "service_tier"
 class Class(Enum):
     INTERACTIVE = "interactive"
     BACKGROUND = "background"
-
-
-def _keys(r: Reader, node: yaml.Node, what: str) -> tuple[str, ...] | None:
-    """API keys: a list of strings, never echoed (also not in an error)."""
-    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
-        return ()
-    if not isinstance(node, yaml.SequenceNode):
-        r.error(node, f"{what} must be a list of API keys, e.g. {what.rsplit('.', 1)[-1]}: [\"agent-key\"] "
-                      "(its value is not shown)")
-        return None
-    keys = []
-    for i, item in enumerate(node.value):
-        if not isinstance(item, yaml.ScalarNode) or item.tag != "tag:yaml.org,2002:str" or not item.value:
-            r.error(item, f"{what}[{i}] must be a non-empty string (its value is not shown): quote it")
-            return None
-        keys.append(str(item.value))
-    return tuple(keys)
-
-
-def _preempt(r: Reader, node: yaml.Node, what: str) -> bool | None:
-    """true, false or auto (None, the default; after an error too, which refuses the config)."""
-    value = r.value(node)
-    if isinstance(node, yaml.ScalarNode) and (isinstance(value, bool) or value == "auto"):
-        return None if value == "auto" else bool(value)
-    r.error(node, f"{what} must be true, false or auto, not {value!r}")
-    return None
-
-
-KEYS = Kind("list of API keys (secret)", _keys, lambda v: f"({len(v)} set)" if v else "none")
-PREEMPT = Kind("true | false | auto", _preempt, lambda v: "auto" if v is None else v)
-
-
-@dataclass(frozen=True)
-class PrioritySettings:
-    preempt: bool | None = setting(None, PREEMPT, "pause a background generation when an interactive request finds no "
-                           "free slot, and resume it once one is free, from where it stopped (`auto`: on when the "
-                           "conversation cache is on, which keeps the paused state)")
-    max_pauses: int = setting(3, COUNT, "how many times one background request may be paused; past that it runs "
-                              "to its end (0: never paused, only queued behind interactive ones)")
-    background_keys: tuple[str, ...] = setting((), KEYS, "API keys (`Authorization: Bearer KEY`) whose requests "
-                                               "are background: give an agent its own key and it needs no change; "
-                                               "never shown")
-
-
-PRIORITY = Section("priority", PrioritySettings, "interactive requests first: background ones yield their slot")
 
 
 def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, settings: PrioritySettings) -> Class:

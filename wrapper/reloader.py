@@ -10,18 +10,18 @@ it and runs on_reload.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from wrapper import argv as args
 from wrapper import built_ins
 from wrapper.config import Config, ConfigError
-from wrapper.generation import Generation, surviving
+from wrapper.generation import Generation
 from wrapper.launch import Asks, Launch
-from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
@@ -39,26 +39,37 @@ from wrapper.server_help import flag_arity
 from wrapper.sysinfo import mem_available
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 OVERLAP_MEMORY_FACTOR = 1.5  # auto overlap on CPU: MemAvailable must exceed this many times the model file
 
 
 class ReloadHost(Protocol):
-    """What a reload needs of what serves (wrapper/serving.py)."""
-
-    @property
-    def lifecycle(self) -> Lifecycle: ...
+    """What a reload needs of the server's life (wrapper/life.py): it holds, installs and releases; the reload never
+    changes the state itself."""
 
     @property
     def current(self) -> Generation: ...
 
     def new_generation(self, config: Config, launch: Launch) -> Generation: ...
 
+    def hold(self) -> None:
+        """The downtime begins: requests are held."""
+
     def install(self, generation: Generation) -> None: ...
+
+    def release(self) -> None:
+        """The held requests go to what serves now."""
 
     async def drain(self, timeout: float, cut: bool = True) -> bool: ...
 
-    def hand_over(self) -> int: ...
+    def carry_streams(self) -> int:
+        """Cut the streams in flight that go on on the next server; how many."""
+        ...
+
+    async def survived(self, generation: Generation, step: Callable[[], Awaitable[T]]) -> T:
+        """Run a step on a started generation, starting it again when it dies under a restore."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -71,10 +82,10 @@ class NextGeneration:
     asked_ctx: int | None = None  # the -c asked for: the config's after a body's edits, else the fit's
     before_ctx: str | None = None  # the -c the previous generation ran with
     cut: bool = True  # answers still in flight at the drain's deadline are cut; else the reload is given up
-    hand_over: bool = False  # streams in flight are paused and go on on the new server instead of being waited for
+    carries_streams: bool = False  # streams in flight are paused, to go on on the new server (not waited for)
 
 
-def _hands_over(current: Generation, config: Config, launch: Launch) -> bool:
+def _carries_streams(current: Generation, config: Config, launch: Launch) -> bool:
     """Whether streams in flight are handed over (cut, their slots saved and restored, continued on the new server:
     a pause of the reload's downtime) rather than waited for: when a built-in carries conversations across, and
     each slot holds at least as much as before (what a stream holds fits there)."""
@@ -133,7 +144,7 @@ class Reloader:
         overlap, overlap_why = self._overlap(config, launch)
         return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why, asked,
                               args.get(current.launch.argv, args.CTX_SIZE), cut,
-                              overlap and _hands_over(current, new_config, launch))
+                              overlap and _carries_streams(current, new_config, launch))
 
     def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
         policy = config.reload_overlap
@@ -163,8 +174,8 @@ class Reloader:
                 except Exception as exc:  # nothing was disturbed: the old server never stopped serving
                     return await self._roll_back(nxt, old, None, str(exc))
             began = time.monotonic()
-            host.lifecycle.to(State.RELOADING)  # the gate holds new requests from here: the downtime begins
-            if nxt.hand_over and (handed := host.hand_over()):  # paused now, they go on once the new one serves
+            host.hold()  # the gate holds new requests from here: the downtime begins
+            if nxt.carries_streams and (handed := host.carry_streams()):  # paused: they go on once the new one serves
                 self.handed = handed
                 log.info("reload.handed_over", streams=handed)
             PROGRESS.begin("reloading: draining")
@@ -183,7 +194,7 @@ class Reloader:
             host.install(new)
             PROGRESS.begin("reloading: restoring slots")
             restored = await self._take_over(new)
-            host.lifecycle.to(State.READY)  # the held requests go to the new server
+            host.release()  # the held requests go to the new server
             downtime_ms = round((time.monotonic() - began) * 1000, 1)
             if nxt.overlap:
                 await old.stop()
@@ -195,7 +206,7 @@ class Reloader:
 
     async def _take_over(self, generation: Generation) -> str | None:
         """The built-ins' restore into the new generation, surviving a server that dies under it."""
-        return await surviving(generation, built_ins.server_output, lambda: built_ins.take_over(generation))
+        return await self.host.survived(generation, lambda: built_ins.take_over(generation))
 
     async def _given_up(self, nxt: NextGeneration, old: Generation, began: float) -> dict[str, Any]:
         """A reload that may cut nothing, whose requests in flight did not finish within reload.drain_timeout:
@@ -204,7 +215,7 @@ class Reloader:
                   f"({old.config.reload_drain_timeout:g}s), and this reload cuts none")
         held_ms = round((time.monotonic() - began) * 1000, 1)  # new requests waited for the drain meanwhile
         log.info("reload.given_up", reason=reason, held_ms=held_ms)
-        self.host.lifecycle.to(State.READY)
+        self.host.release()
         return await self._answer(nxt, False, f"reload given up: {reason}", held_ms, None, None, old, held_ms)
 
     async def _roll_back(self, nxt: NextGeneration, old: Generation, began: float | None,
@@ -220,7 +231,7 @@ class Reloader:
                 raise
             host.install(old)
             await self._take_over(old)
-            host.lifecycle.to(State.READY)
+            host.release()
         downtime_ms = round((time.monotonic() - began) * 1000, 1) if began is not None else 0.0
         return await self._answer(nxt, False, f"reload failed, the previous settings are back: {reason}",
                                   downtime_ms, None, None, host.current)

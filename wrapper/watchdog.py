@@ -16,33 +16,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Protocol
 
 from wrapper.child import Exit
 from wrapper.generation import Generation
 from wrapper.lifecycle import State
 from wrapper.llama import LlamaError
-from wrapper.settings import BOOL, COUNT, POSITIVE_DURATION, Section, setting
-
-
-@dataclass(frozen=True)
-class WatchdogSettings:
-    enabled: bool = setting(True, BOOL, "watch llama-server: start it again when it crashes or hangs, hold the "
-                            "requests meanwhile and go on with those in flight (false: no hang is looked for, and a "
-                            "crash stops the wrapper)")
-    health_timeout: float = setting(30.0, POSITIVE_DURATION, "llama-server is hung when its /health goes unanswered "
-                                    "this long (it answers in milliseconds, a long prefill included); noticed within "
-                                    "this and one look more (every 5 s at most)")
-    stall: float = setting(300.0, POSITIVE_DURATION, "llama-server is hung when a request in flight hears nothing "
-                           "and no slot makes progress this long (more than its slowest prompt batch takes: minutes "
-                           "for a large model on a CPU)")
-    restarts: int = setting(3, COUNT, "how many times it is started again within `window`; past that the wrapper "
-                            "stops with the server's exit status (llama-swap or systemd take over)")
-    window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")
-
-
-WATCHDOG = Section("watchdog", WatchdogSettings, "llama-server started again after a crash or a hang")
+from wrapper.sections import WatchdogSettings
 
 
 @dataclass(frozen=True)
@@ -52,18 +32,6 @@ class Lost:
     reason: str
     why: str
     exit: Exit | None = None
-
-
-class Loss(Enum):
-    """What a cut exchange meets once the wrapper has looked at its server."""
-
-    NONE = "none"  # the server is well: the cut was another failure
-    BACK = "back"  # it was lost and another serves (or will: the next pass waits at the gate for it)
-    GONE = "gone"  # it was lost and is not started again: the wrapper stops
-
-
-GONE_WHY = ("llama-server was lost and is not started again (watchdog.enabled is false, or watchdog.restarts are "
-            "spent): llama-wrapper stops")
 
 
 def died(finished: Exit) -> Lost:

@@ -29,7 +29,7 @@ from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import Fitted, fitted
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
-from wrapper.sleeping import SLEEP
+from wrapper.sections import SLEEP
 from wrapper.units import format_size
 
 log = structlog.get_logger()

@@ -31,7 +31,7 @@ from hooks.degrade.wanted import Wanted
 from hooks.media import memory as projector_memory
 from wrapper import argv as args
 from wrapper.generation import Generation, Host
-from wrapper.sleeping import SLEEP
+from wrapper.sections import SLEEP
 from wrapper.units import format_size
 
 log = structlog.get_logger()

@@ -14,9 +14,9 @@ from aiohttp import web
 from wrapper.answering import MAX_GROWTHS, AnswerLoop
 from wrapper.generation import Host
 from wrapper.proxy import Caught, Cut, Held, Wanted
+from wrapper.serving import GONE_WHY, Loss
 from wrapper.sse import Events
 from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
-from wrapper.watchdog import GONE_WHY, Loss
 
 CHAT = "/v1/chat/completions"
 N_CTX = 512

@@ -20,7 +20,7 @@ async def test_a_hand_over_cuts_the_resumable_exchanges_only() -> None:
     gate = Gate()
     gate.follow(State.READY)
     stream, whole, reasoning = await _admitted(gate, True), await _admitted(gate, None), await _admitted(gate, False)
-    assert gate.hand_over() == 1
+    assert gate.carry_streams() == 1
     await asyncio.wait([stream], timeout=1)
     assert stream.cancelled() and gate.handed_over(stream)
     assert not whole.done() and not gate.handed_over(whole)
@@ -29,7 +29,7 @@ async def test_a_hand_over_cuts_the_resumable_exchanges_only() -> None:
     gate.leave(reasoning)
     gate.leave(stream)
     assert not gate.handed_over(stream) and gate.in_flight == 1  # forgotten once it left
-    assert gate.hand_over() == 0  # the JSON answer is waited for
+    assert gate.carry_streams() == 0  # the JSON answer is waited for
     whole.cancel()
     gate.leave(whole)
     assert await gate.drained(0.1)

@@ -6,7 +6,8 @@ import pytest
 
 from wrapper import built_ins
 from wrapper.config import ConfigError
-from wrapper.priority import PRIORITY, Class, PrioritySettings, classify, odd_marks, unsaid
+from wrapper.priority import Class, classify, odd_marks, unsaid
+from wrapper.sections import PRIORITY, PrioritySettings
 
 KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
 

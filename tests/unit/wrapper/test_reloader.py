@@ -4,9 +4,9 @@ llama-server is a flag: no process, no llama-server."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -22,6 +22,8 @@ from wrapper.reload_plan import Refusal, ReloadRefused
 from wrapper.reloader import Reloader
 from wrapper.server_context import server_context
 from wrapper.server_help import planning
+
+T = TypeVar("T")
 
 NO_CLIENT = cast(LlamaClient, None)  # the cycle asks nothing of a server that said its context at its start
 
@@ -56,7 +58,8 @@ class Server(Generation):
 
 
 class Serving:
-    """Only what ReloadHost names: the state, the current generation, a new one, install, hand over, drain."""
+    """Only what ReloadHost names: the current generation, a new one, hold, install, release, carry the streams,
+    drain, and a step that survives a restore (the states it is asked for kept in a lifecycle)."""
 
     def __init__(self, config: Config, launch: Launch) -> None:
         self.journal: list[str] = []
@@ -79,9 +82,18 @@ class Serving:
         self.journal.append(f"install {ctx(generation)}")
         self.current = generation
 
-    def hand_over(self) -> int:
-        self.journal.append("hand over")
+    def hold(self) -> None:
+        self.lifecycle.to(State.RELOADING)
+
+    def release(self) -> None:
+        self.lifecycle.to(State.READY)
+
+    def carry_streams(self) -> int:
+        self.journal.append("carry streams")
         return 0
+
+    async def survived(self, generation: Generation, step: Callable[[], Awaitable[T]]) -> T:
+        return await step()
 
     async def drain(self, timeout: float, cut: bool = True) -> bool:
         self.journal.append(f"drain {timeout:g}s" + ("" if cut else ", cutting none"))

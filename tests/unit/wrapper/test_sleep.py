@@ -16,7 +16,8 @@ from wrapper import built_ins
 from wrapper.config import ConfigError
 from wrapper.gate import Admission, Gate
 from wrapper.lifecycle import IllegalTransition, Lifecycle, State
-from wrapper.sleeping import SLEEP, Sleep, idle_for
+from wrapper.sections import SLEEP
+from wrapper.sleeping import Sleep
 
 
 def asleep_gate() -> tuple[Gate, Lifecycle, list[int]]:
@@ -76,9 +77,9 @@ async def test_what_clients_poll_does_not_keep_the_server_awake() -> None:
     assert await gate.enter(counted=False, active=False) is Admission.ADMITTED
     assert gate.active_at == before
     assert await gate.enter() is Admission.ADMITTED
-    assert gate.active_at > before and idle_for(gate.active_at, gate.in_flight, gate.held) == 0.0
+    assert gate.active_at > before and gate.idle_s() == 0.0
     gate.leave()
-    assert idle_for(gate.active_at, gate.in_flight, gate.held) >= 0.0
+    assert gate.idle_s() >= 0.0
 
 
 def test_a_sleep_goes_only_where_the_states_allow() -> None:

@@ -20,6 +20,7 @@ from wrapper.generation import Generation, Host
 from wrapper.hooks_running import Hooks
 from wrapper.kept import Kept
 from wrapper.launch import Launch
+from wrapper.life import ServerLife
 from wrapper.lifecycle import State
 from wrapper.model import Model
 from wrapper.notify import Notifier
@@ -46,12 +47,13 @@ async def client(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TestClient[we
     launch = Launch(argv=["llama-server"], port=1, listen=Listen("127.0.0.1", 8080), model=Model(None, "m", "m"),
                     env={})
     async with aiohttp.ClientSession() as session:
-        serving = Serving(parse_config("", "t.yaml"), launch, session, Kept(), Hooks(session), Notifier({}))
+        serving = Serving(parse_config("", "t.yaml"), launch, session, Kept())
+        life = ServerLife(serving, Hooks(session), Notifier({}))
         serving.lifecycle.to(State.STARTING)
         serving.lifecycle.to(State.READY)
 
         async def handler(request: web.Request) -> web.StreamResponse:
-            return await forward_request(request, serving, request.path)
+            return await forward_request(request, serving, life, request.path)
 
         app = web.Application()
         app.router.add_post("/completion", handler)

@@ -49,8 +49,8 @@ def test_a_file_that_kills_the_server_is_set_aside_and_the_start_goes_on(tmp_pat
 def test_a_conversation_that_kills_the_server_before_a_request_is_set_aside_and_the_request_answered(
         tmp_path: Path) -> None:
     """The conversation cache restores a kept conversation before a request and llama-server aborts in it: the
-    entry goes to set-aside/, the server is started again (requests wait as for a reload), the request is
-    answered by it, and the wrapper serves on."""
+    entry goes to set-aside/, the loss is reported to the one watch and the server started again as after a crash
+    (requests held, the one restart budget spent), the request is answered by it, and the wrapper serves on."""
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + np.random.default_rng(6).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
     folder = tmp_path / "slots" / fingerprint(str(model))
@@ -69,7 +69,11 @@ def test_a_conversation_that_kills_the_server_before_a_request_is_set_aside_and_
         status, _, answer = http("POST", f"{wrapper.url}/completion", {"prompt": prompt, "n_predict": 4}, timeout=60)
         assert (status, json.loads(answer)["path"]) == (200, "/completion")
         (restarted,) = wrapper.events("wrapper.restarting_server")
-        assert restarted["on"] == "request" and "set aside" in restarted["why"]
+        assert restarted["on"] == "restore" and "set aside" in restarted["why"]
+        (lost,) = wrapper.events("wrapper.server_lost")
+        assert lost["reason"] == "restore" and wrapper.status()["restarts"]["count"] == 1
+        states = [e["new"] for e in wrapper.events("state.changed")]
+        assert "restarting" in states and "reloading" not in states
         assert len(wrapper.events("child.spawned")) == 2 and wrapper.events("conversations.server_lost")
         aside = folder / layout.SET_ASIDE
         assert len(list(aside.glob("*conv-*.bin"))) == 1

@@ -20,7 +20,9 @@ import pytest
 
 from tests.helpers import Wrapper, child_argv, http, pid_alive, running, wait_for
 from wrapper.lifecycle import State
-from wrapper.watchdog import GONE_WHY, Budget, Lost, WatchdogSettings, Watched, hung, progress
+from wrapper.sections import WatchdogSettings
+from wrapper.serving import GONE_WHY
+from wrapper.watchdog import Budget, Lost, Watched, hung, progress
 
 FAST = "watchdog: {health_timeout: 1s, stall: 2s}\n"
 
