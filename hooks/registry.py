@@ -40,9 +40,8 @@ from wrapper.config import Config
 from wrapper.generation import Generation, Host
 from wrapper.kept import Kept
 from wrapper.launch import Asks, Fitting, Launch
-from wrapper.proxy import Observer
 from wrapper.settings import Section
-from wrapper.steps import Before, Growth, Shown
+from wrapper.steps import Before, Growth, Observer, Shown
 
 Options = Mapping[str, Any]
 ActionFn = Callable[[Generation, Options], Awaitable[str | None]]

@@ -20,10 +20,9 @@ from wrapper.generation import Generation, Host
 from wrapper.kept import Kept, Key
 from wrapper.launch import Asks, Launch
 from wrapper.launch import prepare as prepare_launch
-from wrapper.proxy import Observer
 from wrapper.sections import PRIORITY, SLEEP, WATCHDOG
 from wrapper.settings import Section
-from wrapper.steps import Before, Growth, Shown
+from wrapper.steps import Before, Growth, Observer, Shown
 
 log = structlog.get_logger()
 

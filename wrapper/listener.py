@@ -14,11 +14,12 @@ from aiohttp import web
 
 from wrapper import built_ins
 from wrapper.auth import allowed, presented_bearer, presented_key
-from wrapper.forwarding import RETRY_AFTER_S, forward_request
+from wrapper.forwarding import forward_request
 from wrapper.gate import Admission
 from wrapper.life import ServerLife
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
+from wrapper.passes import RETRY_AFTER_S
 from wrapper.proxy import BadPath, canonical_path, json_error
 from wrapper.reload_plan import ReloadRefused
 from wrapper.sections import SLEEP

@@ -8,7 +8,8 @@ import posixpath
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, overload
+from enum import Enum
+from typing import Any
 from urllib.parse import quote, unquote
 
 import aiohttp
@@ -18,6 +19,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from wrapper.sse import Events
+from wrapper.steps import Observer, error_body
 
 log = structlog.get_logger()
 
@@ -36,17 +38,8 @@ _PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986 pchar without '%': kept as they ar
 
 STARTED = "wrapper.response"  # request key: the response once its headers went to the client
 
-Observer = Callable[[str, int, bytes], None]
-"""Called with (path, status, the last bytes of the body) once a response has been passed on whole."""
-
-
 class BadPath(ValueError):
     """A request path no server should act on (control characters after decoding)."""
-
-
-def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
-    """An error in llama-server's own shape, so clients parse it the same way."""
-    return {"error": {"code": status, "message": message, "type": kind}}
 
 
 def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -112,21 +105,48 @@ def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
-@dataclass(frozen=True)
-class Caught:
-    """An answer kept from the client (`catch` said so): its status and JSON body."""
+class Outcome(Enum):
+    """What one pass to llama-server came to."""
 
-    status: int
-    payload: dict[str, Any]
+    ANSWERED = "answered"  # passed on to the client as it came (or a refusal for it): `response` is its answer
+    CAUGHT = "caught"  # a whole JSON answer kept from the client (`wanted` said so): `status`, `payload`, `headers`
+    HELD = "held"  # an event stream passed on but for its last events (`events`): `response` still open
+    GATHERED = "gathered"  # an event stream read to its end into `events`, nothing of it passed on
+    CUT = "cut"  # llama-server went away under it (`error`), before its answer reached the client or in the middle
+    PAUSED = "paused"  # its seat was asked to pause: the exchange stopped (wrapper/seats.py)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass to llama-server: its outcome, and the client's response once any of the answer reached it."""
+
+    outcome: Outcome
+    request: web.BaseRequest
+    response: web.StreamResponse | None = None
+    status: int = 0
+    payload: dict[str, Any] = field(default_factory=dict)
     headers: CIMultiDict[str] = field(default_factory=CIMultiDict)  # llama-server's, hop-by-hop ones dropped
+    events: Events | None = None
+    error: str = ""
+    handed_over: bool = False  # a reload cut it to go on on the next server (wrapper/gate.py)
+
+    @property
+    def answered(self) -> web.StreamResponse:
+        """The client's answer of an ANSWERED pass."""
+        assert self.response is not None
+        return self.response
+
+    async def told(self, why: str | None = None) -> web.StreamResponse:
+        """What the client of a CUT pass is told when it does not go on (`why`; default: that llama-server could not
+        be reached, and the error): a 502, or once the answer had begun an error event and a closed connection."""
+        said = why or f"llama-server could not be reached: {self.error}"
+        if self.response is not None and self.response.prepared:
+            return await broken_off(self.request, self.response, said)
+        return json_error(502, said, "bad_gateway")
 
 
-@dataclass(frozen=True)
-class Held:
-    """A streamed answer passed on but for its last events (`events.held`); the response is still open."""
-
-    response: web.StreamResponse
-    events: Events
+def answered(request: web.BaseRequest, response: web.StreamResponse) -> Pass:
+    return Pass(Outcome.ANSWERED, request, response)
 
 
 CAUGHT_LIMIT = 8 << 20  # an answer larger than this is passed on, never caught
@@ -143,93 +163,54 @@ class Upstream:
     heard: Callable[[], None] | None = None
 
 
-@dataclass(frozen=True)
-class Cut:
-    """llama-server went away under the exchange: before any of its answer reached the client (`response` None),
-    or in the middle of it (the client's response, still open). `answer()` is what a caller that does not
-    go on tells the client: a 502, or (once the answer had begun) an error event and a closed connection."""
-
-    error: str
-    request: web.BaseRequest
-    response: web.StreamResponse | None = None
-    handed_over: bool = False  # a reload cut it to go on on the next server (wrapper/gate.py)
-
-    async def answer(self, why: str | None = None) -> web.StreamResponse:
-        """`why`: what the client is told (default: that llama-server could not be reached, and the error)."""
-        told = why or f"llama-server could not be reached: {self.error}"
-        if self.response is not None and self.response.prepared:
-            return await broken_off(self.request, self.response, told)
-        return json_error(502, told, "bad_gateway")
-
-
 Wanted = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its status): keep it from the client
 
 
-@overload
 async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
-                  events: None = None, going_on: web.StreamResponse | None = None) -> web.StreamResponse | Cut: ...
-
-
-@overload
-async def forward(request: web.Request, to: Upstream, path: str | None, body: bytes | None, events: Events,
-                  going_on: web.StreamResponse | None = None) -> web.StreamResponse | Held | Cut: ...
-
-
-async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
-                  events: Events | None = None, going_on: web.StreamResponse | None = None,
-                  ) -> web.StreamResponse | Held | Cut:
+                  events: Events | None = None, going_on: web.StreamResponse | None = None) -> Pass:
     """Stream through: pass `request` to llama-server (at `path`, default its own) and the answer back, both bodies
     streamed. `body`: the request body, read already (else streamed from the client). `events`: an event stream
-    is passed through it and returned Held when it held something back; `going_on`: the client's response, still
-    open, that this answer continues. Cut when llama-server went away under it."""
-    path = path if path is not None else request.rel_url.raw_path
-    try:
-        async with _sent(request, to, path, body) as reply:
-            return await _through(request, reply, to, path, None, events, going_on)
-    except aiohttp.ClientError as exc:
-        return _unreachable(request, path, exc, going_on)
+    is passed through it, HELD when it held something back; `going_on`: the client's response, still open, that
+    this answer continues. ANSWERED, or CUT when llama-server went away under it."""
+    return await catch(request, to, _nothing_wanted, path, body, events, going_on)
+
+
+def _nothing_wanted(payload: dict[str, Any], status: int) -> bool:
+    return False
 
 
 async def catch(request: web.Request, to: Upstream, wanted: Wanted, path: str | None = None,
                 body: bytes | None = None, events: Events | None = None,
-                going_on: web.StreamResponse | None = None) -> web.StreamResponse | Caught | Held | Cut:
-    """Catch a whole answer: as `forward`, but a whole JSON answer (not streamed, at most CAUGHT_LIMIT) that
-    `wanted` accepts is returned as Caught instead of being sent (the caller may send the request again, or go
-    on from it); any other answer is streamed through."""
+                going_on: web.StreamResponse | None = None) -> Pass:
+    """As `forward`, but a whole JSON answer (not streamed, at most CAUGHT_LIMIT) that `wanted` accepts is CAUGHT
+    instead of being sent (the caller may send the request again, or go on from it); any other answer is streamed
+    through."""
     path = path if path is not None else request.rel_url.raw_path
     try:
         async with _sent(request, to, path, body) as reply:
             read: bytes | None = None  # an answer read whole to be looked at
-            if _catchable(reply):
+            if _catchable(reply) and wanted is not _nothing_wanted:
                 read = await reply.read()
                 payload = json_object(read)
                 if payload is not None and wanted(payload, reply.status):
-                    return Caught(reply.status, payload, _forwardable(reply.headers))
+                    return Pass(Outcome.CAUGHT, request, None, reply.status, payload, _forwardable(reply.headers))
             return await _through(request, reply, to, path, read, events, going_on)
     except aiohttp.ClientError as exc:
         return _unreachable(request, path, exc, going_on)
 
 
-@dataclass(frozen=True)
-class Collected:
-    """An event stream read to its end into `events`, nothing of it passed on (a background request that asked for
-    one JSON answer, sent as a stream so that it can be paused: wrapper/gathered.py)."""
-
-    events: Events
-
-
 async def collect(request: web.Request, to: Upstream, wanted: Wanted, path: str, body: bytes,
-                  events: Events) -> web.StreamResponse | Caught | Collected | Cut:
-    """As `catch`, but an event stream is read into `events` and returned Collected, never passed on."""
+                  events: Events) -> Pass:
+    """As `catch`, but an event stream is read into `events`, GATHERED, never passed on (a request that asked for
+    one JSON answer, sent as a stream so that it can be paused: wrapper/gathered.py)."""
     try:
         async with _sent(request, to, path, body) as reply:
             if reply.content_type != "text/event-stream":
                 read = await reply.read() if _catchable(reply) else None
                 payload = json_object(read) if read is not None else None
                 if payload is not None and wanted(payload, reply.status):
-                    return Caught(reply.status, payload, _forwardable(reply.headers))
-                passed = await _through(request, reply, to, path, read, None, None)
-                return passed.response if isinstance(passed, Held) else passed
+                    return Pass(Outcome.CAUGHT, request, None, reply.status, payload, _forwardable(reply.headers))
+                return await _through(request, reply, to, path, read, None, None)
             if reply.connection is not None and reply.connection.protocol is not None:
                 reply.connection.protocol.force_close()  # as in _through: llama-server closes it after a stream
             tail = bytearray()
@@ -242,18 +223,19 @@ async def collect(request: web.Request, to: Upstream, wanted: Wanted, path: str,
                     del tail[:-TAP_LIMIT]
             if to.observer is not None:
                 to.observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
-            return Collected(events)
+            return Pass(Outcome.GATHERED, request, None, reply.status, events=events)
     except aiohttp.ClientError as exc:
         return _unreachable(request, path, exc, None)
 
 
 def _unreachable(request: web.Request, path: str, exc: aiohttp.ClientError,
-                 going_on: web.StreamResponse | None) -> Cut:
+                 going_on: web.StreamResponse | None) -> Pass:
     """llama-server went away: before the answer began, or in the middle of it."""
     response = going_on if going_on is not None else request.get(STARTED)
     log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
                 mid_response=response is not None)
-    return Cut(str(exc), request, response if response is not None and response.prepared else None)
+    return Pass(Outcome.CUT, request, response if response is not None and response.prepared else None,
+                error=str(exc))
 
 
 def _catchable(reply: aiohttp.ClientResponse) -> bool:
@@ -284,9 +266,9 @@ async def _sent(request: web.Request, to: Upstream, path: str,
 
 async def _through(request: web.Request, reply: aiohttp.ClientResponse, to: Upstream, path: str,
                    read: bytes | None, events: Events | None,
-                   going_on: web.StreamResponse | None) -> web.StreamResponse | Held:
+                   going_on: web.StreamResponse | None) -> Pass:
     """Pass the answer on as it comes (`read`: what was read of it already), through `events` when it is an event
-    stream; Held when `events` kept its end back."""
+    stream: HELD when `events` kept its end back, else ANSWERED."""
     upstream_connection = reply.connection.protocol if reply.connection is not None else None
     if reply.content_length is None and upstream_connection is not None:
         # llama-server closes the connection after a streamed (chunked) answer although it announced
@@ -296,7 +278,7 @@ async def _through(request: web.Request, reply: aiohttp.ClientResponse, to: Upst
     if reply.content_type != "text/event-stream":
         events = None  # an error answer: passed on whole, as it is
         if going_on is None and _small(request, reply):
-            return await _whole(request, reply, to, path, read)
+            return answered(request, await _whole(request, reply, to, path, read))
     response = going_on if going_on is not None else await _started(request, reply)
     tail = bytearray()
     observer, heard = to.observer, to.heard
@@ -314,9 +296,9 @@ async def _through(request: web.Request, reply: aiohttp.ClientResponse, to: Upst
     if observer is not None:
         observer(path, reply.status, bytes(tail[-TAP_LIMIT:]))
     if events is not None and events.held:
-        return Held(response, events)
+        return Pass(Outcome.HELD, request, response, reply.status, events=events)
     await response.write_eof()
-    return response
+    return answered(request, response)
 
 
 def _small(request: web.Request, reply: aiohttp.ClientResponse) -> bool:

@@ -12,12 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from wrapper.metrics import METRICS
 from wrapper.priority import Class
+from wrapper.steps import SlotUse
+
+
+class UnderWay(Protocol):
+    """How far the exchange a seat may be paused from got (wrapper/sse.py's Events)."""
+
+    @property
+    def tokens(self) -> int:
+        """The tokens generated in its slot so far."""
+        ...
+
+    @property
+    def plain(self) -> bool:
+        """Its answer so far is text an assistant prefix can go on from."""
+        ...
 
 
 @dataclass(eq=False)
@@ -27,34 +41,25 @@ class Seat:
     klass: Class
     path: str
     arrived: float = field(default_factory=time.monotonic)  # its first arrival: its place in its class
-    pauses: int = 0
-    tokens: int = 0  # the tokens its request sends (after a pause: with what it goes on from), once a step counted
-    prompt: int = 0  # its own request's prompt tokens (the first count; 0: not counted)
-    counted: bool = False  # a step counted its prompt (or chose not to: then `prompt` stays 0)
-    generated: Callable[[], int] = lambda: 0  # the tokens generated in its slot so far (the exchange under way)
-    plain: Callable[[], bool] = lambda: True  # its answer so far is text an assistant prefix can go on from
-    pausable: bool = False  # in an exchange it can be paused from and resumed (set by the answer loop)
+    use: SlotUse = field(default_factory=SlotUse)  # what it takes of its slot, as the steps learn it
+    under_way: UnderWay | None = None  # the exchange it may be paused from, while it runs (wrapper/passes.py)
     pause: asyncio.Event = field(default_factory=asyncio.Event)  # set: stop the exchange, keep, wait again
-    slot: int | None = None  # the slot a step pinned it to, for the log and the status
     asked_at: float | None = None  # when it was last asked to pause
     since: float = field(default_factory=time.monotonic)  # when it began to wait, or to be seated
 
+    @property
+    def pauses(self) -> int:
+        return self.use.pauses
+
     def cost(self) -> int:
         """What resuming it costs: the tokens its slot holds."""
-        return self.tokens + self.generated()
-
-
-@dataclass(frozen=True)
-class Paused:
-    """An exchange stopped because its seat was asked to pause; `response`: the client's, once it had begun."""
-
-    response: Any = None
+        return self.use.tokens + (self.under_way.tokens if self.under_way is not None else 0)
 
 
 class Seats:
     def __init__(self, total: int = 1) -> None:
         self.total = max(1, total)
-        self.held: list[Seat] = []
+        self.running: list[Seat] = []
         self.waiting: list[Seat] = []
         self._changed = asyncio.Event()
         self.preempt = False  # whether paused states are kept now (the conversation cache is on)
@@ -93,20 +98,20 @@ class Seats:
             METRICS.interactive_wait.observe(waited)
         seat.since = time.monotonic()
         seat.pause.clear()
-        self.held.append(seat)
+        self.running.append(seat)
         self.changed()
 
     def leave(self, seat: Seat) -> None:
-        seat.pausable = False
-        if seat in self.held:
-            self.held.remove(seat)
+        seat.under_way = None
+        if seat in self.running:
+            self.running.remove(seat)
             self.changed()
 
     def _order(self) -> list[Seat]:
         return sorted(self.waiting, key=lambda s: (s.klass is not Class.INTERACTIVE, s.arrived))
 
     def _granted(self, seat: Seat) -> bool:
-        free = self.total - len(self.held)
+        free = self.total - len(self.running)
         return free > 0 and seat in self._order()[:free]
 
     def _background_waiting(self) -> int:
@@ -116,12 +121,12 @@ class Seats:
         """As many background seats asked to pause as interactive requests wait beyond the free seats."""
         if not self.preempt:
             return
-        free = max(0, self.total - len(self.held))
+        free = max(0, self.total - len(self.running))
         beyond = sum(1 for s in self._order()[free:] if s.klass is Class.INTERACTIVE)
-        asked = sum(1 for s in self.held if s.pause.is_set())
+        asked = sum(1 for s in self.running if s.pause.is_set())
         while asked < beyond:
-            candidates = [s for s in self.held if s.klass is Class.BACKGROUND and s.pausable and s.plain()
-                          and not s.pause.is_set() and s.pauses < self.max_pauses]
+            candidates = [s for s in self.running if s.klass is Class.BACKGROUND and s.under_way is not None
+                          and s.under_way.plain and not s.pause.is_set() and s.pauses < self.max_pauses]
             if not candidates:
                 return
             chosen = min(candidates, key=lambda s: (s.cost(), -s.since))
@@ -133,9 +138,9 @@ class Seats:
         now = time.monotonic()
 
         def shown(seat: Seat) -> dict[str, Any]:
-            return {"class": seat.klass.value, "path": seat.path, "slot": seat.slot, "pauses": seat.pauses,
+            return {"class": seat.klass.value, "path": seat.path, "slot": seat.use.slot, "pauses": seat.pauses,
                     "tokens": seat.cost(), "s": round(now - seat.since, 3)}
 
         return {"slots": self.total, "preempt": self.preempt, "max_pauses": self.max_pauses,
                 "paused": self.paused, "resumed": self.resumed, "gone": self.gone,
-                "running": [shown(s) for s in self.held], "waiting": [shown(s) for s in self._order()]}
+                "running": [shown(s) for s in self.running], "waiting": [shown(s) for s in self._order()]}

@@ -1,7 +1,7 @@
 """What built-ins may add to the path of a proxied request (wrapper/forwarding.py runs them), with typed
-results: steps before a request is forwarded (the request to send, or a Reply for the client), growth when
-llama-server answers a context overflow, what a GET of the server's description answers (Shown), and the
-observers of responses (wrapper/proxy.py's Observer)."""
+results: steps before a request is forwarded (the request to send, or a Reply for the client; what it takes of a
+slot, for the queue), growth when llama-server answers a context overflow, what a GET of the server's description
+answers (Shown), and the observers of responses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,26 @@ from typing import Any
 
 from wrapper.config import Config
 from wrapper.generation import Generation, Host
-from wrapper.seats import Seat
+
+Observer = Callable[[str, int, bytes], None]
+"""Called with (path, status, the last bytes of the body) once a response has been passed on whole."""
+
+
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    """An error in llama-server's own shape, so clients parse it the same way."""
+    return {"error": {"code": status, "message": message, "type": kind}}
+
+
+@dataclass
+class SlotUse:
+    """What a request that decodes takes of a slot, as a step learns it: the queue (wrapper/seats.py) reads it to
+    say what a pause would cost, the step writes it."""
+
+    slot: int | None = None  # the slot a step pinned it to, for the log and the status
+    tokens: int = 0  # the tokens its request sends (after a pause: with what it goes on from), once a step counted
+    prompt: int = 0  # its own request's prompt tokens (the first count; 0: not counted)
+    counted: bool = False  # a step counted its prompt (or chose not to: then `prompt` stays 0)
+    pauses: int = 0  # how often it was paused: more than 0, the request goes on from its own kept state
 
 
 @dataclass
@@ -23,7 +42,7 @@ class Outgoing:
     body: bytes
     payload: dict[str, Any] | None  # the body as a JSON object, when it is one
     after: list[Callable[[int | None], None]] = field(default_factory=list)  # the status, None if cut (or paused)
-    seat: Seat | None = None  # its place in the slots' queue (a request that decodes): its class, its pauses
+    use: SlotUse | None = None  # what it takes of a slot (a request that decodes, seated in the queue)
     keep: list[Callable[[], Awaitable[int]]] = field(default_factory=list)  # at a pause: keep what its slot holds
     # and let the slot go (the tokens kept); a request is paused only when a step can keep it
 

@@ -14,7 +14,7 @@ from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.generation import Generation
 from wrapper.metrics import METRICS
-from wrapper.proxy import Observer
+from wrapper.steps import Observer
 
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
 _CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')

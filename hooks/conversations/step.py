@@ -39,7 +39,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation) or store is None or out.payload is None:
         return out
     book = book_of(generation)
-    resuming = out.seat is not None and out.seat.pauses > 0
+    resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(out.payload) if out.path in paths.CHAT else None
     if messages is not None and not resuming and book.total:
         asked = out.payload.get("id_slot")
@@ -67,10 +67,10 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     reserved = _Reserved(slot, messages)
     out.after.append(lambda status: _release(host, generation, conv, reserved, tokens, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
-    if out.seat is not None:
-        out.seat.tokens, out.seat.slot = len(tokens), slot
-        if not out.seat.counted:
-            out.seat.prompt, out.seat.counted = len(tokens), True
+    if out.use is not None:
+        out.use.tokens, out.use.slot = len(tokens), slot
+        if not out.use.counted:
+            out.use.prompt, out.use.counted = len(tokens), True
     try:
         if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
                                                                 resuming)) is None:
@@ -137,9 +137,9 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
     reserved = _Reserved(slot, messages, continued=True)
     out.after.append(lambda status: _release(host, generation, conv, reserved, None, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
-    if out.seat is not None:
-        out.seat.tokens, out.seat.slot = max(len(book.holds(slot)), conv.left.get(slot, 0)), slot
-        out.seat.counted = True  # its own prompt is not counted: a resumed answer's usage takes the server's
+    if out.use is not None:
+        out.use.tokens, out.use.slot = max(len(book.holds(slot)), conv.left.get(slot, 0)), slot
+        out.use.counted = True  # its own prompt is not counted: a resumed answer's usage takes the server's
     return _pinned(out, slot)
 
 

@@ -25,8 +25,7 @@ from hooks.degrade.wanted import Wanted
 from hooks.slots import view_of
 from wrapper.config import ConfigError
 from wrapper.generation import Generation, Host
-from wrapper.proxy import error_body
-from wrapper.steps import CannotGrow, Grown, GrowResult, NotPlanned
+from wrapper.steps import CannotGrow, Grown, GrowResult, NotPlanned, error_body
 from wrapper.units import format_size, parse_size
 
 log = structlog.get_logger()

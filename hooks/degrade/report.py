@@ -14,7 +14,7 @@ from hooks.degrade.pool import member
 from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
-from wrapper.proxy import Observer
+from wrapper.steps import Observer
 
 log = structlog.get_logger()
 

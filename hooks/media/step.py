@@ -19,9 +19,8 @@ from hooks.media.state import configured, loaded, state
 from wrapper.generation import Generation, Host
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
-from wrapper.proxy import error_body
 from wrapper.reload_ask import Reloaded, Unchanged, ask_reload
-from wrapper.steps import Outgoing, Reply
+from wrapper.steps import Outgoing, Reply, error_body
 
 log = structlog.get_logger()
 

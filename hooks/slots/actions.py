@@ -30,7 +30,7 @@ from wrapper.kept import Key
 from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
-from wrapper.proxy import Observer
+from wrapper.steps import Observer
 
 log = structlog.get_logger()
 

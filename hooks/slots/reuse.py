@@ -10,7 +10,7 @@ import structlog
 
 from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
-from wrapper.proxy import Observer
+from wrapper.steps import Observer
 
 log = structlog.get_logger()
 

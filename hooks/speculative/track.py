@@ -11,8 +11,7 @@ from hooks.speculative.fit import speculates
 from hooks.speculative.settings import switching
 from hooks.speculative.state import STATE, Track
 from wrapper.generation import Generation, Host
-from wrapper.proxy import Observer
-from wrapper.steps import Outgoing
+from wrapper.steps import Observer, Outgoing
 
 _TRACK: contextvars.ContextVar[Track | None] = contextvars.ContextVar("spec_track", default=None)
 _PER_SECOND = re.compile(rb'"predicted_per_second"\s*:\s*([0-9.eE+-]+)')

@@ -13,7 +13,8 @@ from aiohttp import web
 
 from wrapper.answering import MAX_GROWTHS, AnswerLoop
 from wrapper.generation import Host
-from wrapper.proxy import Caught, Cut, Held, Wanted
+from wrapper.proxy import Outcome, Pass, Wanted
+from wrapper.route import Shape
 from wrapper.serving import GONE_WHY, Loss
 from wrapper.sse import Events
 from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
@@ -40,16 +41,19 @@ class Script:
     answers: list[tuple[int, dict[str, Any]] | str]  # a str: llama-server went away under that pass
     sent: list[dict[str, Any]] = field(default_factory=list)
 
-    async def exchange(self, body: bytes, wanted: Wanted, events: Events | None,
-                       going_on: web.StreamResponse | None) -> web.StreamResponse | Caught | Held | Cut:
+    async def send(self, body: bytes, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
         self.sent.append(json.loads(body))
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         if isinstance(answer, str):
-            return Cut(answer, cast(web.BaseRequest, None))
+            return Pass(Outcome.CUT, REQUEST, error=answer)
         status, payload = answer
         if wanted(payload, status):
-            return Caught(status, payload)
-        return web.json_response(payload, status=status)
+            return Pass(Outcome.CAUGHT, REQUEST, status=status, payload=payload)
+        return Pass(Outcome.ANSWERED, REQUEST, web.json_response(payload, status=status))
+
+
+REQUEST = cast(web.BaseRequest, SimpleNamespace(transport=None))  # the client's request: never closed here
 
 
 @dataclass
@@ -74,12 +78,32 @@ class Losing:
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
+@dataclass
+class Passes:
+    """The loop's passes: the script's answers, and whether the server was lost under each cut."""
+
+    script: Script
+    losing: Losing | None
+
+    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        assert shape is Shape.WHOLE and events is None
+        return await self.script.send(body, wanted, events, going_on)
+
+    async def lost(self) -> Loss:
+        assert self.losing is not None  # asked only with the watchdog on
+        return await self.losing.lost()
+
+    async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
+        raise AssertionError("a whole answer is never paused")
+
+
 def loop(script: Script, growing: Growing | None, body: dict[str, Any], continues: bool = True,
          losing: Losing | None = None) -> AnswerLoop:
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
     growth = Growth(growing.grow, lambda config: continues, lambda config: 64) if growing is not None else None
-    return AnswerLoop(host, growth, CHAT, json.dumps(body).encode(), script.exchange, lambda: N_CTX,
-                      losing.lost if losing is not None else None)
+    return AnswerLoop(host, growth, CHAT, json.dumps(body).encode(), Passes(script, losing), lambda: N_CTX,
+                      Shape.WHOLE, watched=losing is not None)
 
 
 def answer(response: web.StreamResponse) -> dict[str, Any]:
@@ -189,3 +213,144 @@ async def test_a_server_lost_and_not_started_again_is_said_so() -> None:
     response = await loop(script, None, ASKED, losing=losing).run()
     assert response.status == 502 and answer(response)["error"]["message"] == GONE_WHY
     assert len(script.sent) == 1
+
+
+# -- a stream: passes scripted as llama-server's events, written to a recorded client ----------------------------
+
+
+class Client:
+    """The client's response: what was written to it, once prepared."""
+
+    prepared = True
+    content_type = "text/event-stream"
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        assert not self.ended
+        self.written += data
+
+    async def write_eof(self) -> None:
+        self.ended = True
+
+    def events(self) -> list[dict[str, Any]]:
+        return [{"done": True} if line == "data: [DONE]" else json.loads(line[6:])
+                for line in self.written.decode().split("\n\n") if line.startswith("data: ")]
+
+
+def sse(*payloads: dict[str, Any] | str) -> bytes:
+    return b"".join(b"data: " + (p.encode() if isinstance(p, str) else json.dumps(p).encode()) + b"\n\n"
+                    for p in payloads)
+
+
+def delta(content: str | None = None, id: str = "chatcmpl-1", **more: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "finish_reason": None, "delta": {"content": content, **more}}], "id": id,
+            "object": "chat.completion.chunk"}
+
+
+def final(id: str = "chatcmpl-1", completion: int = 3) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}], "id": id,
+            "usage": {"completion_tokens": completion, "prompt_tokens": 50, "total_tokens": 50 + completion}}
+
+
+@dataclass
+class Streams:
+    """llama-server's event streams in turn, each to its end, or cut (`cut`) or paused after `upto` events; the
+    loop's passes (wrapper/passes.py) played against them."""
+
+    parts: list[tuple[bytes, str | None, int]]  # (the stream, "cut" | "paused" | None, events before it)
+    client: Client = field(default_factory=Client)
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[Loss] = field(default_factory=lambda: [Loss.BACK])
+    resumes: list[bytes | str] = field(default_factory=list)
+
+    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        assert shape is Shape.STREAM and events is not None
+        self.sent.append(json.loads(body))
+        stream, stop, upto = self.parts.pop(0)
+        raws = [raw + b"\n\n" for raw in stream.split(b"\n\n") if raw]
+        response = cast(web.StreamResponse, self.client)
+        for raw in raws[:upto] if stop else raws:
+            await self.client.write(events.feed(raw))
+        if stop == "cut":
+            return Pass(Outcome.CUT, REQUEST, response, error="Server disconnected")
+        if stop == "paused":
+            return Pass(Outcome.PAUSED, REQUEST, response)
+        if events.held:
+            return Pass(Outcome.HELD, REQUEST, response, 200, events=events)
+        await self.client.write_eof()  # as wrapper/proxy.py ends a stream it held nothing of
+        return Pass(Outcome.ANSWERED, REQUEST, response)
+
+    async def lost(self) -> Loss:
+        return self.losses.pop(0)
+
+    async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
+        return self.resumes.pop(0)
+
+
+def streamed(streams: Streams, prompt: int | None = None) -> AnswerLoop:
+    body = {**ASKED, "stream": True, "temperature": 0}
+    host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
+    return AnswerLoop(host, None, CHAT, json.dumps(body).encode(), streams, lambda: N_CTX, Shape.STREAM,
+                      watched=True, prompt_tokens=prompt)
+
+
+FIRST = sse(delta(None, role="assistant"), delta("Once"), delta(" upon"), delta(" a"), delta(" time"))
+AFTER = sse(delta(None, role="assistant", id="chatcmpl-2"), delta("Once upon a", id="chatcmpl-2"),
+            delta(" time", id="chatcmpl-2"), delta(",", id="chatcmpl-2"), delta(" there", id="chatcmpl-2"),
+            final("chatcmpl-2", completion=3), "[DONE]")
+
+
+def text(client: Client) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in client.events() if "choices" in e)
+
+
+async def test_a_stream_cut_by_a_lost_server_goes_on_in_the_same_stream_as_one_answer() -> None:
+    streams = Streams([(FIRST, "cut", 5), (AFTER, None, 0)])
+    response = await streamed(streams).run()
+    assert response is streams.client and streams.client.ended  # type: ignore[comparison-overlap]
+    events = streams.client.events()
+    assert text(streams.client) == "Once upon a time, there"  # picked up where it stopped: nothing again
+    assert sum(1 for e in events if "choices" in e and e["choices"][0]["delta"].get("role")) == 1
+    assert {e["id"] for e in events if "id" in e} == {"chatcmpl-1"}  # the first part's id throughout
+    finals = [e for e in events if "choices" in e and e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and events[-1] == {"done": True}
+    assert finals[0]["usage"]["completion_tokens"] == 6  # 4 before the cut, 3 after, " time" once
+    went_on = streams.sent[1]["messages"][-1]
+    assert went_on == {"role": "assistant", "content": "Once upon a"}  # from before the last word
+
+
+async def test_a_stream_a_reload_handed_over_goes_on_without_asking_for_a_loss() -> None:
+    streams = Streams([(FIRST, "cut", 5), (AFTER, None, 0)], losses=[])
+    cut = streams.send
+
+    async def handed_over(*given: Any) -> Pass:
+        got = await cut(*given)
+        return Pass(got.outcome, got.request, got.response, error="handed over", handed_over=True) \
+            if got.outcome is Outcome.CUT else got
+
+    streams.send = handed_over  # type: ignore[method-assign,assignment]
+    await streamed(streams).run()
+    assert text(streams.client) == "Once upon a time, there"
+
+
+async def test_a_paused_stream_resumes_in_its_stream_and_one_refused_is_told_why() -> None:
+    resumed = {**ASKED, "stream": True, "id_slot": 0}
+    streams = Streams([(FIRST, "paused", 5), (AFTER, None, 0)], resumes=[json.dumps(resumed).encode()])
+    await streamed(streams, prompt=50).run()
+    assert text(streams.client) == "Once upon a time, there" and streams.sent[1] == resumed
+    refused = Streams([(FIRST, "paused", 5)], resumes=["the slot could not be restored"])
+    await streamed(refused).run()
+    events = refused.client.events()
+    assert events[-1]["error"]["message"] == "the slot could not be restored" and refused.client.ended
+    assert not any("choices" in e and e["choices"][0]["finish_reason"] for e in events)
+
+
+async def test_a_stream_cut_twice_by_losses_ends_with_an_error_event() -> None:
+    streams = Streams([(FIRST, "cut", 5), (AFTER, "cut", 3)], losses=[Loss.BACK, Loss.BACK])
+    await streamed(streams).run()
+    events = streams.client.events()
+    assert "lost 2 times" in events[-1]["error"]["message"] and streams.client.ended

@@ -14,9 +14,9 @@ from wrapper.answering import AnswerLoop
 from wrapper.continuation import RESUME_LOOKBACK, SoFar, greedy, resume_point
 from wrapper.gathered import Gathered, whole_answer
 from wrapper.generation import Host
-from wrapper.priority import Class
-from wrapper.proxy import Caught, Collected, Cut, Held, Wanted
-from wrapper.seats import Paused, Seat
+from wrapper.proxy import Outcome, Pass, Wanted
+from wrapper.route import Shape
+from wrapper.serving import Loss
 from wrapper.sse import Carry, Events
 
 CHAT = "/v1/chat/completions"
@@ -130,29 +130,26 @@ class Passes:
     streams: list[tuple[bytes, int | None]]
     sent: list[dict[str, Any]] = field(default_factory=list)
     resumed: list[tuple[dict[str, Any], int]] = field(default_factory=list)
-    seat: Seat = field(default_factory=lambda: Seat(Class.BACKGROUND, CHAT, tokens=30, prompt=30))
     request: web.BaseRequest = field(default_factory=lambda: cast(web.BaseRequest, None))
 
-    async def collect(self, body: bytes, wanted: Wanted, events: Events) -> web.StreamResponse | Caught | \
-            Collected | Cut | Paused:
+    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        assert shape is Shape.GATHERED and isinstance(events, Gathered) and going_on is None
         self.sent.append(json.loads(body))
-        assert self.seat.pausable  # the loop lets the seat be asked while the pass runs
         stream, pause_after = self.streams.pop(0)
         if pause_after is None:
             events.feed(stream)
-            return Collected(events)
+            return Pass(Outcome.GATHERED, self.request, events=events)
         for raw in stream.split(b"\n\n")[:pause_after]:
             events.feed(raw + b"\n\n")
-        return Paused()
+        return Pass(Outcome.PAUSED, self.request)
+
+    async def lost(self) -> Loss:
+        raise AssertionError("nothing is cut")
 
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         self.resumed.append((request, generated))
         return json.dumps({**request, "id_slot": 1}).encode()
-
-
-async def unused_exchange(body: bytes, wanted: Wanted, events: Events | None,
-                          going_on: web.StreamResponse | None) -> web.StreamResponse | Caught | Held | Cut | Paused:
-    raise AssertionError("a gathered answer goes through collect")
 
 
 async def test_a_json_answer_paused_twice_is_one_answer() -> None:
@@ -164,8 +161,8 @@ async def test_a_json_answer_paused_twice_is_one_answer() -> None:
         final(cache_n=36, prompt_n=1, predicted_n=3))))
     passes = Passes([(first, 5), (second, 5), (third, None)])
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
-    response = await AnswerLoop(host, None, CHAT, json.dumps(asked).encode(), unused_exchange, lambda: 4096,
-                                None, passes).run()
+    response = await AnswerLoop(host, None, CHAT, json.dumps(asked).encode(), passes, lambda: 4096, Shape.GATHERED,
+                                prompt_tokens=30).run()
     assert isinstance(response, web.Response) and response.body is not None
     answer = json.loads(cast(bytes, response.body))
     assert answer["choices"][0]["message"]["content"] == "Once upon a time, there was"
@@ -175,4 +172,4 @@ async def test_a_json_answer_paused_twice_is_one_answer() -> None:
     assert passes.resumed[0][0]["messages"][-1] == {"role": "assistant", "content": "Once upon a"}
     assert passes.resumed[0][0]["max_tokens"] == 17 and passes.resumed[0][1] == 4
     assert passes.resumed[1][0]["messages"][-1] == {"role": "assistant", "content": "Once upon a time,"}
-    assert passes.sent[1]["id_slot"] == 1 and not passes.seat.pausable
+    assert passes.sent[1]["id_slot"] == 1

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import Wrapper, child_argv, free_port, http, running
-from wrapper.proxy import BadPath, Cut, Upstream, canonical_path, forward
+from wrapper.proxy import BadPath, Outcome, Upstream, canonical_path, forward
 
 
 @pytest.fixture
@@ -91,8 +91,8 @@ async def test_unreachable_upstream_is_a_502_json_error() -> None:
     async with aiohttp.ClientSession() as session:
         async def handler(request: web.Request) -> web.StreamResponse:
             answer = await forward(request, Upstream(dead, session))
-            assert isinstance(answer, Cut) and answer.response is None  # nothing of an answer had begun
-            return await answer.answer()
+            assert answer.outcome is Outcome.CUT and answer.response is None  # nothing of an answer had begun
+            return await answer.told()
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handler)

@@ -4,15 +4,25 @@ keeps its place, and which background seat is asked to pause."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from wrapper.priority import Class
 from wrapper.seats import Seat, Seats
+from wrapper.steps import SlotUse
 
 PERSON, AGENT = Class.INTERACTIVE, Class.BACKGROUND
 
 
 def seat(klass: Class, arrived: float, tokens: int = 0) -> Seat:
-    return Seat(klass, "/v1/chat/completions", arrived=arrived, tokens=tokens)
+    return Seat(klass, "/v1/chat/completions", arrived=arrived, use=SlotUse(tokens=tokens))
+
+
+@dataclass
+class Running:
+    """An exchange under way that a seat may be paused from: how far it got."""
+
+    tokens: int = 0
+    plain: bool = True
 
 
 async def settle() -> None:
@@ -40,7 +50,7 @@ async def test_interactive_requests_go_first_then_first_come_first_served() -> N
     for _ in waiting:
         seats.leave(holder)
         await settle()
-        holder = next(s for s in waiting if s in seats.held)
+        holder = next(s for s in waiting if s in seats.running)
     assert order == ["i1", "i2", "b1", "b2"]
     await asyncio.gather(*tasks)
 
@@ -53,7 +63,7 @@ async def test_a_paused_request_waits_ahead_of_later_background_ones() -> None:
     later_task = asyncio.ensure_future(seats.take(later))
     seats.leave(paused)  # paused: it waits again with its first arrival
     await settle()
-    assert later in seats.held
+    assert later in seats.running
     again = asyncio.ensure_future(seats.take(paused))
     third = asyncio.ensure_future(seats.take(seat(AGENT, 6.0)))
     await settle()
@@ -83,7 +93,7 @@ async def test_an_interactive_request_asks_the_cheapest_pausable_background_seat
         await seats.take(s)
     seats.leave(person)
     await seats.take(busy)
-    big.pausable = small.pausable = True  # busy is in its steps: not pausable now
+    big.under_way, small.under_way = Running(), Running()  # busy is in its steps: not pausable now
     waiting = asyncio.ensure_future(seats.take(seat(PERSON, 4.0)))
     await settle()
     assert small.pause.is_set() and not big.pause.is_set() and not busy.pause.is_set()
@@ -98,7 +108,7 @@ async def test_one_pause_per_interactive_request_that_waits() -> None:
     a, b = seat(AGENT, 0.0, 10), seat(AGENT, 1.0, 20)
     for s in (a, b):
         await seats.take(s)
-        s.pausable = True
+        s.under_way = Running()
     one = asyncio.ensure_future(seats.take(seat(PERSON, 2.0)))
     await settle()
     assert a.pause.is_set() and not b.pause.is_set()
@@ -115,15 +125,16 @@ async def test_nothing_is_paused_past_max_pauses_without_preemption_or_mid_tool_
     seats.preempt, seats.max_pauses = True, 2
     holder = seat(AGENT, 0.0)
     await seats.take(holder)
-    holder.pausable, holder.pauses = True, 2
+    running = Running()
+    holder.under_way, holder.use.pauses = running, 2
     waiting = asyncio.ensure_future(seats.take(seat(PERSON, 1.0)))
     await settle()
     assert not holder.pause.is_set()  # paused twice already: it runs to its end
-    holder.pauses = 0
-    holder.plain = lambda: False  # its answer began a tool call: no prefix goes on from it
+    holder.use.pauses = 0
+    running.plain = False  # its answer began a tool call: no prefix goes on from it
     seats.changed()
     assert not holder.pause.is_set()
-    holder.plain = lambda: True
+    running.plain = True
     seats.preempt = False
     seats.changed()
     assert not holder.pause.is_set()
@@ -139,7 +150,7 @@ async def test_an_interactive_seat_is_never_paused_and_a_free_seat_pauses_nothin
     seats.preempt = True
     person, agent = seat(PERSON, 0.0), seat(AGENT, 1.0)
     await seats.take(person)
-    person.pausable = True
+    person.under_way = Running()
     await seats.take(seat(PERSON, 2.0))  # the second seat was free
     agent_task = asyncio.ensure_future(seats.take(agent))
     newcomer = asyncio.ensure_future(seats.take(seat(PERSON, 3.0)))
