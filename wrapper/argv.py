@@ -90,3 +90,12 @@ def replace(argv: Sequence[str], names: Sequence[str], value: str | None) -> lis
 def offloaded(argv: Sequence[str]) -> bool:
     """Whether layers go to a GPU (-ngl given and not 0)."""
     return get(argv, GPU_LAYERS) not in (None, "0")
+
+
+def unified_kv(argv: Sequence[str]) -> bool:
+    """One KV for all slots: -kvu, or llama-server's default when the slot count is automatic (no -np, or -1)."""
+    unified = last_of(argv, KV_UNIFIED, NO_KV_UNIFIED)
+    if unified is None:
+        given = get(argv, PARALLEL)
+        return given is None or given.strip() == "-1"
+    return unified

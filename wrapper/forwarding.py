@@ -184,5 +184,5 @@ def _slot_ctx(generation: Generation) -> int:
     argv = generation.launch.argv
     n_ctx = int(args.get(argv, args.CTX_SIZE) or 0)
     parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
-    return n_ctx if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED) else n_ctx // parallel
+    return n_ctx if args.unified_kv(argv) else n_ctx // parallel
 

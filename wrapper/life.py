@@ -119,9 +119,9 @@ class ServerLife:
         no built-in's risky step running (0 while any is)."""
         serving = self.serving
         if self.watch.reloading is not None or self.watch.risky or serving.cut_by_loss \
-                or serving.seats.status().get("waiting"):
+                or serving.seats.status().get("waiting") or self.ready_at is None:
             return 0.0
-        return serving.gate.idle_s()
+        return min(serving.gate.idle_s(), time.monotonic() - self.ready_at)  # nothing could ask before it was ready
 
     # -- the way up ---------------------------------------------------------------------------------------------
 

@@ -85,21 +85,20 @@ class NextGeneration:
     carries_streams: bool = False  # streams in flight are paused, to go on on the new server (not waited for)
 
 
-def _carries_streams(current: Generation, config: Config, launch: Launch) -> bool:
-    """Whether streams in flight are handed over (cut, their slots saved and restored, continued on the new server:
-    a pause of the reload's downtime) rather than waited for: when a built-in carries conversations across, and
-    each slot holds at least as much as before (what a stream holds fits there)."""
-    if not (built_ins.keeps_conversations(current.config) and built_ins.keeps_conversations(config)):
+def carries_streams(keeps_before: bool, keeps_after: bool, before: list[str], after: list[str]) -> bool:
+    """Whether a reload from argv `before` to `after` hands streams in flight over (cut, their slots saved and
+    restored, continued on the new server: a pause of the reload's downtime) rather than waiting for them: when a
+    built-in carries conversations across on both sides (`keeps_…`), and each slot holds at least as much as
+    before (what a stream holds fits there): as many slots, as much context, the same KV layout."""
+    if not (keeps_before and keeps_after):
         return False
-    before, after = current.launch.argv, launch.argv
     try:
         old_ctx, new_ctx = int(args.get(before, args.CTX_SIZE) or 0), int(args.get(after, args.CTX_SIZE) or 0)
         old_np, new_np = int(args.get(before, args.PARALLEL) or 1), int(args.get(after, args.PARALLEL) or 1)
     except ValueError:
         return False
-    unified = args.last_of(before, args.KV_UNIFIED, args.NO_KV_UNIFIED) is \
-        args.last_of(after, args.KV_UNIFIED, args.NO_KV_UNIFIED)
-    return unified and old_ctx > 0 and new_ctx >= old_ctx and new_np == old_np
+    same_kv = args.unified_kv(before) is args.unified_kv(after)
+    return same_kv and old_ctx > 0 and new_ctx >= old_ctx and new_np == old_np
 
 
 class Reloader:
@@ -144,7 +143,9 @@ class Reloader:
         overlap, overlap_why = self._overlap(config, launch)
         return NextGeneration(reload_plan, new_config, launch, overlap, overlap_why, asked,
                               args.get(current.launch.argv, args.CTX_SIZE), cut,
-                              overlap and _carries_streams(current, new_config, launch))
+                              overlap and carries_streams(built_ins.keeps_conversations(current.config),
+                                                          built_ins.keeps_conversations(new_config),
+                                                          current.launch.argv, launch.argv))
 
     def _overlap(self, config: Config, launch: Launch) -> tuple[bool, str]:
         policy = config.reload_overlap

@@ -52,15 +52,6 @@ def asked_context(argv: Sequence[str]) -> int | None:
     return _positive(args.get(argv, args.CTX_SIZE))
 
 
-def unified_kv(argv: Sequence[str]) -> bool:
-    """One KV for all slots: -kvu, or llama-server's default when the slot count is automatic."""
-    unified = args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED)
-    if unified is None:
-        given = args.get(argv, args.PARALLEL)
-        return given is None or given.strip() == "-1"
-    return unified
-
-
 def training_context(launch: Launch) -> int | None:
     """The training context llama-server caps a slot at: the GGUF header's, unless rope scaling changes it."""
     train = launch.facts.get("context_length")
@@ -77,7 +68,7 @@ def share(asked: int, slots: int, unified: bool) -> int:
 
 def server_context(argv: Sequence[str], slot: int, slots: int, train: int | None) -> ServerContext:
     """The context of a llama-server started with `argv` whose /props says `slot` per slot and `slots` slots."""
-    asked, unified = asked_context(argv), unified_kv(argv)
+    asked, unified = asked_context(argv), args.unified_kv(argv)
     if asked is None:
         return ServerContext(None, slot if unified else slot * slots, slot, slots, unified)
     runs = min(_pad(asked), slots * slot) if unified else slots * slot
@@ -89,7 +80,7 @@ def expected_context(argv: Sequence[str], train: int | None) -> ServerContext | 
     asked = asked_context(argv)
     if asked is None:
         return None
-    unified = unified_kv(argv)
+    unified = args.unified_kv(argv)
     slots = _positive(args.get(argv, args.PARALLEL)) or AUTO_SLOTS
     slot = share(asked, slots, unified)
     for cap in (_positive(args.get(argv, PER_SLOT)), train):

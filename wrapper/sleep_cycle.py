@@ -19,19 +19,29 @@ from wrapper.sections import SLEEP
 from wrapper.sleeping import LOOK_EVERY_S
 
 
+def why_sleep(ready: bool, asked: str | None, after: float | None, idle_s: float) -> str | None:
+    """Why a sleep is due now, else None: asked for (`asked`: POST /wrapper/sleep, the pool), or idle for
+    `sleep.after`; never while not ready to sleep (starting, restarting, in the middle of a reload)."""
+    if not ready:
+        return None
+    if asked is not None:
+        return asked
+    if after is not None and idle_s >= after:
+        return f"idle for sleep.after ({after:g}s)"
+    return None
+
+
 async def due(life: ServerLife) -> str:
-    """Wait until a sleep is due: idle for `sleep.after` while ready, or asked for (POST /wrapper/sleep, the pool);
-    why."""
+    """Wait until a sleep is due (see why_sleep; an ask that comes while not ready waits until it is); why."""
     sleep = life.sleep
     while True:
-        ready = life.state is State.READY and life.watch.reloading is None  # never in the middle of a reload
-        if ready and sleep.asked.is_set():
+        ready = life.state is State.READY and life.watch.reloading is None
+        asked = sleep.asked_why if sleep.asked.is_set() else None
+        why = why_sleep(ready, asked, SLEEP.of(life.current.config).after, life.idle_s())
+        if why is not None:
             sleep.asked.clear()
-            return sleep.asked_why
-        after = SLEEP.of(life.current.config).after
-        if ready and after is not None and life.idle_s() >= after:
-            return f"idle for sleep.after ({after:g}s)"
-        if sleep.asked.is_set():  # asked while a reload runs: once it is done
+            return why
+        if asked is not None:  # asked while a reload runs: once it is done
             await asyncio.sleep(LOOK_EVERY_S)
             continue
         with contextlib.suppress(TimeoutError):

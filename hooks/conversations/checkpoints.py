@@ -65,7 +65,7 @@ async def _keep_grown(host: Host, generation: Generation, conv: Conversations, s
     for slot, tokens in book.known().items():
         if host.in_flight or host.current is not generation:
             return  # a request came: it goes first
-        held = max(len(tokens), conv.left.get(slot, 0))  # the prompt, and the answer it generated
+        held = book.count(slot)  # the prompt, and the answer it generated
         growth = grown(conv.kept_as.get(slot), tokens, held)
         if growth < every or book.entry_of(slot) is not None:
             continue  # not grown enough, or the store holds what it holds

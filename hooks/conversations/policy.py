@@ -13,6 +13,16 @@ ASSUMED_RESTORE_BPS = 1e9  # until a restore is measured
 ASSUMED_CONVERT_BPS = 2e8  # until a conversion is measured
 
 
+def dropped(known: list[int], count: int, tokens: list[int]) -> int:
+    """How many of the `count` tokens a slot holds a request that takes it drops: `known` are its first tokens as
+    the book knows them (a prompt's), `tokens` the request's. A request that begins with every known token and is
+    at least `count` long goes on with all of it (an answer's tokens come back as the next turn's prompt); any
+    other keeps only what it shares (nothing, when no token is known)."""
+    shared = common_prefix(known, tokens)
+    kept = count if known and shared == len(known) and len(tokens) >= count else shared
+    return max(0, count - kept)
+
+
 def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int],
                 last_used: Mapping[int, float], min_tokens: int) -> int:
     """The slot sharing the longest prefix with the request, whatever share of what it holds that is

@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.conversations.state import ANSWERING, enabled, state
-from hooks.slots import left_in_slot
+from hooks.conversations.state import enabled, state
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store.settings import STORE
@@ -17,7 +16,6 @@ from wrapper.metrics import METRICS
 from wrapper.steps import Observer
 
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
-_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 _PROMPT_MS = re.compile(rb'"prompt_ms"\s*:\s*([0-9.eE+-]+)')
 
 
@@ -32,11 +30,6 @@ def observer(generation: Generation) -> Observer | None:
             book_of(generation).forgotten()  # it ran in some slot the wrapper did not choose
         if status != 200:
             return
-        slot, left = ANSWERING.get(), left_in_slot(tail)
-        if slot is not None and left is not None:
-            conv.left[slot] = left
-        if slot is not None and (reused := _CACHE_N.findall(tail)):
-            conv.reused[slot] = int(reused[-1])
         tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)
         if tokens and ms:
             kept.rates.learn_prefill(int(tokens[-1]), float(ms[-1]) / 1000)

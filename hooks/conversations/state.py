@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from hooks.conversations.rates import KeptRates
@@ -32,9 +31,6 @@ class Conversations:
     misses: dict[str, int] = field(default_factory=dict)
     kept_as: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # slot -> (its prompt, the tokens it
     # held) when it was last kept (checkpoints)
-    left: dict[int, int] = field(default_factory=dict)  # slot -> the tokens its last answer left there (generated too)
-    reused: dict[int, int] = field(default_factory=dict)  # slot -> the tokens its answer now under way reused
-    # (its timings' cache_n), until the request is released
     continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
 
     def rates_of(self, generation: Generation) -> KeptRates:
@@ -62,10 +58,6 @@ LABELS = {"not cached": "not_cached", "the slot holds as much": "in_slot", "too 
           "the server died restoring it": "server_died"}
 """The `reason` label of a miss in /metrics, for the reason status gives in words."""
 
-
-ANSWERING: ContextVar[int | None] = ContextVar("answering", default=None)
-"""The slot the request being answered was pinned to (set by the step, read by the observer of its answer: a task
-the request starts copies it)."""
 
 STATE = Key("conversations", Conversations)  # for the wrapper's life: the rates, the hits, the pins
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 import structlog
 
 from hooks.conversations.chain import Chain, Messages, messages_of
-from hooks.conversations.policy import Candidate, Rule, choose_slot, decide
+from hooks.conversations.policy import Candidate, Rule, choose_slot, decide, dropped
 from hooks.conversations.settings import CACHE
-from hooks.conversations.state import ANSWERING, Conversations, enabled, state
-from hooks.slots.book import book_of
+from hooks.conversations.state import Conversations, enabled, state
+from hooks.slots.book import PINNED, book_of
 from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
 from hooks.store import Entry, Store, Unreadable, common_prefix
@@ -85,7 +85,7 @@ def _pinned(out: Outgoing, slot: int) -> Outgoing:
     assert out.payload is not None
     out.payload["id_slot"] = slot
     out.body = json.dumps(out.payload).encode()
-    ANSWERING.set(slot)
+    PINNED.set(slot)
     return out
 
 
@@ -109,7 +109,6 @@ def continuing(generation: Generation, conv: Conversations, store: Store, messag
     if any(_begins_with(entry, known) for entry in store.entries() if entry.n_tokens >= longer):
         return None  # a longer state of it (another host's, another slot's): the lookup weighs a restore
     conv.busy.add(slot)
-    conv.reused.pop(slot, None)  # what an earlier answer there reused (one paused before its release) is not this
     return slot
 
 
@@ -138,7 +137,7 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
     out.after.append(lambda status: _release(host, generation, conv, reserved, None, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
-        out.use.tokens, out.use.slot = max(len(book.holds(slot)), conv.left.get(slot, 0)), slot
+        out.use.tokens, out.use.slot = book.count(slot), slot
         out.use.counted = True  # its own prompt is not counted: a resumed answer's usage takes the server's
     return _pinned(out, slot)
 
@@ -209,15 +208,14 @@ def _release(host: Host, first: Generation, conv: Conversations, reserved: _Rese
     if reserved.released:
         return  # paused: what the slot holds was kept, and the book says what it is
     answered = status is not None and status < 400
-    reused = conv.reused.pop(reserved.slot, None)
     chain = reserved.messages.chain() if reserved.messages is not None and answered else None
     for generation in {id(g): g for g in (first, host.current)}.values():
         book = book_of(generation)
         if not reserved.continued:
             book.served(reserved.slot, tokens if answered else None, chain)
-        elif chain is not None and reused is not None and generation is first:
-            book.continued(reserved.slot, chain, reused)
-        else:  # no answer, or none that said what it reused, or another server's slot: unknown
+        elif chain is not None:  # each server's book knows whether the answer came from it (the last pass went to
+            book.continued(reserved.slot, chain)  # a server started again after a crash): unknown if it did not
+        else:  # no answer: unknown
             book.served(reserved.slot, None)
     _let_go(conv, reserved)
 
@@ -249,13 +247,13 @@ async def _make_room(generation: Generation, conv: Conversations, store: Store, 
                      tokens: list[int]) -> None:
     book = book_of(generation)
     settings = CACHE.of(generation.config)
-    held = book.holds(slot)
+    count = book.count(slot)  # its prompt and the answer it generated
     if book.partial(slot):  # it may hold more than the book says: saved (a state too short is not kept)
         await save_slot(generation, conv, store, slot, "it leaves its slot")
         return
-    if len(held) < settings.min_tokens:
+    if count < settings.min_tokens:
         return  # too short to keep
-    if len(held) - common_prefix(held, tokens) < settings.min_tokens:
+    if dropped(book.holds(slot), count, tokens) < settings.min_tokens:
         return  # this request goes on with it (what it drops is too little to keep): it does not leave
     if (key := book.entry_of(slot)) is not None and store.get(key) is not None:
         return  # unchanged since it was saved or restored: the store holds it

@@ -52,7 +52,8 @@ async def grow(host: Host, needed: int, pool_full: bool = False) -> GrowResult:
                 return NotPlanned()
             await asyncio.sleep(GATHER_S)  # the other requests of a burst get to say what they need
             fit = fitted(host.current.launch) or fit  # another growth may have reloaded meanwhile
-            wanted = wanted_context(host.current.launch.argv, state, state.waiting, pool_full, fit.n_ctx)
+            wanted = wanted_context(host.current.launch.argv, held_tokens(host.current), state.waiting, pool_full,
+                                    fit.n_ctx)
             if fit.n_ctx >= wanted:
                 return Grown()  # another request's growth got there first
             if fit.pool is not None:
@@ -105,8 +106,8 @@ async def relax(host: Host) -> None:
             continue
         try:
             if pooled:
-                held = [] if idle else [t + settings.headroom for t in _held(state, host.current)]
-                needed = context_for(host.current.launch.argv, state, held)
+                held = [] if idle else [t + settings.headroom for t in held_tokens(host.current)]
+                needed = context_for(host.current.launch.argv, held_tokens(host.current), held)
                 why = "idle for degrade.relax_after" if idle else "memory is free"
                 await pool_moves.relax(host, state, needed, why)
                 if idle:
@@ -122,7 +123,8 @@ async def relax_now(host: Host, state: DegradeState, settings: DegradeSettings, 
     fit = fitted(host.current.launch)
     if fit is None:
         return None
-    needed = context_for(host.current.launch.argv, state, [t + settings.headroom for t in _held(state, host.current)])
+    needed = context_for(host.current.launch.argv, held_tokens(host.current),
+                         [t + settings.headroom for t in held_tokens(host.current)])
     target = plan_relax(fit.index, fit.n_ctx, fit.rungs, needed)
     if target is None:
         state.last_activity = time.monotonic()  # nothing better: look again after another idle period
@@ -163,7 +165,8 @@ async def set_budget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, A
         planner, rungs = ladder_for(fit.rungs[0].argv, generation.launch, generation.config, state, budget[0])
     except PlanError as exc:
         return 500, error_body(500, f"cannot plan this model: {exc}", "server_error")
-    needed = context_for(generation.launch.argv, state, [t + settings.headroom for t in _held(state, generation)])
+    needed = context_for(generation.launch.argv, held_tokens(generation),
+                         [t + settings.headroom for t in held_tokens(generation)])
     target = choose(rungs, max(needed, min(planner.ceiling, MIN_START_CTX))) or choose(rungs, needed)
     log.info("degrade.budget", budget=budget[0], previous=fit.budget, source=budget[1],
              fits=target.name if target else None)
@@ -187,10 +190,10 @@ def _renewed(fit: Fitted, rungs: list[RungPlan], budget: tuple[int, str], target
     return replace(fit, rungs=rungs, budget=budget[0], budget_source=budget[1], index=rungs.index(target))
 
 
-def _held(state: DegradeState, generation: Generation) -> list[int]:
-    """Tokens held per slot: as the last answers said, or as the slot book has them before any answer (what the
-    start restored)."""
-    return list(state.conversation.values()) or list(view_of(generation).tokens_per_slot().values())
+def held_tokens(generation: Generation) -> list[int]:
+    """The tokens each slot holds, as the slot book has them (what the last answer left there, or what a start or a
+    reload restored)."""
+    return list(view_of(generation).held().values())
 
 
 def slept(generation: Generation, asleep: bool) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hooks.degrade.ladder import RungPlan, choose
-from hooks.degrade.state import DegradeState, context_for
+from hooks.degrade.state import context_for
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,11 @@ class TooLarge:
     rung: str | None
 
 
-def wanted_context(argv: Sequence[str], state: DegradeState, waiting: Sequence[int], pool_full: bool,
+def wanted_context(argv: Sequence[str], held: Sequence[int], waiting: Sequence[int], pool_full: bool,
                    n_ctx: int) -> int:
     """The -c that holds every request waiting for a growth beside what the other slots hold; when the slots'
     shared KV ran out (`pool_full`) at least the next larger context."""
-    wanted = context_for(argv, state, waiting)
+    wanted = context_for(argv, held, waiting)
     return max(wanted, n_ctx + 1) if pool_full else wanted
 
 

@@ -11,7 +11,7 @@ import structlog
 
 from hooks.degrade import calibration
 from hooks.degrade.pool import member
-from hooks.degrade.state import conversation_tokens, fitted, measuring, state_of
+from hooks.degrade.state import fitted, measuring, state_of
 from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
 from wrapper.steps import Observer
@@ -38,9 +38,6 @@ def observer(generation: Generation) -> Observer:
 
     def seen(path: str, status: int, tail: bytes) -> None:
         state.last_activity = time.monotonic()
-        tokens = conversation_tokens(tail)
-        if tokens is not None:
-            state.conversation[tokens[0]] = tokens[1]
 
     return seen
 

@@ -13,7 +13,6 @@ from typing import Any
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
 from hooks.degrade.memory import Choices, ModelShape
-from hooks.slots import left_in_slot
 from wrapper import argv as args
 from wrapper.generation import Generation
 from wrapper.kept import Kept, Key
@@ -32,7 +31,6 @@ class DegradeState:
     rung_in_force: str | None = None  # the rung a growth, relax or budget change moved to (kept by later reloads)
     steps: list[dict[str, Any]] = field(default_factory=list)
     last_activity: float = field(default_factory=time.monotonic)
-    conversation: dict[int, int] = field(default_factory=dict)  # slot -> tokens, from proxied answers
     lock: asyncio.Lock | None = None
     waiting: list[int] = field(default_factory=list)  # the tokens each request waiting for a growth needs
     shape: ModelShape | None = None
@@ -91,26 +89,18 @@ def measuring(generation: Generation) -> Measuring:
     return generation.state.get(MEASURING)
 
 
-def conversation_tokens(tail: bytes) -> tuple[int, int] | None:
-    """(slot, tokens in it) from the end of a completion answer: cache_n + prompt_n + predicted_n."""
-    total = left_in_slot(tail)
-    if total is None:
-        return None
-    slots = _ID_SLOT.findall(tail)
-    return (int(slots[-1]) if slots else 0), total
-
-
-def context_for(argv: Sequence[str], state: DegradeState, demands: Sequence[int]) -> int:
-    """The `-c` that holds `demands` (the tokens requests need) beside what the other slots hold. With one KV
-    for all slots (-kvu) their cells add up: the demands that can run at once, plus the conversations they
-    do not replace; without it every slot gets -c / -np cells, so the largest demand times -np."""
+def context_for(argv: Sequence[str], held: Sequence[int], demands: Sequence[int]) -> int:
+    """The `-c` that holds `demands` (the tokens requests need) beside what the other slots hold (`held`: the tokens
+    of each slot's conversation, the slot book's). With one KV for all slots (-kvu) their cells add up: the
+    demands that can run at once, plus the conversations they do not replace; without it every slot gets
+    -c / -np cells, so the largest demand times -np."""
     parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
     running = sorted(demands, reverse=True)[:parallel]
     if not running:
         return 0
     if parallel == 1:
         return running[0]
-    if args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED):
-        held = sorted(state.conversation.values(), reverse=True)[len(running):]  # slots the requests do not use
-        return sum(running) + sum(held)
+    if args.unified_kv(argv):
+        others = sorted(held, reverse=True)[len(running):]  # slots the requests do not use
+        return sum(running) + sum(others)
     return running[0] * parallel

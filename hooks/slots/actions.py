@@ -17,6 +17,7 @@ import structlog
 
 from hooks import kvfile
 from hooks.slots.book import book_of
+from hooks.slots.book import observer as book_observer
 from hooks.slots.restorable import Mismatch
 from hooks.slots.reuse import ReuseTracker
 from hooks.slots.settings import FAMILY, SLOTS
@@ -71,9 +72,19 @@ def _store(generation: Generation) -> Store:
 # -- what the registry declares (hooks/registry.py) -------------------------------------------------------
 
 
-def observer(generation: Generation) -> Observer | None:
+def observer(generation: Generation) -> Observer:
+    """What an answer left in its slot (the book), and whether a restored slot's first request reused it."""
+    left = book_observer(generation)
     reuse = _state(generation).reuse
-    return reuse.observer() if reuse is not None else None
+    watching = reuse.observer() if reuse is not None else None
+    if watching is None:
+        return left
+
+    def seen(path: str, status: int, tail: bytes) -> None:
+        left(path, status, tail)
+        watching(path, status, tail)
+
+    return seen
 
 
 def status(generation: Generation) -> dict[str, Any]:

@@ -6,19 +6,30 @@ from): a stop or a leaving conversation then writes nothing. That is only truste
 (`pinned()`: every completion goes to the slot the conversation cache chose for it); otherwise a request may
 have run in any slot.
 
-The slot built-ins and the conversation cache change the book; the other built-ins read it through `SlotsView`.
+It is the one record of what a slot holds: its tokens as far as they are known (a prompt's, a save's, a restore's),
+and how many it holds (what the last answer left there: its prompt and what it generated, from the answer's
+timings, whose token ids are not known). The slot built-ins and the conversation cache change the book; the other
+built-ins read it through `SlotsView`.
 """
 
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from wrapper import paths
 from wrapper.generation import Generation
 from wrapper.kept import Key
+from wrapper.steps import Observer
 
 _TIMINGS = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in ("cache_n", "prompt_n", "predicted_n")}
+_ID_SLOT = re.compile(rb'"id_slot"\s*:\s*(\d+)')
+
+PINNED: ContextVar[int | None] = ContextVar("pinned", default=None)
+"""The slot the request being answered was pinned to (set by the conversation cache's step, read when its answer
+is seen: a task the request starts copies it)."""
 
 
 def left_in_slot(tail: bytes) -> int | None:
@@ -30,12 +41,20 @@ def left_in_slot(tail: bytes) -> int | None:
     return sum(int(values[-1]) for values in found.values() if values)
 
 
+def reused_of(tail: bytes) -> int | None:
+    """The tokens a completion answer took from what its slot held (its last `cache_n`); None without timings."""
+    found = _TIMINGS["cache_n"].findall(tail)
+    return int(found[-1]) if found else None
+
+
 class SlotsView(Protocol):
     """The book as the other built-ins see it: read-only."""
 
     def holds(self, slot: int) -> list[int]: ...
 
-    def tokens_per_slot(self) -> dict[int, int]: ...
+    def held(self) -> dict[int, int]:
+        """How many tokens each slot holds, as far as the book knows (its prompt and its answer)."""
+        ...
 
 
 @dataclass
@@ -50,6 +69,9 @@ class SlotBook:
     # on there untold, or something unknown): a conversation taking such a slot saves it first
     _chain: dict[int, object] = field(default_factory=dict)  # the conversation cache's chain of the slot's last
     # request (hooks/conversations/chain.py): what it holds goes on from there
+    _count: dict[int, int] = field(default_factory=dict)  # how many tokens it holds, when more than its tokens say
+    _answer: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # the answer just seen there: the tokens
+    # it left in the slot and those it took from what the slot held, until the request that asked it is released
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -73,6 +95,14 @@ class SlotBook:
 
     def tokens_per_slot(self) -> dict[int, int]:
         return {slot: len(tokens) for slot, tokens in self._tokens.items()}
+
+    def held(self) -> dict[int, int]:
+        return {slot: self.count(slot) for slot in {*self._tokens, *self._count}}
+
+    def count(self, slot: int) -> int:
+        """How many tokens the slot holds: its tokens, or more when an answer there generated more (whose ids are
+        not known: the next turn repeats them)."""
+        return max(len(self._tokens.get(slot, [])), self._count.get(slot, 0))
 
     def entry_of(self, slot: int) -> str | None:
         """The entry that holds exactly what the slot holds, when that is known."""
@@ -108,29 +138,52 @@ class SlotBook:
 
     # -- what happened to a slot --------------------------------------------------------------------------------
 
+    def answered(self, slot: int, left: int, reused: int | None) -> None:
+        """An answer came from the slot: it left `left` tokens there (its prompt and what it generated), of which
+        `reused` were what the slot held before; which tokens they are is told when the request is released
+        (`served`, `continued`)."""
+        self._answer[slot] = (left, reused)
+        self._count[slot] = left
+
     def served(self, slot: int, tokens: list[int] | None, chain: object | None = None) -> None:
-        """A request ran there: it holds its tokens (and what it generated, which the next turn repeats), or
-        something unknown (None: a request that failed may have left part of it). `chain`: the request's."""
+        """A request ran there: it holds its tokens and what it generated (as many as its answer left, when seen:
+        the next turn repeats them), or something unknown (None: a request that failed may have left part of
+        it). `chain`: the request's."""
+        left = self._answer.pop(slot, (0, None))[0]
         if tokens is None:
             self._tokens.pop(slot, None)
+            self._count.pop(slot, None)
             self._partial.add(slot)
         else:
             self._tokens[slot] = tokens
+            self._counted(slot, left)
             self._partial.discard(slot)
         self._set_chain(slot, chain if tokens is not None else None)
         self._entry.pop(slot, None)
         self._from_store.discard(slot)
 
-    def continued(self, slot: int, chain: object, reused: int) -> None:
-        """A request that went on from what the slot held ran there (its tokens were not told): the server kept
-        the first `reused` tokens of what the slot held, so the book's tokens up to there are still what it holds
-        first (the rest of it is not known token by token)."""
+    def continued(self, slot: int, chain: object) -> None:
+        """A request that went on from what the slot held ran there (its tokens were not told): the server kept the
+        first tokens its answer says it reused of what the slot held, so the book's tokens up to there are still
+        what it holds first (the rest is not known token by token). An answer not seen (an error, a cut, no
+        timings) leaves it unknown."""
+        left, reused = self._answer.pop(slot, (0, None))
+        if reused is None:
+            self.served(slot, None)
+            return
         if len(self.holds(slot)) > reused:
             self._tokens[slot] = self._tokens[slot][:reused]
+        self._counted(slot, left)
         self._set_chain(slot, chain)
         self._partial.add(slot)
         self._entry.pop(slot, None)
         self._from_store.discard(slot)
+
+    def _counted(self, slot: int, left: int) -> None:
+        if left > len(self._tokens.get(slot, [])):
+            self._count[slot] = left
+        else:
+            self._count.pop(slot, None)
 
     def _set_chain(self, slot: int, chain: object | None) -> None:
         if chain is None:
@@ -140,11 +193,13 @@ class SlotBook:
 
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
         self._tokens[slot], self._entry[slot] = tokens, key
+        self._count.pop(slot, None)
         self._partial.discard(slot)
 
     def restored(self, slot: int, tokens: list[int], key: str | None) -> None:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it."""
         self._tokens[slot] = tokens
+        self._count.pop(slot, None)
         self._chain.pop(slot, None)
         self._partial.discard(slot)
         self._from_store.add(slot)
@@ -158,6 +213,8 @@ class SlotBook:
         saved before a conversation takes it)."""
         self._partial.update(self.slots())
         self._tokens.clear()
+        self._count.clear()
+        self._answer.clear()
         self._entry.clear()
         self._chain.clear()
         self._from_store.clear()
@@ -173,3 +230,19 @@ def book_of(generation: Generation) -> SlotBook:
 def view_of(generation: Generation) -> SlotsView:
     """What each slot of the generation holds, for a built-in that only reads it."""
     return book_of(generation)
+
+
+def observer(generation: Generation) -> Observer:
+    """What an answer left in its slot (the slot it was pinned to, else the one it names), told to the book."""
+    book = book_of(generation)
+
+    def seen(path: str, status: int, tail: bytes) -> None:
+        if status != 200 or path not in paths.CONVERSING:
+            return
+        left, slot = left_in_slot(tail), PINNED.get()
+        if slot is None and (named := _ID_SLOT.findall(tail)):
+            slot = int(named[-1])
+        if left is not None and slot is not None:
+            book.answered(slot, left, reused_of(tail))
+
+    return seen

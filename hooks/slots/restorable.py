@@ -15,10 +15,7 @@ _ON = ("on", "auto", "1", "true", "enabled", "yes")
 def server_layout(argv: list[str], env: dict[str, str], props: dict[str, Any],
                     facts: dict[str, Any]) -> dict[str, Any]:
     """The running server's settings that decide a slot file's layout (argv for flags, /props for the rest)."""
-    np_given = args.get(argv, args.PARALLEL)
-    unified = args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED)
-    if unified is None:  # llama-server's default: unified when the slot count is automatic
-        unified = np_given is None or np_given.strip() == "-1"
+    unified = args.unified_kv(argv)
     total_slots = int(props.get("total_slots") or 1)
     generation = props.get("default_generation_settings") or {}
     return {

@@ -29,6 +29,7 @@ from hooks.degrade.settings import DEGRADE
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.degrade.wanted import Wanted
 from hooks.media import memory as projector_memory
+from hooks.slots import view_of
 from wrapper import argv as args
 from wrapper.generation import Generation, Host
 from wrapper.sections import SLEEP
@@ -103,8 +104,8 @@ async def give(host: Host, asked: Request) -> None:
                                 give_limit(running, asked.bytes))
     serving = None
     if host.in_flight:  # it serves requests: it keeps what its conversations hold (the reload lets them finish)
-        conversations = [t + settings.headroom for t in state.conversation.values()]
-        serving = context_for(generation.launch.argv, state, conversations)
+        held = list(view_of(generation).held().values())
+        serving = context_for(generation.launch.argv, held, [t + settings.headroom for t in held])
     smallest = smallest_context(planner.ceiling, settings.context, serving, fit.n_ctx)
     plan = plan_give(running, asked.bytes, rungs, smallest)
     if isinstance(plan, Refuse):

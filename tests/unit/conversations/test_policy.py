@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hooks.conversations.policy import ASSUMED_RESTORE_BPS, Candidate, Rule, choose_slot, decide
+from hooks.conversations.policy import ASSUMED_RESTORE_BPS, Candidate, Rule, choose_slot, decide, dropped
 from hooks.conversations.rates import Rates
 
 RULE = Rule(min_tokens=256, margin=1.2)
@@ -65,3 +65,18 @@ def test_the_slot_of_a_request(case: str, held: dict[int, list[int]], tokens: li
 
 def test_among_empty_or_equal_slots_the_least_recently_used() -> None:
     assert choose_slot([0, 1, 2], {0: A, 1: A, 2: A}, [5] * 400, {0: 30.0, 1: 10.0, 2: 20.0}, 256) == 1
+
+
+@pytest.mark.parametrize(("known", "count", "tokens", "dropped_n"), [
+    ([1, 2, 3], 3, [1, 2, 3, 4], 0),  # it goes on with all of it
+    ([1, 2, 3], 3, [1, 2, 9], 1),  # it keeps what it shares
+    (list(range(44)), 344, [*range(44), *range(100, 400), 7], 0),  # the next turn: the answer comes back
+    (list(range(44)), 344, [*range(24), 9, 9], 320),  # another conversation shares its template's first tokens
+    (list(range(44)), 344, [*range(44), 5], 300),  # shorter than what the slot holds: the answer is dropped
+    ([], 0, [1, 2], 0),
+    ([], 120, [1, 2], 120),  # held, not known token by token (a continued turn whose template differed)
+    ([], 120, list(range(200)), 120),  # nothing known: nothing is taken to go on
+])
+def test_what_a_request_that_takes_a_slot_drops(known: list[int], count: int, tokens: list[int],
+                                                dropped_n: int) -> None:
+    assert dropped(known, count, tokens) == dropped_n

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hooks.degrade.ladder import Planner, build, choose
 from hooks.degrade.memory import Choices, plan
 from hooks.degrade.settings import Rung
-from hooks.degrade.state import DegradeState, context_for
+from hooks.degrade.state import context_for
 from tests.unit.degrade.test_memory import h200_model
 
 LADDER = tuple(Rung(n) for n in ("disable-spec", "mmproj-to-cpu", "quantize-kv-q8", "quantize-kv-q4", "swa-window"))
@@ -49,12 +49,12 @@ def test_a_sliding_window_model_can_drop_the_full_window() -> None:
 
 
 def test_the_context_a_burst_of_requests_needs() -> None:
-    state = DegradeState(conversation={0: 3000, 1: 500, 2: 100})
+    held = [3000, 500, 100]  # what each slot holds (the slot book)
     one_slot = ["llama-server", "-np", "1"]
-    assert context_for(one_slot, state, [2000, 4000]) == 4000  # one at a time
+    assert context_for(one_slot, held, [2000, 4000]) == 4000  # one at a time
     unified = ["llama-server", "-np", "3", "-kvu"]
     # two requests run at once in one KV: their tokens add up, with the conversation they do not replace
-    assert context_for(unified, state, [2000, 4000]) == 6000 + 100
-    assert context_for(unified, state, [1000, 1000, 1000, 1000]) == 3000  # three run at once
+    assert context_for(unified, held, [2000, 4000]) == 6000 + 100
+    assert context_for(unified, held, [1000, 1000, 1000, 1000]) == 3000  # three run at once
     per_slot = ["llama-server", "-np", "2"]  # every slot its own -c / -np cells
-    assert context_for(per_slot, state, [2000, 1500]) == 4000
+    assert context_for(per_slot, held, [2000, 1500]) == 4000

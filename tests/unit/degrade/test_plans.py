@@ -7,7 +7,6 @@ import pytest
 
 from hooks.degrade.ladder import RungPlan
 from hooks.degrade.plans import GrowTo, Holds, TooLarge, plan_growth, plan_relax, wanted_context
-from hooks.degrade.state import DegradeState
 
 
 def ladder(*contexts: int) -> list[RungPlan]:
@@ -27,16 +26,15 @@ def test_how_far_a_growth_goes(n_ctx: int, wanted: int, rungs: list[RungPlan],
     assert plan_growth(n_ctx, wanted, rungs) == expected
 
 
-@pytest.mark.parametrize(("argv", "conversation", "waiting", "pool_full", "expected"), [
-    (["-np", "1"], {}, [3000], False, 3000),
-    (["-np", "2"], {0: 1000}, [3000, 500], False, 6000),  # a KV per slot: the largest demand times -np
-    (["-np", "2", "-kvu"], {0: 1000, 1: 700}, [3000], False, 3700),  # one KV: the demand beside the other slot
-    (["-np", "2", "-kvu"], {}, [100], True, 4097),  # the shared KV ran out: at least the next larger context
+@pytest.mark.parametrize(("argv", "held", "waiting", "pool_full", "expected"), [
+    (["-np", "1"], [], [3000], False, 3000),
+    (["-np", "2"], [1000], [3000, 500], False, 6000),  # a KV per slot: the largest demand times -np
+    (["-np", "2", "-kvu"], [1000, 700], [3000], False, 3700),  # one KV: the demand beside the other slot
+    (["-np", "2", "-kvu"], [], [100], True, 4097),  # the shared KV ran out: at least the next larger context
 ])
-def test_the_context_the_waiting_requests_need(argv: list[str], conversation: dict[int, int], waiting: list[int],
+def test_the_context_the_waiting_requests_need(argv: list[str], held: list[int], waiting: list[int],
                                                pool_full: bool, expected: int) -> None:
-    state = DegradeState(conversation=conversation)
-    assert wanted_context(["llama-server", *argv], state, waiting, pool_full, 4096) == expected
+    assert wanted_context(["llama-server", *argv], held, waiting, pool_full, 4096) == expected
 
 
 @pytest.mark.parametrize(("index", "n_ctx", "needed", "expected"), [

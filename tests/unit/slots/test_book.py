@@ -45,10 +45,14 @@ def test_a_slot_whose_conversation_went_on_keeps_what_the_server_reused_of_its_t
     book = SlotBook()
     book.pinned()
     book.saved(0, [1, 2, 3, 4], "k0")
-    book.continued(0, "chain-2", reused=10)  # the server kept all of it and went on: still a prefix of it
+    book.answered(0, 14, reused=10)  # the server kept all of it and went on: still a prefix of it
+    book.continued(0, "chain-2")
     assert book.holds(0) == [1, 2, 3, 4] and book.chain_of(0) == "chain-2" and book.entry_of(0) is None
-    book.continued(0, "chain-3", reused=2)  # a template that wrote the history another way: only 2 kept
-    assert book.holds(0) == [1, 2] and book.chain_of(0) == "chain-3"
+    book.answered(0, 9, reused=2)  # a template that wrote the history another way: only 2 kept
+    book.continued(0, "chain-3")
+    assert book.holds(0) == [1, 2] and book.chain_of(0) == "chain-3" and book.count(0) == 9
+    book.continued(0, "chain-4")  # no answer seen (an error, a cut): unknown
+    assert book.holds(0) == [] and book.partial(0) and book.chain_of(0) is None
 
 
 def test_a_slot_tells_its_chain_only_while_it_holds_that_request() -> None:
@@ -80,7 +84,8 @@ def test_a_slot_holding_more_than_its_tokens_say_is_partial_until_saved() -> Non
     book.learnt_total(2)
     book.served(0, [1, 2], "a")
     assert not book.partial(0)
-    book.continued(0, "b", reused=2)  # its next turn went on there untold
+    book.answered(0, 7, reused=2)
+    book.continued(0, "b")  # its next turn went on there untold
     assert book.partial(0) and book.holds(0) == [1, 2]
     book.saved(0, [1, 2, 3, 4], "k")
     assert not book.partial(0)
@@ -89,3 +94,18 @@ def test_a_slot_holding_more_than_its_tokens_say_is_partial_until_saved() -> Non
     book.served(1, [5])
     book.forgotten()  # a request the server placed itself: every slot may hold anything
     assert book.partial(0) and book.partial(1)
+
+
+def test_a_slot_holds_its_prompt_and_the_answer_it_generated() -> None:
+    """A short question with a long answer: the book knows the question's tokens and how many the answer left."""
+    book = SlotBook()
+    book.pinned()
+    book.answered(0, 344, reused=0)  # seen in the answer's timings, before the request is released
+    book.served(0, list(range(44)), "a")
+    assert book.holds(0) == list(range(44)) and book.count(0) == 344 and book.held() == {0: 344}
+    book.served(0, list(range(50)))  # an answer not seen (no timings): its tokens only
+    assert book.count(0) == 50
+    book.answered(1, 300, reused=None)
+    assert book.held() == {0: 50, 1: 300}  # counted at once: what degrade sizes a context by
+    book.saved(1, list(range(300)), "k")
+    assert book.count(1) == 300 and book.entry_of(1) == "k"

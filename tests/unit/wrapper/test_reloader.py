@@ -19,7 +19,7 @@ from wrapper.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.llama import LlamaClient
 from wrapper.reload_plan import Refusal, ReloadRefused
-from wrapper.reloader import Reloader
+from wrapper.reloader import Reloader, carries_streams
 from wrapper.server_context import server_context
 from wrapper.server_help import planning
 
@@ -204,3 +204,20 @@ async def test_a_reload_that_cuts_nothing_is_given_up_when_answers_outlast_the_d
     assert not answer["success"] and "this reload cuts none" in answer["message"]
     assert host.journal == ["drain 30s, cutting none"]  # nothing stopped, nothing started
     assert host.lifecycle.state is State.READY and ctx(host.current) == "2048"
+
+
+@pytest.mark.parametrize(("keeps", "before", "after", "carried"), [
+    ((True, True), ["-c", "4096"], ["-c", "8192"], True),  # a draft switch, a growth: every stream fits
+    ((True, True), ["-c", "4096"], ["-c", "4096", "-ctk", "q8_0"], True),  # a rung's KV precision
+    ((True, True), ["-c", "8192"], ["-c", "4096"], False),  # a smaller slot: a stream may not fit, it is waited for
+    ((True, True), ["-c", "4096", "-np", "2"], ["-c", "8192", "-np", "3"], False),  # other slots
+    ((True, True), ["-c", "4096", "-np", "2"], ["-c", "4096", "-np", "2", "-kvu"], False),  # another KV layout
+    ((True, True), ["-c", "4096"], ["-c", "4096", "-np", "1"], False),  # automatic slots share one KV, -np 1 not
+    ((True, True), ["-np", "2"], ["-np", "2"], False),  # no -c: what a slot holds is not known
+    ((False, True), ["-c", "4096"], ["-c", "8192"], False),  # nothing carries the conversations across
+    ((True, False), ["-c", "4096"], ["-c", "8192"], False),
+    ((True, True), ["-c", "x"], ["-c", "8192"], False),
+])
+def test_which_reloads_hand_streams_over(keeps: tuple[bool, bool], before: list[str], after: list[str],
+                                         carried: bool) -> None:
+    assert carries_streams(*keeps, ["llama-server", *before], ["llama-server", *after]) is carried

@@ -17,6 +17,7 @@ from wrapper.config import ConfigError
 from wrapper.gate import Admission, Gate
 from wrapper.lifecycle import IllegalTransition, Lifecycle, State
 from wrapper.sections import SLEEP
+from wrapper.sleep_cycle import why_sleep
 from wrapper.sleeping import Sleep
 
 
@@ -177,3 +178,16 @@ def test_a_stop_during_a_wake_ends_it_and_leaves_no_server(tmp_path: Path) -> No
         assert stopped["exit_status"] == 0
     finally:
         wrapper.kill()
+
+
+@pytest.mark.parametrize(("ready", "asked", "after", "idle_s", "why"), [
+    (True, None, None, 9999.0, None),  # sleep.after off: only when asked
+    (True, None, 60.0, 59.9, None),
+    (True, None, 60.0, 60.0, "idle for sleep.after (60s)"),
+    (True, "asked (POST /wrapper/sleep)", 60.0, 0.0, "asked (POST /wrapper/sleep)"),  # an ask needs no idleness
+    (False, "asked (POST /wrapper/sleep)", 60.0, 999.0, None),  # a reload or a restart runs: later
+    (False, None, 60.0, 999.0, None),
+])
+def test_when_a_sleep_is_due(ready: bool, asked: str | None, after: float | None, idle_s: float,
+                             why: str | None) -> None:
+    assert why_sleep(ready, asked, after, idle_s) == why
