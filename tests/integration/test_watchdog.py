@@ -13,6 +13,8 @@ from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
 
 CONFIG = """
@@ -30,8 +32,8 @@ def config(tmp_path: Path, health: str = "5s") -> str:
     return CONFIG.format(dir=tmp_path / "slots", health=health)
 
 
-def argv(server_bin: str, demo_path: str) -> list[str]:
-    return [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"]
+def argv(server_bin: str, demo_path: str, parallel: int = 2) -> list[str]:
+    return [server_bin, "-m", demo_path, "-c", "8192", "-np", str(parallel)]
 
 
 def server_pid(wrapper: Wrapper) -> int:
@@ -109,6 +111,32 @@ def test_a_stream_survives_a_sigkill_as_one_answer_and_the_conversation_comes_ba
                                        {"role": "user", "content": "Thank you."}], max_tokens=24)
         assert reused(following) >= 0.9 * history, (reused(following), history)  # the conversation came back
         assert wrapper.status()["restarts"]["count"] == 1
+        assert wrapper.stop() == 0
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_the_turn_after_a_crashed_stream_reuses_the_whole_conversation(
+        tmp_path: Path, server_bin: str, demo_path: str, parallel: int) -> None:
+    """The continued stream ran in its slot on the server started again: the next turn goes on there (or from what
+    was kept of it), whatever the number of slots, reading again only what the crash cost the book."""
+    with running(tmp_path, argv(server_bin, demo_path, parallel), config(tmp_path)) as wrapper:
+        first = [{"role": "user", "content": QUESTION}]
+        answer = chat(wrapper.url, first, max_tokens=24)
+        turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Go on with the story, please."}]
+        wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        events, before = stream_killed(wrapper, turn, kill_after=20, max_tokens=360)  # a good part of what it holds
+        assert before >= 20 and wrapper.events("wrapper.stream_resumed") and events[-1] == {"done": True}
+        text = text_of(events)
+        following = chat(wrapper.url, [*turn, {"role": "assistant", "content": text},
+                                       {"role": "user", "content": "Thank you."}], max_tokens=8)
+        template = json.loads(http("POST", f"{wrapper.url}/apply-template", {"messages": turn})[2])["prompt"]
+        prompt = len(json.loads(http("POST", f"{wrapper.url}/tokenize", {"content": template, "add_special": True,
+                                                                          "parse_special": True})[2])["tokens"])
+        history = prompt + _contents(events)  # the crashed turn's prompt and its whole continued answer
+        where = [(e["event"], e.get("slot"), e.get("tokens") or e.get("entry_tokens")) for e in wrapper.events()
+                 if e.get("event") in ("slots.restored", "conversations.decision", "conversations.saved")]
+        assert reused(following) >= 0.9 * history, (reused(following), history, where)  # not the checkpoint alone
         assert wrapper.stop() == 0
 
 
