@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from datetime import datetime
 from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ hooks:
 """
 STORY = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
 QUESTION = "A long story, to be retold: " + STORY * 80 + "\nNow tell it again in your own words."  # ~1.7k tokens
+LONG = "A long story, to be retold: " + STORY * 165 + "\nNow tell it again in your own words."  # ~3k tokens
+ONE_BATCH = ["-c", "8192", "-b", "4096", "-ub", "4096", "-t", "1", "-np", "1"]  # the whole prompt in one batch
+STALL = "watchdog: {stall: 5s}\n"
 
 
 def config(tmp_path: Path, health: str = "5s") -> str:
@@ -47,9 +51,11 @@ def reused(answer: dict[str, Any]) -> int:
 
 
 def stream_killed(wrapper: Wrapper, messages: list[dict[str, str]], kill_after: int | None,
-                  sig: signal.Signals = signal.SIGKILL, max_tokens: int = 120) -> tuple[list[dict[str, Any]], int]:
-    """A streamed chat answer read event by event; `kill_after` content events in, llama-server gets `sig`.
-    Every event the client saw, and how many content events came before the signal."""
+                  sig: signal.Signals = signal.SIGKILL, max_tokens: int = 120,
+                  signalled: list[float] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """A streamed chat answer read event by event; `kill_after` content events in, llama-server gets `sig` (its
+    time.time() appended to `signalled`). Every event the client saw, and how many content events came before the
+    signal."""
     host, port = wrapper.url.removeprefix("http://").split(":")
     connection = HTTPConnection(host, int(port), timeout=600)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
@@ -68,6 +74,8 @@ def stream_killed(wrapper: Wrapper, messages: list[dict[str, str]], kill_after: 
         if kill_after is not None and before == 0 and _contents(events) >= kill_after:
             before = _contents(events)
             os.kill(pid, sig)
+            if signalled is not None:
+                signalled.append(time.time())
     connection.close()
     return events, before
 
@@ -169,6 +177,32 @@ def test_a_hang_is_noticed_and_the_stream_goes_on(tmp_path: Path, server_bin: st
         noticed = wrapper.events("wrapper.restarting_server")[0]
         assert noticed["on"] == "hang"
         assert time.monotonic() - began < 120
+        assert wrapper.stop() == 0
+
+
+def test_a_prompt_batch_longer_than_the_stall_is_computing_not_a_hang(tmp_path: Path, server_bin: str,
+                                                                       demo_path: str) -> None:
+    """No slot shows progress inside one batch (/slots waits for it), but llama-server's CPU time moves."""
+    with running(tmp_path, [server_bin, "-m", demo_path, *ONE_BATCH], STALL) as wrapper:
+        answer = chat(wrapper.url, [{"role": "user", "content": LONG}], max_tokens=8)
+        assert answer["usage"]["prompt_tokens"] > 3000
+        assert answer["timings"]["prompt_ms"] > 5000, answer["timings"]  # the batch outlasted the stall
+        assert not wrapper.events("wrapper.server_lost")
+        assert wrapper.stop() == 0
+
+
+def test_a_stopped_server_is_still_noticed_within_the_stall(tmp_path: Path, server_bin: str,
+                                                            demo_path: str) -> None:
+    """SIGSTOP: its CPU time stands still, and the stall rule (not /health: 30 s) notices it."""
+    with running(tmp_path, [server_bin, "-m", demo_path, *ONE_BATCH], STALL) as wrapper:
+        stopped: list[float] = []
+        events, before = stream_killed(wrapper, [{"role": "user", "content": "Tell me a long story."}],
+                                       kill_after=10, sig=signal.SIGSTOP, signalled=stopped)
+        assert before >= 10 and events[-1] == {"done": True}
+        (lost,) = wrapper.events("wrapper.server_lost")
+        assert lost["reason"] == "hang" and "no slot made progress" in lost["why"], lost
+        noticed = datetime.fromisoformat(lost["timestamp"]).timestamp() - stopped[0]
+        assert noticed < 5 + 2 * 5 / 3 + 1, noticed  # the stall, then at most a look and its probes
         assert wrapper.stop() == 0
 
 
