@@ -18,6 +18,7 @@ TRAMPOLINE = str(Path(__file__).with_name("_trampoline.py"))
 OUTPUT_LIMIT = 1 << 20  # longest line kept whole; longer ones are split
 PIPE_GRACE = 0.5  # after an exit, how long the rest of the output may take to arrive
 GUARD_GRACE = 1.0  # how long a guard gets to take its program's leftovers down before its group is killed
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time, per second
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,16 @@ def _reported_status(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.Future
     return reported
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time process `pid` has used, user and system, all its threads together (utime + stime of
+    /proc/PID/stat, in steps of 1/CLOCK_TICKS s); None without /proc (not Linux) or without that process."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ") "
+        return (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS  # fields 14 and 15
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
     """Learns of the exit when the process ends, not when its output pipe closes: a background job a hook
     left behind may hold the pipe open for as long as it likes."""
@@ -178,6 +189,10 @@ class Child:
     @property
     def alive(self) -> bool:
         return not self._exit.done()
+
+    def cpu_time(self) -> float | None:
+        """The CPU seconds it has used so far (cpu_seconds); None once it ended, or where that is not known."""
+        return cpu_seconds(self.pid) if self.alive else None
 
     @property
     def lingering(self) -> bool:

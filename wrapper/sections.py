@@ -22,8 +22,10 @@ class WatchdogSettings:
                                     "this long (it answers in milliseconds, a long prefill included); noticed within "
                                     "this and one look more (every 5 s at most)")
     stall: float = setting(300.0, POSITIVE_DURATION, "llama-server is hung when a request in flight hears nothing "
-                           "and no slot makes progress this long (more than its slowest prompt batch takes: minutes "
-                           "for a large model on a CPU)")
+                           "and the server makes no progress this long: no slot does (a task taken, a prompt batch "
+                           "done, a token decoded) and its CPU time stands still (Linux: a long prompt batch "
+                           "computes, a stopped or blocked server does not, so a short stall is safe); without /proc, "
+                           "more than its slowest prompt batch takes (minutes for a large model on a CPU)")
     restarts: int = setting(3, COUNT, "how many times it is started again within `window`; past that the wrapper "
                             "stops with the server's exit status (llama-swap or systemd take over)")
     window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")

@@ -75,6 +75,11 @@ class Serving:
     def state(self) -> State:
         return self.lifecycle.state
 
+    def cpu_time(self) -> float | None:
+        """The CPU seconds the serving llama-server has used (the watchdog's sign that it computes)."""
+        child = self.current.child
+        return child.cpu_time() if child is not None else None
+
     @property
     def in_flight(self) -> int:
         return self.gate.in_flight

@@ -10,7 +10,8 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from http.client import HTTPConnection, IncompleteRead
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,10 +20,11 @@ from typing import Any, cast
 import pytest
 
 from tests.helpers import Wrapper, child_argv, http, pid_alive, running, wait_for
+from wrapper.child import cpu_seconds
 from wrapper.lifecycle import State
 from wrapper.sections import WatchdogSettings
 from wrapper.serving import GONE_WHY
-from wrapper.watchdog import Budget, Lost, Watched, hung, progress
+from wrapper.watchdog import BUSY_MIN_S, Budget, Lost, Watched, computed, hung, progress
 
 FAST = "watchdog: {health_timeout: 1s, stall: 2s}\n"
 
@@ -138,10 +140,16 @@ class Client:
         return answer
 
 
-def watched(client: Client, in_flight: int, heard_at: float) -> Watched:
+def watched(client: Client, in_flight: int, heard_at: float,
+            cpu_time: Callable[[], float | None] = lambda: None) -> Watched:
     generation = SimpleNamespace(client=client, alive=True)
     return cast(Watched, SimpleNamespace(current=generation, state=State.READY, in_flight=in_flight,
-                                         heard_at=heard_at))
+                                         heard_at=heard_at, cpu_time=cpu_time))
+
+
+def using(share: float | None) -> Callable[[], float | None]:
+    """A server's CPU time that moves at `share` of a core's (None: there is no /proc to read it from)."""
+    return lambda: None if share is None else share * time.monotonic()
 
 
 def slot(task: int, processed: int, decoded: int) -> dict[str, Any]:
@@ -160,7 +168,52 @@ async def test_a_long_prefill_is_progress_not_a_hang() -> None:
 async def test_a_request_that_hears_nothing_while_no_slot_moves_is_a_hang() -> None:
     settings = WatchdogSettings(health_timeout=30.0, stall=0.9)
     found = await asyncio.wait_for(hung(watched(Client([True], [[slot(1, 0, 3)]]), 1, 0.0), settings), 10)
-    assert found.reason == "hang" and "heard nothing and no slot made progress" in found.why
+    assert found.reason == "hang" and "heard nothing and no slot made progress for" in found.why
+
+
+@pytest.mark.parametrize(("share", "is_hung"), [
+    (1.0, False),  # one thread computes a prompt batch (/slots waits for its end)
+    (0.2, False),  # the same on a loaded machine: a fifth of a core
+    (0.01, True),  # idle but polled: the HTTP thread answers /health
+    (0.0, True),  # stopped (SIGSTOP), or blocked
+    (None, True),  # no /proc: only a slot's progress counts, as before
+])
+async def test_a_server_that_computes_is_not_hung_and_one_whose_cpu_stands_still_is(share: float | None,
+                                                                                    is_hung: bool) -> None:
+    settings = WatchdogSettings(health_timeout=30.0, stall=0.6)
+    watching = hung(watched(Client([True], [None]), 1, 0.0, using(share)), settings)  # /slots never answers
+    if not is_hung:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(watching, 2.0)  # more than three stalls
+        return
+    found = await asyncio.wait_for(watching, 10)
+    assert found.reason == "hang" and "no slot made progress" in found.why
+    assert ("CPU time stood still" in found.why) is (share is not None), found.why
+
+
+@pytest.mark.parametrize(("before", "after", "moved"), [
+    ((0.0, 10.0), (1.0, 11.0), True),  # a core's second in a second
+    ((0.0, 10.0), (1.0, 10.06), True),  # 6 %
+    ((0.0, 10.0), (1.0, 10.04), False),  # 4 %: under BUSY
+    ((0.0, 10.0), (0.2, 10.01), False),  # 5 % of a short look, but under BUSY_MIN_S
+    ((0.0, 10.0), (0.2, 10.0 + BUSY_MIN_S), True),
+    ((0.0, 10.0), (1.0, 2.0), False),  # another process (started again): not computing
+    ((0.0, None), (1.0, 11.0), False),  # unknown
+    ((0.0, 10.0), (1.0, None), False),
+])
+def test_computing_is_cpu_time_moving_by_a_share_of_the_wall_time(
+        before: tuple[float, float | None], after: tuple[float, float | None], moved: bool) -> None:
+    assert computed(before, after) is moved
+
+
+def test_cpu_seconds_are_read_from_proc() -> None:
+    first = cpu_seconds(os.getpid())
+    assert first is not None
+    deadline = time.monotonic() + 10
+    while (cpu_seconds(os.getpid()) or 0.0) - first < 0.05 and time.monotonic() < deadline:
+        sum(range(10_000))  # compute
+    assert (cpu_seconds(os.getpid()) or 0.0) - first >= 0.05
+    assert cpu_seconds(2**22 + 1) is None  # above the largest pid: no such process
 
 
 async def test_health_unanswered_is_a_hang_and_idle_with_no_requests_is_not_a_stall() -> None:
