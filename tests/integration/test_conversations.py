@@ -225,3 +225,33 @@ def complete(url: str, prompt: str) -> dict[str, Any]:
     assert status == 200, raw[:300]
     answer: dict[str, Any] = json.loads(raw)
     return answer
+
+
+def test_a_short_question_with_a_long_answer_that_leaves_its_slot_comes_back_after_a_restart(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """What a slot holds is its prompt and the answer it generated: a 44-token question with a 300-token answer is
+    a conversation worth keeping when another takes its only slot, though its prompt alone is shorter than
+    cache.min_tokens (it was lost: its next turn after a restart read 24 of 344 tokens from the cache)."""
+    question = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and his ledger."}]
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
+                              {"messages": question, "max_tokens": 300, "temperature": 0, "ignore_eos": True},
+                              timeout=600)
+        assert status == 200, raw[:300]
+        answer = json.loads(raw)
+        history = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        assert answer["usage"]["prompt_tokens"] < 256 <= history  # its prompt alone is under cache.min_tokens
+        other = http("POST", f"{wrapper.url}/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
+        assert other[0] == 200
+        (saved,) = wrapper.events("conversations.saved")  # it left its slot: kept
+        assert saved["tokens"] >= history - 1 and saved["why"] == "it leaves its slot"
+        assert wrapper.stop() == 0
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        turn = [*question, answer["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
+                              {"messages": turn, "max_tokens": 8, "temperature": 0}, timeout=600)
+        assert status == 200, raw[:300]
+        reused = json.loads(raw)["timings"]["cache_n"]
+        assert reused >= 0.9 * history, (reused, history)
+        assert wrapper.stop() == 0
