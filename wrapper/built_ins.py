@@ -13,7 +13,6 @@ import structlog
 
 from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
-from wrapper import logs
 from wrapper.actions import BuiltinFn
 from wrapper.config import Config, load_config, parse_config
 from wrapper.generation import Generation, Host
@@ -21,6 +20,7 @@ from wrapper.kept import Kept, Key
 from wrapper.launch import Asks, Launch
 from wrapper.launch import prepare as prepare_launch
 from wrapper.sections import PRIORITY, SLEEP, WATCHDOG
+from wrapper.server_output import server_output_level
 from wrapper.settings import Section
 from wrapper.steps import Before, Growth, Observer, Shown
 
@@ -209,7 +209,7 @@ def server_line(generation: Generation, line: str) -> bool:
 
 def server_output(generation: Generation, line: str) -> None:
     """Log one line of llama-server's output, at the level its text and the built-ins give it."""
-    log.log(logs.server_output_level(line, server_line(generation, line)), "server.output", line=line)
+    log.log(server_output_level(line, server_line(generation, line)), "server.output", line=line)
 
 
 def background(host: Host) -> list[Coroutine[Any, Any, None]]:

@@ -22,12 +22,12 @@ from wrapper.answering import AnswerLoop
 from wrapper.generation import Generation, Host
 from wrapper.lifecycle import State
 from wrapper.passes import Passes
+from wrapper.paths import ANSWERED_ASLEEP
 from wrapper.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.route import BODY_LIMIT, Way, shape, way
 from wrapper.seats import Seat
 from wrapper.sections import PRIORITY, WATCHDOG
 from wrapper.serving import Serving
-from wrapper.sleeping import ANSWERED_ASLEEP
 from wrapper.steps import Outgoing
 
 log = structlog.get_logger()

@@ -8,8 +8,6 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol, TypedDict, get_type_hints
 
-from wrapper.child import Exit
-
 
 class ServerInfo(TypedDict):
     url: str
@@ -68,15 +66,10 @@ class _Model(Protocol):
     def as_dict(self) -> dict[str, str | None]: ...
 
 
-class _Launch(Protocol):
-    """What the context needs of a launch (wrapper/launch.py, which this module may not import)."""
+class _Launch(_Address, Protocol):
+    """What the context needs of a launch (wrapper/launch.py, which this module may not import): its address,
+    argv, listen address and model."""
 
-    @property
-    def url(self) -> str: ...
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
     @property
     def argv(self) -> list[str]: ...
     @property
@@ -85,8 +78,17 @@ class _Launch(Protocol):
     def model(self) -> _Model: ...
 
 
+class _Ended(Protocol):
+    """How llama-server ended (wrapper/child.py's Exit, which this module may not import)."""
+
+    @property
+    def code(self) -> int | None: ...
+    @property
+    def signal_name(self) -> str | None: ...
+
+
 def build(event: str, launch: _Launch, pid: int | None, slots: list[dict[str, Any]] | None = None,
-          result: str | None = None, finished: Exit | None = None,
+          result: str | None = None, finished: _Ended | None = None,
           reload: dict[str, Any] | None = None, sleep: bool = False) -> HookContext:
     model = launch.model.as_dict()
     return {

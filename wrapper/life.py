@@ -37,12 +37,13 @@ from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.notify import Notifier
 from wrapper.occasions import Occasion, down, up
+from wrapper.paths import ANSWERED_ASLEEP
 from wrapper.progress import PROGRESS
 from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.reloader import NextGeneration, Reloader
 from wrapper.sections import WATCHDOG
 from wrapper.serving import Remembered, Serving
-from wrapper.sleeping import ANSWERED_ASLEEP, Sleep
+from wrapper.sleeping import Sleep
 from wrapper.watch import Watch
 from wrapper.watchdog import Budget, Lost
 

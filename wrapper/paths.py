@@ -15,5 +15,6 @@ RESPONSES = ("/v1/responses", "/responses")  # OpenAI Responses: `input` items
 MESSAGES = ("/v1/messages",)  # Anthropic Messages
 CARRYING_MEDIA = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a request here may carry an image or audio
 DESCRIBING = ("/props", "/models", "/v1/models")  # what the server says it can do (modalities, capabilities)
+ANSWERED_ASLEEP = DESCRIBING  # GETs answered from memory while asleep (and never keeping the server awake)
 DECODING = (*GENERATING, *RESPONSES, *MESSAGES)  # a request that decodes tokens in a slot
 SEATED = (*DECODING, *SLOT_USERS_UNPINNED)  # takes a slot: waits for a seat in the wrapper's queue (wrapper/seats.py)

@@ -14,11 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from wrapper import paths
 from wrapper.reloader import NextGeneration
 from wrapper.sections import SleepSettings
 
-ANSWERED_ASLEEP = paths.DESCRIBING  # GETs answered from memory while asleep (and never keeping the server awake)
 LOOK_EVERY_S = 1.0  # how often the idle clock is looked at (a sleep comes at most this late)
 
 

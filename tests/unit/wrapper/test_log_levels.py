@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import Wrapper, child_argv
-from wrapper import logs
+from wrapper import server_output
 from wrapper.child import Exit
 
 # Lines as the pinned llama-server prints them (common/log.cpp's prefix: a timestamp, then the level letter).
@@ -44,14 +44,14 @@ INFO_LINE = "0.00.003.455 I srv    load_model: loading model '/models/SmolLM2-13
     ("", None),
 ])
 def test_llama_servers_own_marks_give_the_level(line: str, level: int | None) -> None:
-    assert logs.server_line_level(line) == level
+    assert server_output.server_line_level(line) == level
 
 
 def test_unmarked_lines_stay_info_or_debug_as_the_built_ins_say() -> None:
-    assert logs.server_output_level(INFO_LINE, shown=True) == logging.INFO
-    assert logs.server_output_level(INFO_LINE, shown=False) == logging.DEBUG  # -lv 4's extra lines
-    assert logs.server_output_level(ERROR_LINE, shown=False) == logging.ERROR  # an error is never noise
-    assert logs.server_output_level(WARNING_LINE, shown=True) == logging.WARNING
+    assert server_output.server_output_level(INFO_LINE, shown=True) == logging.INFO
+    assert server_output.server_output_level(INFO_LINE, shown=False) == logging.DEBUG  # -lv 4's extra lines
+    assert server_output.server_output_level(ERROR_LINE, shown=False) == logging.ERROR  # an error is never noise
+    assert server_output.server_output_level(WARNING_LINE, shown=True) == logging.WARNING
 
 
 @pytest.mark.parametrize(("finished", "crashed", "level"), [
