@@ -47,7 +47,7 @@ demo-pool: $(VENV)/.installed  ## two wrappers of the demo model sharing one poo
 	exec $(PY) -m tests.demo pool "$$server" "$$model" $(LISTEN)
 
 docs: $(VENV)/.installed  ## write docs/configuration.md's reference from the declared sections
-	$(PY) -m wrapper.reference docs/configuration.md
+	$(PY) -m wrapper.cli.reference docs/configuration.md
 
 test: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q tests/unit tests/integration

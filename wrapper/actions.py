@@ -15,12 +15,12 @@ import aiohttp
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from wrapper import template
-from wrapper.child import Child, spawn
-from wrapper.config import Action
-from wrapper.generation import ServerLost
-from wrapper.hook_context import environment
+from wrapper.configuration import template
+from wrapper.configuration.config import Action
+from wrapper.configuration.hook_context import environment
 from wrapper.metrics import METRICS
+from wrapper.server.child import Child, spawn
+from wrapper.server.generation import ServerLost
 
 log = structlog.get_logger()
 

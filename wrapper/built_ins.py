@@ -14,14 +14,14 @@ import structlog
 from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper.actions import BuiltinFn
-from wrapper.config import Config, load_config, parse_config
-from wrapper.generation import Generation, Host
+from wrapper.configuration.config import Config, load_config, parse_config
+from wrapper.configuration.sections import PRIORITY, SLEEP, WATCHDOG
+from wrapper.configuration.settings import Section
 from wrapper.kept import Kept, Key
-from wrapper.launch import Asks, Launch
-from wrapper.launch import prepare as prepare_launch
-from wrapper.sections import PRIORITY, SLEEP, WATCHDOG
-from wrapper.server_output import server_output_level
-from wrapper.settings import Section
+from wrapper.launching.launch import Asks, Launch
+from wrapper.launching.launch import prepare as prepare_launch
+from wrapper.server.generation import Generation, Host
+from wrapper.server.output import server_output_level
 from wrapper.steps import Before, Growth, Observer, Shown
 
 log = structlog.get_logger()

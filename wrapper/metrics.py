@@ -1,5 +1,5 @@
 """The wrapper's own Prometheus families (all `llama_wrapper_`), one set for the process: counters only grow,
-across reloads too. GET /metrics serves them after llama-server's own (wrapper/listener.py)."""
+across reloads too. GET /metrics serves them after llama-server's own (wrapper/http/listener.py)."""
 
 from __future__ import annotations
 

@@ -17,4 +17,4 @@ CARRYING_MEDIA = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a request here 
 DESCRIBING = ("/props", "/models", "/v1/models")  # what the server says it can do (modalities, capabilities)
 ANSWERED_ASLEEP = DESCRIBING  # GETs answered from memory while asleep (and never keeping the server awake)
 DECODING = (*GENERATING, *RESPONSES, *MESSAGES)  # a request that decodes tokens in a slot
-SEATED = (*DECODING, *SLOT_USERS_UNPINNED)  # takes a slot: waits for a seat in the wrapper's queue (wrapper/seats.py)
+SEATED = (*DECODING, *SLOT_USERS_UNPINNED)  # takes a slot: waits for a seat in the queue (wrapper/queue/seats.py)

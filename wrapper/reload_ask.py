@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from wrapper.generation import Host
-from wrapper.launch import Asks
-from wrapper.reload_plan import Refusal, ReloadRefused
+from wrapper.configuration.reload_plan import Refusal, ReloadRefused
+from wrapper.launching.launch import Asks
+from wrapper.server.generation import Host
 
 BUSY_RETRY_S = 0.2
 

@@ -1,7 +1,7 @@
 """What serves now: the current generation, the state the gate follows, the gate and the seats in front of it, what
 llama-server answered the GETs clients poll (for a sleep), and what a request whose exchange was cut learns of its
-server. The request path (wrapper/forwarding.py) and the server's life (wrapper/life.py) share this one object;
-only the life changes the state and installs a generation.
+server. The request path (wrapper/answers/forwarding.py) and the server's life (wrapper/life/server_life.py) share
+this one object; only the life changes the state and installs a generation.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import Any
 
 import aiohttp
 
-from wrapper import argv as args
 from wrapper import built_ins
-from wrapper.config import Config
-from wrapper.gate import Gate
-from wrapper.generation import Generation
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config
+from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.kept import Kept
-from wrapper.launch import Launch
+from wrapper.launching.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
-from wrapper.llama import LlamaClient
 from wrapper.metrics import METRICS
-from wrapper.seats import Seats
-from wrapper.sections import PRIORITY, WATCHDOG
-from wrapper.server_context import AUTO_SLOTS
+from wrapper.queue.gate import Gate
+from wrapper.queue.seats import Seats
+from wrapper.server.context import AUTO_SLOTS
+from wrapper.server.generation import Generation
+from wrapper.server.llama import LlamaClient
 
 LOSS_SEEN_S = 2.0  # a cut exchange: how long its server's end may take to be seen
 
@@ -64,7 +64,7 @@ class Serving:
         self.current = self.new_generation(config, launch)
         self.heard_at = time.monotonic()  # a request in flight last sent to llama-server or heard from it
         self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
-        self.seats = Seats()  # the slots' queue (wrapper/seats.py), for the wrapper's life
+        self.seats = Seats()  # the slots' queue (wrapper/queue/seats.py), for the wrapper's life
         self.remembered: dict[str, Remembered] = {}  # the GETs clients poll, as llama-server last answered them
 
     def heard(self) -> None:
@@ -97,7 +97,7 @@ class Serving:
         return Generation(config, launch, LlamaClient(launch.url, self.session, launch.api_key), shared=self._shared)
 
     def install(self, generation: Generation) -> None:
-        """Make a new generation the current one: requests released from now on go to it (wrapper/life.py)."""
+        """Make a new generation the current one: requests released from now on go to it (the life's to do)."""
         self.current = generation
 
     async def drain(self, timeout: float, force: asyncio.Event, cut: bool = True) -> bool:

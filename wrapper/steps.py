@@ -1,4 +1,4 @@
-"""What built-ins may add to the path of a proxied request (wrapper/forwarding.py runs them), with typed
+"""What built-ins may add to the path of a proxied request (wrapper/answers/forwarding.py runs them), with typed
 results: steps before a request is forwarded (the request to send, or a Reply for the client; what it takes of a
 slot, for the queue), growth when llama-server answers a context overflow, what a GET of the server's description
 answers (Shown), and the observers of responses."""
@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wrapper.config import Config
-from wrapper.generation import Generation, Host
+from wrapper.configuration.config import Config
+from wrapper.server.generation import Generation, Host
 
 Observer = Callable[[str, int, bytes], None]
 """Called with (path, status, the last bytes of the body) once a response has been passed on whole."""
@@ -23,7 +23,7 @@ def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
 
 @dataclass
 class SlotUse:
-    """What a request that decodes takes of a slot, as a step learns it: the queue (wrapper/seats.py) reads it to
+    """What a request that decodes takes of a slot, as a step learns it: the queue (wrapper/queue/seats.py) reads it to
     say what a pause would cost, the step writes it."""
 
     slot: int | None = None  # the slot a step pinned it to, for the log and the status
@@ -50,7 +50,7 @@ class Outgoing:
 @dataclass(frozen=True)
 class Reply:
     """A step's answer to the client instead of forwarding the request: this status and JSON body (an error
-    is llama-server's shape: wrapper/proxy.py's error_body). Later steps do not run; `after` callbacks do."""
+    is llama-server's shape: wrapper/answers/proxy.py's error_body). Later steps do not run; `after` callbacks do."""
 
     status: int
     body: dict[str, Any]

@@ -15,7 +15,7 @@ from hooks.conversations.settings import CACHE
 from hooks.conversations.state import FAMILY
 from hooks.conversations.step import PATHS, before
 from hooks.slots.settings import FAMILY as SLOTS_FAMILY
-from wrapper.config import Config
+from wrapper.configuration.config import Config
 
 __all__ = ["FAMILY", "PATHS", "before", "in_use", "keep_while_idle", "metrics", "observer", "status"]
 

@@ -21,7 +21,7 @@ from hooks.conversations.step import save_slot
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store, common_prefix, layout
-from wrapper.generation import Generation, Host
+from wrapper.server.generation import Generation, Host
 
 log = structlog.get_logger()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass
 
-from wrapper.measured import MeasuredFile
+from wrapper.launching.measured import MeasuredFile
 
 EWMA = 0.3  # weight of the newest measurement in a rate
 SAVE_EVERY_S = 10.0  # a learnt prefill rate is written at most this often

@@ -11,8 +11,8 @@ from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store.settings import STORE
 from wrapper import paths
-from wrapper.generation import Generation
 from wrapper.metrics import METRICS
+from wrapper.server.generation import Generation
 from wrapper.steps import Observer
 
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')

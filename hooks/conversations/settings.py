@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hooks.store.settings import MOVED_FROM_CACHE
-from wrapper.settings import BOOL, COUNT, NUMBER, SIZE_OR_AUTO, Section, setting
+from wrapper.configuration.settings import BOOL, COUNT, NUMBER, SIZE_OR_AUTO, Section, setting
 
 
 @dataclass(frozen=True)

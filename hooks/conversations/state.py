@@ -11,9 +11,9 @@ from hooks.conversations.rates import KeptRates
 from hooks.conversations.settings import CACHE
 from hooks.decisions import Decisions
 from hooks.slots.stores import store_of
-from wrapper.generation import Generation
 from wrapper.kept import Key
 from wrapper.metrics import METRICS
+from wrapper.server.generation import Generation
 
 FAMILY = "conversations"
 

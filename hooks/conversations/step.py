@@ -20,11 +20,11 @@ from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
 from hooks.store import Entry, Store, Unreadable, common_prefix
 from hooks.store.settings import STORE
-from wrapper import argv as args
 from wrapper import paths
-from wrapper.generation import Generation, Host, ServerLost
-from wrapper.llama import LlamaError
+from wrapper.configuration import argv as args
 from wrapper.metrics import METRICS
+from wrapper.server.generation import Generation, Host, ServerLost
+from wrapper.server.llama import LlamaError
 from wrapper.steps import Outgoing
 
 log = structlog.get_logger()

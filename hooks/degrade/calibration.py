@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from hooks.degrade.memory import Choices, MiB, Plan
-from wrapper.server_help import wrapper_cache
+from wrapper.launching.flags import wrapper_cache
 
 log = structlog.get_logger()
 

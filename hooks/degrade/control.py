@@ -23,10 +23,10 @@ from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state_of
 from hooks.degrade.wanted import Wanted
 from hooks.slots import view_of
-from wrapper.config import ConfigError
-from wrapper.generation import Generation, Host
+from wrapper.configuration.config import ConfigError
+from wrapper.configuration.units import format_size, parse_size
+from wrapper.server.generation import Generation, Host
 from wrapper.steps import CannotGrow, Grown, GrowResult, NotPlanned, error_body
-from wrapper.units import format_size, parse_size
 
 log = structlog.get_logger()
 

@@ -17,12 +17,12 @@ from hooks.degrade.state import Fitted, state_of
 from hooks.degrade.wanted import Wanted
 from hooks.media.settings import on_demand
 from hooks.slots import noted_tokens
-from wrapper import argv as args
-from wrapper.config import Config, ConfigError
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config, ConfigError
+from wrapper.configuration.units import format_size
 from wrapper.kept import Kept
-from wrapper.launch import Asks, Fitting, Launch
-from wrapper.server_help import flag_arity
-from wrapper.units import format_size
+from wrapper.launching.flags import flag_arity
+from wrapper.launching.launch import Asks, Fitting, Launch
 
 VERBOSITY = ("-lv", "--verbosity", "--log-verbosity")
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from hooks.degrade.memory import Choices, ModelShape, Plan, choices_of, largest_ctx, plan
 from hooks.degrade.settings import Rung
-from wrapper import argv as args
-from wrapper.reload_plan import ReloadRefused
-from wrapper.reload_plan import plan as edit_argv
+from wrapper.configuration import argv as args
+from wrapper.configuration.reload_plan import ReloadRefused
+from wrapper.configuration.reload_plan import plan as edit_argv
 
 _PRECISION = {"f32": 4, "f16": 3, "bf16": 3, "q8_0": 2, "q5_1": 2, "q5_0": 2, "q4_1": 1, "q4_0": 1, "iq4_nl": 1}
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from wrapper import argv as args
-from wrapper.gguf_meta import GGUFError, read_header
+from wrapper.configuration import argv as args
+from wrapper.launching.gguf_meta import GGUFError, read_header
 
 MiB = 1 << 20
 CELL_PAD = 256

@@ -9,8 +9,8 @@ import structlog
 
 from hooks.degrade.state import DegradeState, fitted
 from hooks.degrade.wanted import Wanted
-from wrapper.generation import Host
 from wrapper.reload_ask import NotReloaded, RolledBack, Unchanged, ask_reload
+from wrapper.server.generation import Host
 
 log = structlog.get_logger()
 

@@ -20,15 +20,15 @@ from hooks.degrade.pool.folder import Pool, agree
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState, fitted, state_of
 from hooks.degrade.wanted import Wanted
-from wrapper import argv as args
-from wrapper.commands import Commands
-from wrapper.config import Config, ConfigError
-from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config, ConfigError
+from wrapper.configuration.exits import EXIT_CONFIG, EXIT_FAILED
+from wrapper.configuration.units import format_size, parse_size
+from wrapper.configuration.usage import SERVER_COMMAND_SETTINGS, ServerCommand
 from wrapper.kept import Kept
-from wrapper.launch import Launch
-from wrapper.server_help import devices, planning, unknown_flags
-from wrapper.units import format_size, parse_size
-from wrapper.usage import SERVER_COMMAND_SETTINGS, ServerCommand
+from wrapper.launching.commands import Commands
+from wrapper.launching.flags import devices, planning, unknown_flags
+from wrapper.launching.launch import Launch
 
 FOR_A_GPU = f"plan for a GPU with --backend {'|'.join(GPU_BACKENDS)} --budget SIZE"
 

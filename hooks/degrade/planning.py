@@ -11,12 +11,12 @@ from hooks.degrade.ladder import Planner, RungPlan, build
 from hooks.degrade.memory import CELL_PAD, Choices, ModelShape, Plan, PlanError, plan, read_shape
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import DegradeState
-from wrapper import argv as args
-from wrapper.config import Config, ConfigError
-from wrapper.launch import Launch
-from wrapper.server_help import devices, flag_arity
-from wrapper.sysinfo import gpu_free, mem_available
-from wrapper.units import format_size
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config, ConfigError
+from wrapper.configuration.units import format_size
+from wrapper.launching.flags import devices, flag_arity
+from wrapper.launching.launch import Launch
+from wrapper.launching.sysinfo import gpu_free, mem_available
 
 MIN_START_CTX = 1024  # the first rung whose context reaches this (or the ceiling) is where a start begins
 GPU_BACKENDS = ("cuda", "vulkan", "metal")

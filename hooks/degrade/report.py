@@ -12,8 +12,8 @@ import structlog
 from hooks.degrade import calibration
 from hooks.degrade.pool import member
 from hooks.degrade.state import fitted, measuring, state_of
-from wrapper.generation import Generation, Host
 from wrapper.metrics import METRICS
+from wrapper.server.generation import Generation, Host
 from wrapper.steps import Observer
 
 log = structlog.get_logger()

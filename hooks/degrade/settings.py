@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 
 from hooks.degrade import FAMILY
-from wrapper.settings import BOOL, COUNT, DURATION, PATH, SIZE, SIZE_OR_AUTO, Kind, Section, setting
-from wrapper.yamlread import Reader, suggest
+from wrapper.configuration.settings import BOOL, COUNT, DURATION, PATH, SIZE, SIZE_OR_AUTO, Kind, Section, setting
+from wrapper.configuration.yamlread import Reader, suggest
 
 LADDER_RUNGS = ("disable-spec", "mmproj-to-cpu", "quantize-kv-q8", "quantize-kv-q4", "swa-window")
 

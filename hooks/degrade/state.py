@@ -13,10 +13,10 @@ from typing import Any
 from hooks.degrade import FAMILY, calibration
 from hooks.degrade.ladder import RungPlan
 from hooks.degrade.memory import Choices, ModelShape
-from wrapper import argv as args
-from wrapper.generation import Generation
+from wrapper.configuration import argv as args
 from wrapper.kept import Kept, Key
-from wrapper.launch import Launch
+from wrapper.launching.launch import Launch
+from wrapper.server.generation import Generation
 
 _ID_SLOT = re.compile(rb'"id_slot"\s*:\s*(\d+)')
 

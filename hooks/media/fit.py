@@ -7,10 +7,10 @@ from hooks.asks import MemoryMove, Projector, asked
 from hooks.media.memory import took_back
 from hooks.media.settings import on_demand
 from hooks.media.state import STATE
-from wrapper import argv as args
-from wrapper.config import Config
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config
 from wrapper.kept import Kept
-from wrapper.launch import Asks, Fitting, Launch
+from wrapper.launching.launch import Asks, Fitting, Launch
 
 
 def fit(argv: list[str], launch: Launch, config: Config, shared: Kept, asks: Asks) -> Fitting:

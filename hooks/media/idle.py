@@ -11,9 +11,9 @@ import structlog
 from hooks.asks import Projector, asking
 from hooks.media.settings import MEDIA, on_demand
 from hooks.media.state import loaded, state
-from wrapper.generation import Host
 from wrapper.metrics import METRICS
 from wrapper.reload_ask import Reloaded, ask_reload
+from wrapper.server.generation import Host
 
 log = structlog.get_logger()
 

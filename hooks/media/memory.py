@@ -7,7 +7,7 @@ import time
 
 from hooks.media.settings import MEDIA, on_demand
 from hooks.media.state import STATE, MediaState
-from wrapper.config import Config
+from wrapper.configuration.config import Config
 from wrapper.kept import Kept
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from hooks.media.settings import MEDIA, on_demand
 from hooks.media.state import configured, loaded, state
-from wrapper import argv as args
-from wrapper.generation import Generation
-from wrapper.gguf_meta import GGUFError, read_metadata
+from wrapper.configuration import argv as args
+from wrapper.launching.gguf_meta import GGUFError, read_metadata
 from wrapper.metrics import METRICS
+from wrapper.server.generation import Generation
 
 
 def status(generation: Generation) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hooks.media import FAMILY
-from wrapper.config import Config
-from wrapper.settings import DURATION, Section, choice, setting
+from wrapper.configuration.config import Config
+from wrapper.configuration.settings import DURATION, Section, choice, setting
 
 
 @dataclass(frozen=True)

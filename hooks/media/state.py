@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 from hooks.decisions import Decisions
-from wrapper import argv as args
-from wrapper.config import Config
-from wrapper.generation import Generation
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config
 from wrapper.kept import Key
+from wrapper.server.generation import Generation
 
 
 @dataclass

@@ -16,10 +16,10 @@ from hooks.media.detect import media_in
 from hooks.media.report import learn
 from hooks.media.settings import on_demand
 from hooks.media.state import configured, loaded, state
-from wrapper.generation import Generation, Host
-from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.reload_ask import Reloaded, Unchanged, ask_reload
+from wrapper.server.generation import Generation, Host
+from wrapper.server.llama import LlamaError
 from wrapper.steps import Outgoing, Reply, error_body
 
 log = structlog.get_logger()

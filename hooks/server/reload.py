@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 
 from wrapper.actions import ActionError
-from wrapper.auth import admin_token
-from wrapper.generation import Generation
-from wrapper.reload_plan import FIELDS
+from wrapper.configuration.auth import admin_token
+from wrapper.configuration.reload_plan import FIELDS
+from wrapper.server.generation import Generation
 
 OPTIONS = ("url", "token_file", *FIELDS)
 

@@ -26,11 +26,11 @@ from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into,
 from hooks.store import Entry, Noted, Store, Unreadable, layout
 from hooks.store.settings import STORE
 from wrapper.actions import ActionError
-from wrapper.generation import Generation, Host, ServerLost
 from wrapper.kept import Key
-from wrapper.llama import LlamaError
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
+from wrapper.server.generation import Generation, Host, ServerLost
+from wrapper.server.llama import LlamaError
 from wrapper.steps import Observer
 
 log = structlog.get_logger()

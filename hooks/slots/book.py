@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from wrapper import paths
-from wrapper.generation import Generation
 from wrapper.kept import Key
+from wrapper.server.generation import Generation
 from wrapper.steps import Observer
 
 _TIMINGS = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in ("cache_n", "prompt_n", "predicted_n")}

@@ -20,9 +20,9 @@ from hooks.store import Entry, Store, layout
 from hooks.store.bucket import BucketError
 from hooks.store.opening import folder_only, opened
 from hooks.store.settings import STORE, StoreSettings, bucket_for
-from wrapper.commands import Commands
-from wrapper.config import Config, ConfigError, parse_config
-from wrapper.exits import EXIT_CONFIG, EXIT_FAILED
+from wrapper.configuration.config import Config, ConfigError, parse_config
+from wrapper.configuration.exits import EXIT_CONFIG, EXIT_FAILED
+from wrapper.launching.commands import Commands
 
 LOOK_S = 10.0  # how long `ls` waits for the bucket's manifests
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from hooks.slots.settings import SLOTS
 from hooks.slots.stores import open_for
-from wrapper import argv as args
-from wrapper.config import Config, ConfigError
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config, ConfigError
 from wrapper.kept import Kept
-from wrapper.launch import Fitting, Launch
-from wrapper.server_help import is_planning, supported_flags
+from wrapper.launching.flags import is_planning, supported_flags
+from wrapper.launching.launch import Fitting, Launch
 
 FALLBACK_CTX = 4096
 

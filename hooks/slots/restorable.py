@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Any
 
 from hooks.kvfile.format import SlotFile
-from wrapper import argv as args
+from wrapper.configuration import argv as args
 
 _ON = ("on", "auto", "1", "true", "enabled", "yes")
 

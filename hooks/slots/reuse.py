@@ -8,8 +8,8 @@ from typing import Any
 
 import structlog
 
-from wrapper.llama import LlamaClient, LlamaError
 from wrapper.metrics import METRICS
+from wrapper.server.llama import LlamaClient, LlamaError
 from wrapper.steps import Observer
 
 log = structlog.get_logger()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hooks.store.settings import MOVED_FROM_SLOTS
-from wrapper.settings import COUNT, PATH, Section, choice, setting
+from wrapper.configuration.settings import COUNT, PATH, Section, choice, setting
 
 FAMILY = "slots"
 

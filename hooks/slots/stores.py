@@ -10,10 +10,10 @@ from hooks.store import Store
 from hooks.store.layout import host_id
 from hooks.store.opening import folder_only, open_store
 from hooks.store.settings import STORE
-from wrapper.config import Config
-from wrapper.generation import Generation
+from wrapper.configuration.config import Config
 from wrapper.kept import Kept, Key
-from wrapper.launch import Launch
+from wrapper.launching.launch import Launch
+from wrapper.server.generation import Generation
 
 _OPENED: Key[dict[Path, Store]] = Key("slots.stores", dict)
 

@@ -21,10 +21,10 @@ from hooks.kvfile import convert as kvconvert
 from hooks.slots.book import book_of
 from hooks.slots.restorable import WARMABLE, Mismatch, Skip, server_layout, skip_reason
 from hooks.store import Entry, Store, Unavailable, Unreadable
-from wrapper.generation import Generation, ServerLost
 from wrapper.kept import Key
-from wrapper.llama import LlamaError
 from wrapper.progress import PROGRESS
+from wrapper.server.generation import Generation, ServerLost
+from wrapper.server.llama import LlamaError
 
 log = structlog.get_logger()
 T = TypeVar("T")

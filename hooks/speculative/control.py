@@ -13,9 +13,9 @@ from hooks.speculative.fit import speculates
 from hooks.speculative.rule import decide
 from hooks.speculative.settings import SPEC, switching
 from hooks.speculative.state import STATE
-from wrapper.generation import Host
 from wrapper.metrics import METRICS
 from wrapper.reload_ask import Reloaded, RolledBack, ask_reload
+from wrapper.server.generation import Host
 
 log = structlog.get_logger()
 

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from hooks.asks import Draft, asked
 from hooks.speculative.settings import switching
 from hooks.speculative.state import STATE
-from wrapper import argv as args
-from wrapper.config import Config
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config
+from wrapper.configuration.reload_plan import plan
 from wrapper.kept import Kept
-from wrapper.launch import Asks, Fitting, Launch
-from wrapper.reload_plan import plan
-from wrapper.server_help import flag_arity
+from wrapper.launching.flags import flag_arity
+from wrapper.launching.launch import Asks, Fitting, Launch
 
 
 def speculates(argv: Sequence[str]) -> bool:

@@ -8,8 +8,8 @@ from typing import Any
 from hooks.speculative.fit import speculates
 from hooks.speculative.settings import SPEC
 from hooks.speculative.state import STATE
-from wrapper.generation import Generation
 from wrapper.metrics import METRICS
+from wrapper.server.generation import Generation
 
 
 def status(generation: Generation) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hooks.speculative import FAMILY
-from wrapper.config import Config
-from wrapper.settings import DURATION, NUMBER, Section, choice, setting
+from wrapper.configuration.config import Config
+from wrapper.configuration.settings import DURATION, NUMBER, Section, choice, setting
 
 
 @dataclass(frozen=True)

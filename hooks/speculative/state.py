@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from hooks.decisions import Decisions
 from hooks.speculative.rule import Rates
-from wrapper import argv as args
+from wrapper.configuration import argv as args
 from wrapper.kept import Key
-from wrapper.measured import MeasuredFile
+from wrapper.launching.measured import MeasuredFile
 
 WEIGHT = 0.3  # of a new measurement in the running average
 SAVE_EVERY_S = 10.0

@@ -10,7 +10,7 @@ import re
 from hooks.speculative.fit import speculates
 from hooks.speculative.settings import switching
 from hooks.speculative.state import STATE, Track
-from wrapper.generation import Generation, Host
+from wrapper.server.generation import Generation, Host
 from wrapper.steps import Observer, Outgoing
 
 _TRACK: contextvars.ContextVar[Track | None] = contextvars.ContextVar("spec_track", default=None)

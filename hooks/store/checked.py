@@ -8,7 +8,7 @@ from typing import Any
 
 from hooks.store.bucket import BucketError
 from hooks.store.settings import STORE, bucket_for
-from wrapper.config import Config
+from wrapper.configuration.config import Config
 
 
 def credential_source(access_key: str | None) -> str:

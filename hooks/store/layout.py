@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wrapper.model import fingerprint
+from wrapper.launching.model import fingerprint
 
 SIDECAR_FORMAT = 1
 _SIDECAR = re.compile(r"^slot(\d+)\.json$")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import yaml
 
 from hooks.store.bucket import Bucket, check_endpoint, parse_url
-from wrapper.settings import COUNT, DURATION, POSITIVE_DURATION, SIZE, Kind, Section, setting
-from wrapper.yamlread import Reader
+from wrapper.configuration.settings import COUNT, DURATION, POSITIVE_DURATION, SIZE, Kind, Section, setting
+from wrapper.configuration.yamlread import Reader
 
 
 def _text(r: Reader, node: yaml.Node, what: str) -> str | None:

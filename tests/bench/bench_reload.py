@@ -91,7 +91,7 @@ def conversion_speed(tmp: Path, facts: dict[str, Any]) -> dict[str, float]:
 
 
 def main() -> None:
-    from wrapper.gguf_meta import architecture_facts, read_metadata
+    from wrapper.launching.gguf_meta import architecture_facts, read_metadata
 
     server, model = models.llama_server(), models.gemma()
     tokens = int(os.environ.get("TOKENS", "3000"))

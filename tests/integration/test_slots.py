@@ -13,7 +13,7 @@ import pytest
 from hooks import kvfile
 from hooks.store import layout
 from tests.helpers import Wrapper, chat, http, running, wait_for
-from wrapper.model import fingerprint
+from wrapper.launching.model import fingerprint
 
 PERSIST = """
 slots:

@@ -17,7 +17,7 @@ import yaml
 
 from tests import docs
 from tests.unit.degrade.test_plan_cli import gemma3_27b
-from wrapper.units import parse_duration
+from wrapper.configuration.units import parse_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -11,9 +11,9 @@ import pytest
 
 from hooks.registry import BUILTINS, Builtin, ordered
 from wrapper import built_ins
-from wrapper.config import Config
-from wrapper.generation import Generation
+from wrapper.configuration.config import Config
 from wrapper.kept import Kept, Key
+from wrapper.server.generation import Generation
 
 
 def test_the_order_is_the_declared_one_whatever_the_tuple_says() -> None:

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from wrapper.config import ConfigError
-from wrapper.units import format_size
+from wrapper.configuration.config import ConfigError
+from wrapper.configuration.units import format_size
 
 FORMAT = "llama-wrapper pool"
 VERSION = 1

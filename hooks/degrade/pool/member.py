@@ -27,10 +27,10 @@ import structlog
 from hooks.degrade.pool.folder import Locked, Member, Pool, Request
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import Fitted, fitted
-from wrapper.generation import Generation, Host
+from wrapper.configuration.sections import SLEEP
+from wrapper.configuration.units import format_size
 from wrapper.metrics import METRICS
-from wrapper.sections import SLEEP
-from wrapper.units import format_size
+from wrapper.server.generation import Generation, Host
 
 log = structlog.get_logger()
 

@@ -30,10 +30,10 @@ from hooks.degrade.state import DegradeState, Fitted, context_for, fitted, state
 from hooks.degrade.wanted import Wanted
 from hooks.media import memory as projector_memory
 from hooks.slots import view_of
-from wrapper import argv as args
-from wrapper.generation import Generation, Host
-from wrapper.sections import SLEEP
-from wrapper.units import format_size
+from wrapper.configuration import argv as args
+from wrapper.configuration.sections import SLEEP
+from wrapper.configuration.units import format_size
+from wrapper.server.generation import Generation, Host
 
 log = structlog.get_logger()
 

@@ -18,10 +18,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hooks.degrade.memory import MiB
 from hooks.degrade.pool.folder import Member, Pool
-from wrapper.cli import main
-from wrapper.config import ConfigError, parse_config
-from wrapper.launch import prepare
-from wrapper.server_help import planning
+from wrapper.cli.main import main
+from wrapper.configuration.config import ConfigError, parse_config
+from wrapper.launching.flags import planning
+from wrapper.launching.launch import prepare
 
 GiB = 1 << 30
 Q4_K, Q6_K, F32 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32

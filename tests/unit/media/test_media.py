@@ -14,12 +14,12 @@ from hooks.media.fit import fit
 from hooks.media.report import shown
 from hooks.media.state import STATE
 from wrapper import built_ins
-from wrapper.config import Listen
-from wrapper.generation import Generation
+from wrapper.answers.proxy import json_object
+from wrapper.configuration.config import Listen
 from wrapper.kept import Kept
-from wrapper.launch import Launch
-from wrapper.model import Model
-from wrapper.proxy import json_object
+from wrapper.launching.launch import Launch
+from wrapper.launching.model import Model
+from wrapper.server.generation import Generation
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 TABLE: list[tuple[str, Any, str | None]] = [

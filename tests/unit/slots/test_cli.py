@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
 from tests.slotfiles import kv_state, make_pair, slot_bytes
-from wrapper.cli import main
+from wrapper.cli.main import main
 
 
 def test_ls_inspect_rm(tmp_path: Path) -> None:

@@ -8,11 +8,11 @@ import pytest
 
 from hooks.slots.fit import fit_for_slots
 from hooks.slots.settings import SlotSettings
-from wrapper import argv as args
-from wrapper.config import Config, Listen
+from wrapper.configuration import argv as args
+from wrapper.configuration.config import Config, Listen
 from wrapper.kept import Kept
-from wrapper.launch import Launch
-from wrapper.model import Model
+from wrapper.launching.launch import Launch
+from wrapper.launching.model import Model
 
 
 def fake_server(tmp_path: Path, flags: str) -> str:

@@ -14,7 +14,7 @@ from hooks.slots.reuse import ReuseTracker
 from hooks.slots.transfer import upgradable
 from tests.slotfiles import slot_bytes
 from wrapper.lifecycle import IllegalTransition, Lifecycle, State
-from wrapper.llama import LlamaClient
+from wrapper.server.llama import LlamaClient
 
 PROPS = {"total_slots": 2, "default_generation_settings": {"n_ctx": 4096}, "build_info": "b11434-abc"}
 

@@ -10,10 +10,10 @@ from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.settings import StoreSettings
 from tests.slotfiles import slot_bytes
-from wrapper.config import Config, Listen
+from wrapper.configuration.config import Config, Listen
 from wrapper.kept import Kept
-from wrapper.launch import Launch
-from wrapper.model import Model
+from wrapper.launching.launch import Launch
+from wrapper.launching.model import Model
 
 
 def _launch(folder: Path) -> Launch:

@@ -15,9 +15,9 @@ from hooks.slots.transfer import NotRestored, restore_into, save_into
 from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.interface import Entry
 from tests.slotfiles import slot_bytes
-from wrapper.generation import Generation, ServerLost
 from wrapper.kept import Kept
-from wrapper.llama import LlamaError
+from wrapper.server.generation import Generation, ServerLost
+from wrapper.server.llama import LlamaError
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "on",
           "kv_streams": 1}

@@ -14,8 +14,8 @@ from structlog.testing import capture_logs
 from hooks.speculative import control
 from hooks.speculative.state import STATE, Track
 from wrapper import built_ins
-from wrapper.generation import Host
 from wrapper.kept import Kept
+from wrapper.server.generation import Host
 
 ARGV = ("llama-server", "-m", "m.gguf", "-md", "d.gguf", "--spec-type", "draft-simple", "-np", "3")
 

@@ -13,7 +13,7 @@ import pytest
 from hooks.store.settings import SECRET, STORE
 from hooks.store.threads import map_on
 from wrapper.built_ins import parse as parse_config
-from wrapper.config import ConfigError
+from wrapper.configuration.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -22,7 +22,7 @@ from hooks.store.remote import Remote
 from hooks.store.tiered import TieredStore
 from tests.s3server import S3Server, skip_without_weed
 from tests.slotfiles import kv_state as state
-from wrapper.cli import main
+from wrapper.cli.main import main
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
 

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from tests.helpers import free_port, pid_alive, wait_for
 from wrapper.actions import HookFailed, HookRunner
-from wrapper.config import Action, Listen, parse_config
-from wrapper.hook_context import build, environment
-from wrapper.launch import Launch
-from wrapper.model import Model
+from wrapper.configuration.config import Action, Listen, parse_config
+from wrapper.configuration.hook_context import build, environment
+from wrapper.launching.launch import Launch
+from wrapper.launching.model import Model
 
 
 def context(**overrides: Any) -> dict[str, Any]:

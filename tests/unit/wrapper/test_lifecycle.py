@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import Wrapper, child_argv, free_port, http, pid_alive, wait_for
-from wrapper.supervisor import SAME_SIGNAL_S
+from wrapper.life.supervisor import SAME_SIGNAL_S
 
 RECORD_HOOKS = """
 hooks:

@@ -14,18 +14,18 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from hooks.registry import Builtin
 from wrapper import built_ins
-from wrapper.config import Listen, parse_config
-from wrapper.forwarding import forward_request
-from wrapper.generation import Generation, Host
-from wrapper.hooks_running import Hooks
+from wrapper.answers.forwarding import forward_request
+from wrapper.configuration.config import Listen, parse_config
+from wrapper.configuration.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
 from wrapper.kept import Kept
-from wrapper.launch import Launch
-from wrapper.life import ServerLife
+from wrapper.launching.launch import Launch
+from wrapper.launching.model import Model
+from wrapper.life.hooks_running import Hooks
+from wrapper.life.notify import Notifier
+from wrapper.life.server_life import ServerLife
 from wrapper.lifecycle import State
-from wrapper.model import Model
-from wrapper.notify import Notifier
 from wrapper.reload_ask import NotReloaded, Reloaded, RolledBack, Unchanged, ask_reload
-from wrapper.reload_plan import BUSY_RELOADING, Refusal, ReloadRefused
+from wrapper.server.generation import Generation, Host
 from wrapper.serving import Serving
 from wrapper.steps import Before, Outgoing, Reply
 

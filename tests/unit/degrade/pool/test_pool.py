@@ -33,8 +33,8 @@ from hooks.degrade.pool.folder import (
     process_start,
 )
 from hooks.degrade.pool.member import Asking, collect, finish, place_asks
-from wrapper.config import ConfigError
-from wrapper.units import format_size
+from wrapper.configuration.config import ConfigError
+from wrapper.configuration.units import format_size
 
 ROOT = Path(__file__).resolve().parents[4]
 GiB = 1 << 30

@@ -1,0 +1,356 @@
+"""The answer loop alone: its exchange with llama-server, the growth and the loss of the server are scripted
+(answers in llama-server's shapes, passed through `wanted` as wrapper/answers/proxy.py's catch does), so that every path
+of an overflow, a continuation and a lost server is seen without a server."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+from aiohttp import web
+
+from wrapper.answers.answering import MAX_GROWTHS, AnswerLoop
+from wrapper.answers.proxy import Outcome, Pass, Wanted
+from wrapper.answers.route import Shape
+from wrapper.answers.sse import Events
+from wrapper.server.generation import Host
+from wrapper.serving import GONE_WHY, Loss
+from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
+
+CHAT = "/v1/chat/completions"
+N_CTX = 512
+
+
+def overflow(prompt: int) -> tuple[int, dict[str, Any]]:
+    return 400, {"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": prompt,
+                           "n_ctx": N_CTX, "message": "the request exceeds the available context size"}}
+
+
+def chat(text: str, finish: str = "stop", prompt: int = 100, completion: int = 10) -> tuple[int, dict[str, Any]]:
+    return 200, {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}}
+
+
+@dataclass
+class Script:
+    """llama-server's answers in turn, and what the loop sent; an answer `wanted` does not keep goes through."""
+
+    answers: list[tuple[int, dict[str, Any]] | str]  # a str: llama-server went away under that pass
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    async def send(self, body: bytes, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        self.sent.append(json.loads(body))
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, str):
+            return Pass(Outcome.CUT, REQUEST, error=answer)
+        status, payload = answer
+        if wanted(payload, status):
+            return Pass(Outcome.CAUGHT, REQUEST, status=status, payload=payload)
+        return Pass(Outcome.ANSWERED, REQUEST, web.json_response(payload, status=status))
+
+
+REQUEST = cast(web.BaseRequest, SimpleNamespace(transport=None))  # the client's request: never closed here
+
+
+@dataclass
+class Growing:
+    results: list[GrowResult]
+    asked: list[int] = field(default_factory=list)
+
+    async def grow(self, host: Host, needed: int, pool_full: bool) -> GrowResult:
+        self.asked.append(needed)
+        return self.results.pop(0) if len(self.results) > 1 else self.results[0]
+
+
+@dataclass
+class Losing:
+    """Whether the server was lost under each cut pass (and another serves): in turn."""
+
+    answers: list[Loss]
+    asked: int = 0
+
+    async def lost(self) -> Loss:
+        self.asked += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+@dataclass
+class Passes:
+    """The loop's passes: the script's answers, and whether the server was lost under each cut."""
+
+    script: Script
+    losing: Losing | None
+
+    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        assert shape is Shape.WHOLE and events is None
+        return await self.script.send(body, wanted, events, going_on)
+
+    async def lost(self) -> Loss:
+        assert self.losing is not None  # asked only with the watchdog on
+        return await self.losing.lost()
+
+    async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
+        raise AssertionError("a whole answer is never paused")
+
+
+def loop(script: Script, growing: Growing | None, body: dict[str, Any], continues: bool = True,
+         losing: Losing | None = None) -> AnswerLoop:
+    host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
+    growth = Growth(growing.grow, lambda config: continues, lambda config: 64) if growing is not None else None
+    return AnswerLoop(host, growth, CHAT, json.dumps(body).encode(), Passes(script, losing), lambda: N_CTX,
+                      Shape.WHOLE, watched=losing is not None)
+
+
+def answer(response: web.StreamResponse) -> dict[str, Any]:
+    assert isinstance(response, web.Response) and response.body is not None
+    return cast(dict[str, Any], json.loads(cast(bytes, response.body)))
+
+
+ASKED = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 32}
+
+
+async def test_an_overflow_grows_and_sends_the_request_again() -> None:
+    script, growing = Script([overflow(600), chat("hi there")]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    assert response.status == 200 and answer(response)["choices"][0]["message"]["content"] == "hi there"
+    assert growing.asked == [600 + 32]  # the prompt and what the request may generate
+    assert script.sent == [ASKED, ASKED]
+
+
+async def test_without_max_tokens_the_growth_leaves_the_headroom() -> None:
+    growing = Growing([Grown()])
+    await loop(Script([overflow(600), chat("ok")]), growing, {"messages": ASKED["messages"]}).run()
+    assert growing.asked == [600 + 64]
+
+
+async def test_a_growth_that_cannot_be_made_says_why_in_llama_servers_refusal() -> None:
+    script, growing = Script([overflow(9000)]), Growing([CannotGrow("the largest context is 4096 tokens")])
+    response = await loop(script, growing, ASKED).run()
+    error = answer(response)["error"]
+    assert response.status == 400 and error["type"] == "exceed_context_size_error"
+    assert error["message"].startswith("the largest context is 4096 tokens (the request exceeds")
+    assert len(script.sent) == 1
+
+
+async def test_no_plan_to_grow_with_leaves_the_refusal_as_it_was() -> None:
+    response = await loop(Script([overflow(9000)]), Growing([NotPlanned()]), ASKED).run()
+    assert answer(response)["error"]["message"] == "the request exceeds the available context size"
+
+
+async def test_an_overflow_after_every_growth_is_the_last_refusal_and_no_growth_more() -> None:
+    script, growing = Script([overflow(600)]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    assert response.status == 400 and len(script.sent) == MAX_GROWTHS + 1 and len(growing.asked) == MAX_GROWTHS
+
+
+async def test_an_answer_cut_by_a_full_context_goes_on_after_a_growth_as_one_answer() -> None:
+    cut = chat("Once upon", finish="length", prompt=500, completion=11)  # 511 of 512: the context stopped it
+    script, growing = Script([cut, chat("Once upon a time.", prompt=520, completion=5)]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    merged = answer(response)
+    assert merged["choices"][0]["message"]["content"] == "Once upon a time."
+    assert merged["usage"]["completion_tokens"] == 16 and growing.asked == [511 + 21]
+    again = script.sent[1]
+    assert again["messages"][-1] == {"role": "assistant", "content": "Once upon"} and again["max_tokens"] == 21
+
+
+async def test_an_answer_its_own_limit_stopped_is_not_continued() -> None:
+    script, growing = Script([chat("short", finish="length", prompt=100, completion=32)]), Growing([Grown()])
+    response = await loop(script, growing, ASKED).run()
+    assert answer(response)["choices"][0]["finish_reason"] == "length" and growing.asked == []
+
+
+async def test_without_continue_a_cut_answer_is_the_clients_as_it_came() -> None:
+    cut = chat("Once upon", finish="length", prompt=500, completion=11)
+    script, growing = Script([cut]), Growing([Grown()])
+    response = await loop(script, growing, ASKED, continues=False).run()
+    assert answer(response)["choices"][0]["message"]["content"] == "Once upon" and growing.asked == []
+
+
+async def test_a_continuation_that_cannot_grow_answers_what_came() -> None:
+    cut = chat("Once upon", finish="length", prompt=500, completion=11)
+    script, growing = Script([cut]), Growing([CannotGrow("no room")])
+    response = await loop(script, growing, ASKED).run()
+    assert answer(response)["choices"][0]["message"]["content"] == "Once upon" and len(script.sent) == 1
+
+
+
+async def test_a_request_the_server_was_lost_under_is_sent_again_to_the_next_one() -> None:
+    script, losing = Script(["Server disconnected", chat("after the restart")]), Losing([Loss.BACK])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert answer(response)["choices"][0]["message"]["content"] == "after the restart"
+    assert script.sent == [ASKED, ASKED] and losing.asked == 1
+
+
+async def test_a_cut_with_no_server_lost_is_the_clients_502() -> None:
+    script, losing = Script(["Connection refused"]), Losing([Loss.NONE])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert response.status == 502 and "Connection refused" in answer(response)["error"]["message"]
+    assert len(script.sent) == 1
+
+
+async def test_a_request_in_flight_at_two_losses_is_not_sent_a_third_time() -> None:
+    script, losing = Script(["Server disconnected"]), Losing([Loss.BACK])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    error = answer(response)["error"]
+    assert response.status == 502 and "lost 2 times while it served this request" in error["message"]
+    assert len(script.sent) == 2
+
+
+async def test_without_the_watchdog_a_cut_is_a_502_and_nothing_is_sent_again() -> None:
+    script = Script(["Server disconnected"])
+    response = await loop(script, None, ASKED).run()
+    assert response.status == 502 and len(script.sent) == 1
+
+
+async def test_a_server_lost_and_not_started_again_is_said_so() -> None:
+    script, losing = Script(["Server disconnected"]), Losing([Loss.GONE])
+    response = await loop(script, None, ASKED, losing=losing).run()
+    assert response.status == 502 and answer(response)["error"]["message"] == GONE_WHY
+    assert len(script.sent) == 1
+
+
+# -- a stream: passes scripted as llama-server's events, written to a recorded client ----------------------------
+
+
+class Client:
+    """The client's response: what was written to it, once prepared."""
+
+    prepared = True
+    content_type = "text/event-stream"
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        assert not self.ended
+        self.written += data
+
+    async def write_eof(self) -> None:
+        self.ended = True
+
+    def events(self) -> list[dict[str, Any]]:
+        return [{"done": True} if line == "data: [DONE]" else json.loads(line[6:])
+                for line in self.written.decode().split("\n\n") if line.startswith("data: ")]
+
+
+def sse(*payloads: dict[str, Any] | str) -> bytes:
+    return b"".join(b"data: " + (p.encode() if isinstance(p, str) else json.dumps(p).encode()) + b"\n\n"
+                    for p in payloads)
+
+
+def delta(content: str | None = None, id: str = "chatcmpl-1", **more: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "finish_reason": None, "delta": {"content": content, **more}}], "id": id,
+            "object": "chat.completion.chunk"}
+
+
+def final(id: str = "chatcmpl-1", completion: int = 3) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}], "id": id,
+            "usage": {"completion_tokens": completion, "prompt_tokens": 50, "total_tokens": 50 + completion}}
+
+
+@dataclass
+class Streams:
+    """llama-server's event streams in turn, each to its end, or cut (`cut`) or paused after `upto` events; the
+    loop's passes (wrapper/answers/passes.py) played against them."""
+
+    parts: list[tuple[bytes, str | None, int]]  # (the stream, "cut" | "paused" | None, events before it)
+    client: Client = field(default_factory=Client)
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[Loss] = field(default_factory=lambda: [Loss.BACK])
+    resumes: list[bytes | str] = field(default_factory=list)
+
+    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        assert shape is Shape.STREAM and events is not None
+        self.sent.append(json.loads(body))
+        stream, stop, upto = self.parts.pop(0)
+        raws = [raw + b"\n\n" for raw in stream.split(b"\n\n") if raw]
+        response = cast(web.StreamResponse, self.client)
+        for raw in raws[:upto] if stop else raws:
+            await self.client.write(events.feed(raw))
+        if stop == "cut":
+            return Pass(Outcome.CUT, REQUEST, response, error="Server disconnected")
+        if stop == "paused":
+            return Pass(Outcome.PAUSED, REQUEST, response)
+        if events.held:
+            return Pass(Outcome.HELD, REQUEST, response, 200, events=events)
+        await self.client.write_eof()  # as wrapper/answers/proxy.py ends a stream it held nothing of
+        return Pass(Outcome.ANSWERED, REQUEST, response)
+
+    async def lost(self) -> Loss:
+        return self.losses.pop(0)
+
+    async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
+        return self.resumes.pop(0)
+
+
+def streamed(streams: Streams, prompt: int | None = None) -> AnswerLoop:
+    body = {**ASKED, "stream": True, "temperature": 0}
+    host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
+    return AnswerLoop(host, None, CHAT, json.dumps(body).encode(), streams, lambda: N_CTX, Shape.STREAM,
+                      watched=True, prompt_tokens=prompt)
+
+
+FIRST = sse(delta(None, role="assistant"), delta("Once"), delta(" upon"), delta(" a"), delta(" time"))
+AFTER = sse(delta(None, role="assistant", id="chatcmpl-2"), delta("Once upon a", id="chatcmpl-2"),
+            delta(" time", id="chatcmpl-2"), delta(",", id="chatcmpl-2"), delta(" there", id="chatcmpl-2"),
+            final("chatcmpl-2", completion=3), "[DONE]")
+
+
+def text(client: Client) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in client.events() if "choices" in e)
+
+
+async def test_a_stream_cut_by_a_lost_server_goes_on_in_the_same_stream_as_one_answer() -> None:
+    streams = Streams([(FIRST, "cut", 5), (AFTER, None, 0)])
+    response = await streamed(streams).run()
+    assert response is streams.client and streams.client.ended  # type: ignore[comparison-overlap]
+    events = streams.client.events()
+    assert text(streams.client) == "Once upon a time, there"  # picked up where it stopped: nothing again
+    assert sum(1 for e in events if "choices" in e and e["choices"][0]["delta"].get("role")) == 1
+    assert {e["id"] for e in events if "id" in e} == {"chatcmpl-1"}  # the first part's id throughout
+    finals = [e for e in events if "choices" in e and e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and events[-1] == {"done": True}
+    assert finals[0]["usage"]["completion_tokens"] == 6  # 4 before the cut, 3 after, " time" once
+    went_on = streams.sent[1]["messages"][-1]
+    assert went_on == {"role": "assistant", "content": "Once upon a"}  # from before the last word
+
+
+async def test_a_stream_a_reload_handed_over_goes_on_without_asking_for_a_loss() -> None:
+    streams = Streams([(FIRST, "cut", 5), (AFTER, None, 0)], losses=[])
+    cut = streams.send
+
+    async def handed_over(*given: Any) -> Pass:
+        got = await cut(*given)
+        return Pass(got.outcome, got.request, got.response, error="handed over", handed_over=True) \
+            if got.outcome is Outcome.CUT else got
+
+    streams.send = handed_over  # type: ignore[method-assign,assignment]
+    await streamed(streams).run()
+    assert text(streams.client) == "Once upon a time, there"
+
+
+async def test_a_paused_stream_resumes_in_its_stream_and_one_refused_is_told_why() -> None:
+    resumed = {**ASKED, "stream": True, "id_slot": 0}
+    streams = Streams([(FIRST, "paused", 5), (AFTER, None, 0)], resumes=[json.dumps(resumed).encode()])
+    await streamed(streams, prompt=50).run()
+    assert text(streams.client) == "Once upon a time, there" and streams.sent[1] == resumed
+    refused = Streams([(FIRST, "paused", 5)], resumes=["the slot could not be restored"])
+    await streamed(refused).run()
+    events = refused.client.events()
+    assert events[-1]["error"]["message"] == "the slot could not be restored" and refused.client.ended
+    assert not any("choices" in e and e["choices"][0]["finish_reason"] for e in events)
+
+
+async def test_a_stream_cut_twice_by_losses_ends_with_an_error_event() -> None:
+    streams = Streams([(FIRST, "cut", 5), (AFTER, "cut", 3)], losses=[Loss.BACK, Loss.BACK])
+    await streamed(streams).run()
+    events = streams.client.events()
+    assert "lost 2 times" in events[-1]["error"]["message"] and streams.client.ended

@@ -1,0 +1,106 @@
+"""Which class a request is (its header, its body's service_tier, its API key), and the `priority:` section."""
+
+from __future__ import annotations
+
+import pytest
+
+from wrapper import built_ins
+from wrapper.configuration.config import ConfigError
+from wrapper.configuration.sections import PRIORITY, PrioritySettings
+from wrapper.queue.priority import Class, classify, odd_marks, unsaid
+
+KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
+
+
+@pytest.mark.parametrize(("headers", "payload", "expected"), [
+    ({}, {}, Class.INTERACTIVE),
+    ({}, None, Class.INTERACTIVE),
+    ({"X-Priority": "background"}, {}, Class.BACKGROUND),
+    ({"X-Priority": " Background "}, {}, Class.BACKGROUND),
+    ({"X-Priority": "interactive"}, {"service_tier": "flex"}, Class.INTERACTIVE),  # the header says it first
+    ({"X-Priority": "urgent"}, {"service_tier": "flex"}, Class.BACKGROUND),  # a word it does not know: not said
+    ({}, {"service_tier": "flex"}, Class.BACKGROUND),
+    ({}, {"service_tier": " FLEX "}, Class.BACKGROUND),
+    ({}, {"service_tier": "priority"}, Class.INTERACTIVE),
+    ({}, {"service_tier": "auto"}, Class.INTERACTIVE),
+    ({}, {"service_tier": ["flex"]}, Class.INTERACTIVE),
+    ({"Authorization": "Bearer agent-key"}, {}, Class.BACKGROUND),
+    ({"Authorization": "bearer batch-key"}, {}, Class.BACKGROUND),
+    ({"X-Api-Key": "agent-key"}, {}, Class.BACKGROUND),
+    ({"Authorization": "Bearer agent-key2"}, {}, Class.INTERACTIVE),
+    ({"Authorization": "Bearer agent-key"}, {"service_tier": "priority"}, Class.INTERACTIVE),
+    ({"Authorization": "Basic agent-key"}, {}, Class.INTERACTIVE),
+])
+def test_a_request_says_its_class_by_header_tier_or_key(headers: dict[str, str], payload: dict[str, object] | None,
+                                                        expected: Class) -> None:
+    assert classify(headers, payload, KEYS) is expected
+
+
+def test_what_the_wrapper_does_not_know_is_told() -> None:
+    assert odd_marks({"X-Priority": "low"}, {"service_tier": "FLEX"}) == ["X-Priority: low"]
+    assert odd_marks({}, {"service_tier": ["flex"]}) == ['service_tier: ["flex"]']
+    assert odd_marks({"X-Priority": "Interactive"}, {"service_tier": "auto"}) == []
+    assert odd_marks({}, None) == []
+
+
+def test_without_background_keys_a_key_is_interactive() -> None:
+    assert classify({"Authorization": "Bearer agent-key"}, {}, PrioritySettings()) is Class.INTERACTIVE
+
+
+def test_service_tier_is_not_sent_on() -> None:
+    payload = {"messages": [], "service_tier": "flex"}
+    assert unsaid(payload) and payload == {"messages": []}
+    assert not unsaid(payload)
+    nothing: dict[str, object] = {"service_tier": None}
+    assert unsaid(nothing) and nothing == {}
+
+
+@pytest.mark.parametrize(("written", "expected"), [
+    ("", None), ("preempt: auto", None), ("preempt: true", True), ("preempt: on", True), ("preempt: false", False),
+])
+def test_preempt_is_true_false_or_auto(written: str, expected: bool | None) -> None:
+    config = built_ins.parse(f"priority: {{{written}}}\n" if written else "")
+    assert PRIORITY.of(config).preempt is expected
+
+
+@pytest.mark.parametrize(("written", "says"), [
+    ("preempt: maybe", "priority.preempt must be true, false or auto, not 'maybe'"),
+    ("background_keys: agent-key", "priority.background_keys must be a list of API keys"),
+    ("background_keys: [1234]", "priority.background_keys[0] must be a non-empty string (its value is not shown)"),
+    ("background_keys: ['']", "priority.background_keys[0] must be a non-empty string"),
+    ("max_pauses: -1", "priority.max_pauses must be 0 or more"),
+])
+def test_bad_settings_say_what_to_write(written: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        built_ins.parse(f"priority: {{{written}}}\n")
+    assert says in str(caught.value)
+    assert "1234" not in str(caught.value)
+
+
+def test_keys_are_never_shown() -> None:
+    config = built_ins.parse("priority: {background_keys: [\"s3cret-one\", \"s3cret-two\"]}\n")
+    assert PRIORITY.of(config).background_keys == ("s3cret-one", "s3cret-two")
+    assert PRIORITY.shown(config)["background_keys"] == "(2 set)"
+
+
+SLOTS = "slots: {dir: /tmp/slots}\nhooks:\n  on_startup: [{builtin: slots.restore}]\n"
+
+
+@pytest.mark.parametrize(("written", "on", "why"), [
+    (SLOTS, True, "yields its slot"),
+    (SLOTS + "priority: {preempt: false}\n", False, "priority.preempt is false"),
+    (SLOTS + "priority: {max_pauses: 0}\n", False, "priority.max_pauses is 0: nothing is paused"),
+    (SLOTS + "cache: {enabled: false}\n", False, "cache.enabled is false"),
+    ("", False, "name them in your hooks (on_startup: [{builtin: slots.restore}]"),
+    ("priority: {preempt: true}\n", False, "comes with the slot built-ins"),
+])
+def test_preemption_needs_the_conversation_cache(written: str, on: bool, why: str) -> None:
+    config = built_ins.parse(written)
+    enabled, said = built_ins.preemption(config)
+    assert enabled is on and why in said
+
+
+def test_check_warns_when_preemption_is_asked_for_and_cannot_be() -> None:
+    assert any("priority.preempt is true" in w for w in built_ins.warnings(built_ins.parse(
+        "priority: {preempt: true}\n")))
+    assert not any("priority" in w for w in built_ins.warnings(built_ins.parse("")))

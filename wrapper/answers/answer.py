@@ -1,0 +1,188 @@
+"""The client's answer so far, in its shape, and the request that goes on from it.
+
+One request's answer may take several passes to llama-server — after a context overflow and a growth, after a cut
+(the server lost, or a reload handing the stream over), after a pause — and its client must see one answer. This
+is that answer: what the client was given (a stream's response and its held end, the answer's id and first
+event), its text a piece per token, and the request that goes on from it. Its shape (wrapper/answers/route.py)
+decides how a pass is read and how the answer ends:
+
+- STREAM: events passed on as they come; a part after the first goes on in the same stream (its echo cut off,
+  its id and counts the whole answer's), and the held end is written last;
+- GATHERED: events gathered from a stream, never passed on; one JSON answer at the end;
+- WHOLE: a JSON answer caught whole; a part continued after a growth is merged into it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from wrapper import paths
+from wrapper.answers.continuation import SoFar, continued, cut_by_context, greedy, merged
+from wrapper.answers.gathered import Gathered, whole_answer
+from wrapper.answers.proxy import Outcome, Pass, broken_off, json_error, json_object
+from wrapper.answers.route import Shape
+from wrapper.answers.sse import Carry, Events, as_answer
+
+
+class Answer:
+    def __init__(self, shape: Shape, path: str, body: bytes, prompt_tokens: int | None = None) -> None:
+        self.shape, self.path, self.chat = shape, path, path in paths.CHAT
+        parsed = json_object(body)
+        self.json = parsed is not None  # the body is a JSON object: a request that can be sent again changed
+        self.original: dict[str, Any] = parsed or {}
+        self.request = self.original  # the request the next pass sends
+        self.sent = as_stream(body) if shape is Shape.GATHERED else body  # ... as bytes
+        self.prompt_tokens = prompt_tokens  # the request's own prompt, as the steps counted it
+        self.so_far = SoFar(self.chat)  # the text the client has (STREAM) or will have (GATHERED)
+        self.response: web.StreamResponse | None = None  # the client's, once a stream began
+        self.held = b""  # the last events of a stream, written when it cannot go on
+        self.skip, self.again = "", 0  # what the next part echoes first, and how many events it generates again
+        self.carry: Carry | None = None  # the earlier parts' id and counts, once it goes on
+        self.id: str | None = None  # the answer's (its first part's) id
+        self.first: dict[str, Any] | None = None  # a gathered answer's first event: its id, created, model
+        self.last: Events | None = None  # the last part's events
+        self.whole: dict[str, Any] | None = None  # a WHOLE answer's parts so far, merged
+        self.interrupted: web.BaseRequest | None = None  # the client's request, once a pass was cut or paused
+
+    def events(self, holds: bool) -> Events | None:
+        """What the next pass's events go through (`holds`: the end is held back while it may have to go on)."""
+        if self.shape is Shape.WHOLE:
+            return None
+        if self.shape is Shape.GATHERED:
+            return Gathered(self.chat, skip=self.skip, again=self.again)
+        return Events(self.chat, skip=self.skip, continuing=self.response is not None, holds=holds,
+                      again=self.again, carry=self.carry)
+
+    # -- what a pass came to ----------------------------------------------------------------------------------
+
+    def interrupted_by(self, got: Pass, events: Events | None) -> None:
+        """A pass was cut or paused: what its client got of it, and the request that goes on from there."""
+        if got.response is not None:
+            self.response = got.response
+        self.interrupted = got.request
+        self._took(events)
+        if self.shape is Shape.WHOLE:
+            return  # sent again as it was: nothing of it reached the client
+        if self.response is not None or self.shape is Shape.GATHERED or got.outcome is Outcome.PAUSED:
+            self.request, self.skip, self.again = self.so_far.going_on(self.path, self.original,
+                                                                       greedy(self.original))
+            if self.shape is Shape.STREAM:
+                self.carry = self._carry(self.again)
+        self.sent = self._body(self.request)
+
+    def resumed(self, body: bytes) -> None:
+        """The body the steps made for the request that goes on after a pause."""
+        self.sent = as_stream(body) if self.shape is Shape.GATHERED else body
+
+    def took(self, got: Pass) -> None:
+        """A pass ended with an answer: a stream's held end, a gathered stream, a whole JSON answer."""
+        if got.outcome is Outcome.HELD:
+            assert got.response is not None and got.events is not None
+            self.response, self.held = got.response, got.events.release()
+        self._took(got.events)
+        if got.outcome is Outcome.CAUGHT:
+            self.whole = merged(self.path, self.whole, got.payload) if self.whole is not None else got.payload
+
+    def _took(self, events: Events | None) -> None:
+        if events is None:
+            return
+        self.last = events
+        self.so_far.add(events.content)
+        self.id = self.id or events.id
+        if isinstance(events, Gathered):
+            self.first = self.first or events.first
+
+    def cut_by_context(self, got: Pass, n_ctx: int) -> tuple[int, int] | None:
+        """(tokens used, tokens still wanted) when the part just taken stopped at a full context."""
+        if got.outcome is Outcome.CAUGHT:
+            return self.part_cut(got.payload, n_ctx)
+        final = self.last.final if self.last is not None else None
+        if final is None:
+            return None
+        asked = self.original if self.carry is not None else self.request
+        return cut_by_context(self.path, asked, as_answer(self.chat, final), n_ctx)
+
+    def part_cut(self, payload: dict[str, Any], n_ctx: int) -> tuple[int, int] | None:
+        """As `cut_by_context`, for a whole JSON answer to the request just sent."""
+        return cut_by_context(self.path, self.request, payload, n_ctx)
+
+    def grown(self) -> None:
+        """The context grew for an answer it cut: the request that goes on from all of it."""
+        if self.shape is Shape.WHOLE:
+            assert self.whole is not None
+            self.request = continued(self.path, self.original, self.whole)
+        else:
+            self.request = continued(self.path, self.original, self.so_far.shaped())
+            self.skip, self.again = (self.so_far.text if self.chat else ""), 0
+            if self.shape is Shape.STREAM:
+                self.carry = self._carry(0)
+        self.sent = self._body(self.request)
+
+    # -- how it ends ------------------------------------------------------------------------------------------
+
+    async def finished(self) -> web.StreamResponse:
+        """The answer as it stands: a stream ended (its held end written), one JSON answer."""
+        if self.shape is Shape.STREAM:
+            if self.response is None:  # never reached: each pass either returns, goes on, or began the stream
+                raise RuntimeError("a stream ended before it began")
+            await self.response.write(self.held)
+            await self.response.write_eof()
+            return self.response
+        if self.shape is Shape.GATHERED:
+            assert self.last is not None and isinstance(self.last, Gathered)
+            self.last.first = self.first
+            return web.json_response(whole_answer(self.chat, self.last, self.so_far.text, self.so_far.tokens,
+                                                  self.prompt_tokens, self.original))
+        assert self.whole is not None
+        return web.json_response(self.whole)
+
+    async def refused(self, refusal: web.StreamResponse) -> web.StreamResponse:
+        """A refusal after the answer began (a continuation that overflowed and could not grow): the answer as it
+        stands; before, the refusal."""
+        if self.response is None and self.whole is None and not self.so_far.pieces:
+            return refusal
+        return await self.finished()
+
+    async def answered(self, got: Pass) -> web.StreamResponse:
+        """A pass answered the client as it came (or was refused at the gate): that answer; in a stream that had
+        begun, the stream ends as it ended before — or, when it waited to go on (after a cut or a pause) and was
+        refused, with the refusal's reason."""
+        response = got.answered
+        if self.response is None or response is self.response:
+            return response
+        if not self.held and self.interrupted is not None and isinstance(response, web.Response):
+            said = (json_object(response.body if isinstance(response.body, bytes) else b"") or {}).get("error")
+            why = str((said or {}).get("message") or f"status {response.status}") if isinstance(said, dict) \
+                else f"status {response.status}"
+            return await broken_off(self.interrupted, self.response, why)
+        return await self.finished()
+
+    async def broken_off(self, why: str) -> web.StreamResponse:
+        """It cannot go on (a paused answer the steps refused to resume): a 503 when nothing reached the client,
+        else its stream ends with an error event saying why."""
+        if self.response is None or self.interrupted is None:
+            return json_error(503, why, "unavailable_error")
+        return await broken_off(self.interrupted, self.response, why)
+
+    # -----------------------------------------------------------------------------------------------------------
+
+    def _carry(self, again: int) -> Carry:
+        """What the next part makes its counts and id from: the client's answer so far, the request's prompt."""
+        prompt = self.original.get("prompt") if not self.chat else None
+        return Carry(self.id, self.so_far.tokens, again, self.prompt_tokens or None,
+                     prompt if isinstance(prompt, str) else None)
+
+    def _body(self, request: dict[str, Any]) -> bytes:
+        body = json.dumps(request).encode()
+        return as_stream(body) if self.shape is Shape.GATHERED else body
+
+
+def as_stream(body: bytes) -> bytes:
+    """A request body asking for its answer as a stream (wrapper/answers/gathered.py gathers it)."""
+    payload = json_object(body) or {}
+    payload["stream"] = True
+    payload.pop("stream_options", None)
+    return json.dumps(payload).encode()

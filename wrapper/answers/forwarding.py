@@ -1,0 +1,188 @@
+"""The path of a proxied request to llama-server, top to bottom: its way (wrapper/answers/route.py), its seat in the
+slots' queue (a request that decodes: interactive ones first, wrapper/queue/seats.py), the built-ins' steps on its
+body, then its passes — one streamed through, or the answer loop (wrapper/answers/answering.py) when a growth, a lost
+server or a pause may need the request again — and at the end each step's `after`.
+
+The listener (wrapper/http/listener.py) calls `forward_request` and keeps only the HTTP face."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from wrapper import built_ins, paths
+from wrapper.answers.answering import AnswerLoop
+from wrapper.answers.passes import Passes
+from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
+from wrapper.answers.route import BODY_LIMIT, Way, shape, way
+from wrapper.configuration import argv as args
+from wrapper.configuration.sections import PRIORITY, WATCHDOG
+from wrapper.lifecycle import State
+from wrapper.paths import ANSWERED_ASLEEP
+from wrapper.queue import priority
+from wrapper.queue.seats import Seat
+from wrapper.server.generation import Generation, Host
+from wrapper.serving import Serving
+from wrapper.steps import Outgoing
+
+log = structlog.get_logger()
+
+ASLEEP = (State.SLEEPING, State.ASLEEP, State.WAKING)
+
+
+async def forward_request(request: web.Request, serving: Serving, host: Host, path: str) -> web.StreamResponse:
+    """Forward one request, and answer its client."""
+    generation = serving.current
+    polled = request.method == "GET" and path in ANSWERED_ASLEEP
+    remembered = serving.remembered.get(path) if polled and serving.state in ASLEEP else None
+    shown = built_ins.shown(generation, path) if request.method == "GET" else []
+    growth = built_ins.growth(generation) if path in paths.GENERATING else None
+    steps = tuple(step for step in built_ins.before(generation) if path in step.paths)
+    watched = WATCHDOG.of(generation.config).enabled  # a request in flight goes on after a restart: kept whole
+    seated = request.method == "POST" and path in paths.SEATED
+    chosen = way(request.method, remembered is not None, bool(shown),
+                 growth is not None or bool(steps) or watched or seated, request.content_length)
+    if chosen is Way.REMEMBERED:
+        assert remembered is not None
+        return _remembered(serving, path, remembered.payload)
+    passes = Passes(request, serving, host, path, steps=steps)
+    passes.active = not polled  # what clients poll does not keep the server awake
+    if chosen is Way.SHOWN:
+        return await _shown(passes, path, watched)
+    if chosen is Way.THROUGH:  # a body streamed through cannot be sent again
+        async with _seated(serving, _seat(serving, request, None, path) if seated else None):
+            return await passes.through(lambda to: forward(request, to, path),
+                                        watched and request.method in ("GET", "HEAD"))
+    body = await _read_whole(request, BODY_LIMIT)
+    if body is None:
+        return json_error(413, f"a completion request of more than {BODY_LIMIT >> 20} MiB", "invalid_request_error")
+    payload = json_object(body)
+    seat = _seat(serving, request, payload, path) if seated else None
+    if payload is not None and priority.unsaid(payload):
+        body = json.dumps(payload).encode()
+    async with _seated(serving, seat):
+        passes.seat = seat
+        status: int | None = None
+        try:
+            first = Outgoing(request.method, path, body, payload, use=seat.use if seat is not None else None)
+            refusal = await passes.stepped(first)
+            if refusal is not None:
+                status = refusal.status
+                return refusal
+            passes.pausable = _pausable(serving, seat, first)
+            goes_on = first.payload is not None and _goes_on(path, first.payload)
+            passes.resumable = watched and goes_on
+            if growth is None and not watched and not passes.pausable:
+                response = await passes.through(lambda to: forward(request, to, path, first.body), False)
+            else:
+                continuing = growth is not None and growth.continues(generation.config) and goes_on
+                read_as = shape(first.payload, continuing, passes.resumable, passes.pausable)
+                prompt = seat.use.prompt if seat is not None and passes.pausable and seat.use.prompt else None
+                response = await AnswerLoop(host, growth, path, first.body, passes, lambda: _slot_ctx(serving.current),
+                                            read_as, watched, prompt).run()
+            status = response.status
+            return response
+        finally:  # also when the client hung up: a step's reservation must not outlive its request
+            passes.done(status)
+
+
+def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None, path: str) -> Seat:
+    """The request's place in the slots' queue, its class from its header, its body and its key (the queue set for
+    the server that serves now)."""
+    settings = PRIORITY.of(serving.queue().config)
+    klass = priority.classify(request.headers, payload, settings)
+    for mark in priority.odd_marks(request.headers, payload):
+        if mark not in _ODD_SEEN and len(_ODD_SEEN) < 64:  # once each: a client sends it with every request
+            _ODD_SEEN.add(mark)
+            log.warning("priority.unknown_mark", mark=mark, read_as=klass.value,
+                        hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
+    return Seat(klass, path)
+
+
+_ODD_SEEN: set[str] = set()
+
+
+def _pausable(serving: Serving, seat: Seat | None, out: Outgoing) -> bool:
+    """A background request the answer loop can pause and resume: a step keeps what its slot holds, and its
+    answer can be continued (see _goes_on) — not a JSON answer with token probabilities (a gathered stream has
+    none)."""
+    payload = out.payload
+    if seat is None or seat.klass is not priority.Class.BACKGROUND or not serving.seats.preempt \
+            or not out.keep or payload is None or not _goes_on(out.path, payload):
+        return False
+    whole = payload.get("stream") is not True
+    return not (whole and (payload.get("logprobs") or payload.get("n_probs")))
+
+
+def _goes_on(path: str, payload: dict[str, Any]) -> bool:
+    """An answer that can go on from its text so far (an assistant prefix, or the prompt appended to): chat or
+    /completion, no tools (a tool call has no prefix to go on from), one choice."""
+    return path in paths.CONTINUABLE and not payload.get("tools") and payload.get("n") in (None, 1)
+
+
+@contextlib.asynccontextmanager
+async def _seated(serving: Serving, seat: Seat | None) -> AsyncIterator[None]:
+    """Hold a seat while the request is served (none: not one that decodes)."""
+    if seat is None:
+        yield
+        return
+    await serving.seats.take(seat)
+    try:
+        yield
+    finally:
+        serving.seats.leave(seat)
+
+
+async def _shown(passes: Passes, path: str, watched: bool) -> web.StreamResponse:
+    """llama-server's answer to a GET, rewritten by the built-ins that say what clients are told of the server."""
+    def answered(payload: dict[str, Any], status: int) -> bool:
+        return status == 200
+
+    serving, request = passes.serving, passes.request
+    got = await passes.once(lambda to: catch(request, to, answered, path), watched)
+    if got.outcome is Outcome.CUT:
+        return await got.told()
+    if got.outcome is not Outcome.CAUGHT:
+        return got.answered
+    answer = got.payload
+    for rewrite in built_ins.shown(serving.current, path):
+        answer = rewrite.rewrite(serving.current, path, answer)
+    headers = {k: v for k, v in got.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return web.json_response(answer, status=got.status, headers=headers)  # CORS and the rest as they were
+
+
+def _remembered(serving: Serving, path: str, answer: Any) -> web.Response:
+    """While asleep: what llama-server answered this GET before the sleep, as the built-ins rewrite it now."""
+    if isinstance(answer, dict):
+        for rewrite in built_ins.shown(serving.current, path):
+            answer = rewrite.rewrite(serving.current, path, answer)
+    return web.json_response(answer)
+
+
+async def _read_whole(request: web.Request, limit: int) -> bytes | None:
+    """The request body (kept to be sent again after a growth); None when it is longer than `limit`."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        parts.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return None
+    return b"".join(parts)
+
+
+def _slot_ctx(generation: Generation) -> int:
+    """The context one slot has: as the server said at its start, else -c, or -c / -np when every slot has its
+    own KV (no -kvu)."""
+    if generation.context is not None:
+        return generation.context.slot
+    argv = generation.launch.argv
+    n_ctx = int(args.get(argv, args.CTX_SIZE) or 0)
+    parallel = max(1, int(args.get(argv, args.PARALLEL) or 1))
+    return n_ctx if args.unified_kv(argv) else n_ctx // parallel
+

@@ -1,0 +1,239 @@
+"""One request's passes through the gate to llama-server, and the built-ins' steps that make what it sends.
+
+A pass waits at the gate (held while the server starts, reloads, restarts or sleeps), goes to the generation that
+serves then, counted in flight until it leaves; it comes to one `Pass` (wrapper/answers/proxy.py). A pass of a
+background request that may be paused races its seat's pause (wrapper/queue/seats.py); one a reload hands over is cut
+to go on on the next server. After a cut, `lost` says whether the server was lost under it; after a pause, `resume`
+keeps what the slot holds, waits for a seat again and runs the steps again for the request that goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from wrapper import built_ins
+from wrapper.answers.proxy import (
+    STARTED,
+    Outcome,
+    Pass,
+    Upstream,
+    Wanted,
+    answered,
+    broken_off,
+    catch,
+    collect,
+    json_error,
+    json_object,
+)
+from wrapper.answers.route import Shape
+from wrapper.answers.sse import Events
+from wrapper.metrics import METRICS
+from wrapper.queue.gate import Admission
+from wrapper.queue.seats import Seat
+from wrapper.server.generation import Generation, Host
+from wrapper.serving import GONE_WHY, Loss, Serving
+from wrapper.steps import Before, Outgoing, Reply
+
+log = structlog.get_logger()
+
+RETRY_AFTER_S = "5"
+
+
+class Passes:
+    """One request's passes, the runs of its steps (one, and one more at each resume after a pause), and the
+    generation the last pass went to (so that a cut pass can tell a lost server from a refusal)."""
+
+    def __init__(self, request: web.Request, serving: Serving, host: Host, path: str, seat: Seat | None = None,
+                 steps: tuple[Before, ...] = ()) -> None:
+        self.request, self.serving, self.host, self.path = request, serving, host, path
+        self.seat, self.steps = seat, steps
+        self.runs: list[Outgoing] = []
+        self.generation: Generation | None = None
+        self.active = True  # it keeps the server awake (sleep.after); not what clients poll
+        self.resumable = False  # its streams go on after a cut: a reload may hand them over (wrapper/queue/gate.py)
+        self.pausable = False  # a background request whose passes its seat may pause
+        self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
+
+    # -- the steps ------------------------------------------------------------------------------------------------
+
+    async def stepped(self, out: Outgoing) -> web.Response | None:
+        """Run the steps on `out` (it becomes what they make of it); a refusal or a step's Reply, else None. The
+        steps talk to llama-server: only once the gate lets requests through (not counted in flight: a step may
+        wait for a slot that a growth's drain would otherwise wait for in turn)."""
+        self.runs.append(out)
+        if not self.steps:
+            return None
+        admission = await self.serving.gate.enter(counted=False)
+        if admission is not Admission.ADMITTED:
+            return refused(self.serving, admission)
+        for step in self.steps:
+            stepped = await step.run(self.host, out)
+            if isinstance(stepped, Reply):
+                return web.json_response(stepped.body, status=stepped.status, headers=dict(stepped.headers))
+            out.body, out.payload = stepped.body, stepped.payload
+            out.after, out.keep = stepped.after, stepped.keep
+        return None
+
+    def done(self, status: int | None) -> None:
+        """The request is answered (`status`), or cut (None): each run's `after` is told."""
+        for run in self.runs:
+            for after in run.after:
+                after(status)
+            run.after.clear()
+
+    # -- a pass ---------------------------------------------------------------------------------------------------
+
+    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+                   going_on: web.StreamResponse | None) -> Pass:
+        """The answer loop's pass, in `shape`: a whole answer `wanted` caught, an event stream through `events`
+        (gathered, never passed on, in the GATHERED shape)."""
+        request, path = self.request, self.path
+        if shape is Shape.GATHERED:
+            assert events is not None
+
+            def sender(to: Upstream) -> Awaitable[Pass]:
+                return collect(request, to, wanted, path, body, events)
+        else:
+            def sender(to: Upstream) -> Awaitable[Pass]:
+                return catch(request, to, wanted, path, body, events, going_on)
+        resumable = None if events is None else (lambda: events.plain and events.final is None)
+        return await self._sent(sender, events if self.pausable else None, resumable)
+
+    async def through(self, send: Callable[[Upstream], Awaitable[Pass]], again: bool) -> web.StreamResponse:
+        """One pass answered as it comes (see `once`); a cut the request does not go on from is told to its client."""
+        got = await self.once(send, again)
+        return await got.told(self._why) if got.outcome is Outcome.CUT else got.answered
+
+    async def once(self, send: Callable[[Upstream], Awaitable[Pass]], again: bool) -> Pass:
+        """One pass, and (`again`) once more to the server started again when the one it went to was lost under it
+        before its answer began. A cut pass learns whether its server was lost, which says what its client is
+        told."""
+        got = await self._sent(send)
+        if got.outcome is not Outcome.CUT or await self.lost() is not Loss.BACK or not again \
+                or got.response is not None:
+            return got
+        log.warning("wrapper.request_again", path=self.path, started=False)
+        return await self._sent(send)
+
+    async def lost(self) -> Loss:
+        """After a cut pass: whether its server was lost, and whether another will serve (the next pass waits at
+        the gate)."""
+        if self.generation is None:
+            return Loss.NONE
+        loss = await self.serving.lost_under(self.generation)
+        self._why = GONE_WHY if loss is Loss.GONE else None
+        return loss
+
+    async def _sent(self, send: Callable[[Upstream], Awaitable[Pass]], under_way: Events | None = None,
+                    resumable: Callable[[], bool] | None = None) -> Pass:
+        """One pass through the gate to what serves now: `send` there, counted in flight, cut by the stop's drain
+        deadline; PAUSED when its seat is asked to pause while `under_way` (the pass's events: how far it got);
+        CUT and handed over when a reload hands a `resumable` pass over to the next server."""
+        serving, request, seat = self.serving, self.request, self.seat
+        admission = await serving.gate.enter(active=self.active)
+        if admission is not Admission.ADMITTED:
+            return answered(request, refused(serving, admission))
+        self.generation = serving.current
+        to = Upstream(serving.current.launch.url, serving.session, built_ins.observer(serving.current),
+                      serving.heard)
+        exchange = asyncio.ensure_future(send(to))
+        serving.gate.track(exchange, resumable if self.resumable else None)
+        try:
+            if seat is not None and under_way is not None and await self._paused(exchange, seat, under_way):
+                return Pass(Outcome.PAUSED, request, request.get(STARTED))
+            return await exchange  # cancelled with us when the client hangs up: llama-server then stops the work
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # we are cancelled ourselves (the client went away)
+            started = request.get(STARTED)
+            if serving.gate.handed_over(exchange):  # a reload hands it to the next server: the loop goes on there
+                return Pass(Outcome.CUT, request, started, error="handed over to the reloaded llama-server",
+                            handed_over=True)
+            # Only the exchange was cut (the stop's drain deadline passed): tell the client, if it can still hear.
+            log.warning("proxy.cut", method=request.method, path=self.path, mid_response=started is not None)
+            if started is not None:
+                return answered(request, await broken_off(request, started, "llama-wrapper is stopping: the answer "
+                                                          "was cut at the drain deadline"))
+            return answered(request, json_error(503, "llama-wrapper is stopping: the request was cut at the drain "
+                                                "deadline", "unavailable_error", {"Retry-After": RETRY_AFTER_S}))
+        finally:
+            serving.gate.leave(exchange)
+
+    async def _paused(self, exchange: asyncio.Future[Any], seat: Seat, under_way: Events) -> bool:
+        """Wait for the exchange, or for its seat to be asked to pause: then stop it (llama-server sees its stream's
+        client go and stops the generation; the slot keeps what it computed) and say so. Meanwhile the seat may
+        be asked: it sees how far the pass got."""
+        seat.under_way = under_way
+        self.serving.seats.changed()  # it may be the one to pause now
+        asked = asyncio.ensure_future(seat.pause.wait())
+        try:
+            await asyncio.wait([exchange, asked], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client hung up: its exchange goes too (awaited, it would go by itself)
+            exchange.cancel()
+            raise
+        finally:
+            asked.cancel()
+            seat.under_way = None
+        if exchange.done():
+            return False
+        exchange.cancel()
+        await asyncio.wait([exchange])
+        return exchange.cancelled()
+
+    # -- a pause --------------------------------------------------------------------------------------------------
+
+    async def resume(self, request_now: dict[str, Any], generated: int) -> bytes | str:
+        """After a pause: keep what the slot holds, give the seat up, wait for one again (ahead of later background
+        requests), and run the steps for `request_now` (which goes on from what was generated): the body to send,
+        or why the request cannot go on."""
+        serving, seat, path = self.serving, self.seat, self.path
+        assert seat is not None
+        run = self.runs[-1]
+        kept = 0
+        for keep in run.keep:
+            kept = max(kept, await keep())
+        self.done(None)
+        seat.use.pauses += 1
+        serving.seats.paused += 1
+        METRICS.paused.inc()
+        paused_at = time.monotonic()
+        log.info("priority.paused", path=path, slot=seat.use.slot, tokens=kept, generated=generated,
+                 pauses=seat.pauses, took_s=round(paused_at - (seat.asked_at or paused_at), 3))
+        serving.seats.leave(seat)
+        try:
+            await serving.seats.take(seat)
+        except asyncio.CancelledError:  # its client hung up while it waited: its state stays in the store
+            serving.seats.gone += 1
+            log.info("priority.gone", path=path, pauses=seat.pauses, pause_s=round(time.monotonic() - paused_at, 3))
+            raise
+        out = Outgoing("POST", path, json.dumps(request_now).encode(), request_now, use=seat.use)
+        refusal = await self.stepped(out)
+        pause_s = round(time.monotonic() - paused_at, 3)
+        if refusal is not None:
+            why = json_object(refusal.body if isinstance(refusal.body, bytes) else b"") or {}
+            message = str((why.get("error") or {}).get("message") or f"status {refusal.status}")
+            log.warning("priority.not_resumed", path=path, pause_s=pause_s, why=message)
+            return f"this answer was paused for an interactive request and cannot go on: {message}"
+        serving.seats.resumed += 1
+        METRICS.resumed.inc()
+        log.info("priority.resumed", path=path, slot=seat.use.slot, tokens=seat.use.tokens, pause_s=pause_s)
+        return out.body
+
+
+def refused(serving: Serving, admission: Admission) -> web.Response:
+    """The gate's refusal, for the client: asleep and not woken, held too long, or stopping."""
+    if admission is Admission.NOT_WOKEN:
+        return json_error(503, f"llama-wrapper is asleep and could not wake llama-server: {serving.gate.wake_failed}",
+                          "unavailable_error", {"Retry-After": RETRY_AFTER_S})
+    if admission is Admission.TIMED_OUT:
+        return json_error(503, f"llama-wrapper is {serving.state} and held this request for "
+                          f"reload.hold_timeout ({serving.current.config.reload_hold_timeout:g}s)", "unavailable_error",
+                          {"Retry-After": RETRY_AFTER_S})
+    return json_error(503, f"llama-wrapper is {serving.state}", "unavailable_error", {"Retry-After": RETRY_AFTER_S})

@@ -1,0 +1,184 @@
+"""A llama-server event stream passed through event by event, its last events held back, so that a streamed
+answer cut by a full context can go on in the same stream after a growth.
+
+Held back: the event that says why the generation stopped (a chat chunk with a `finish_reason`, a
+`/completion` event with `stop: true`) and whatever follows it (`data: [DONE]`). In a continuation, the
+role-only first chunk is dropped and the assistant prefix llama-server echoes at the start is cut off, so the
+client sees one answer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What the parts of a resumed answer before this one gave its client: this part's id and counts are made
+    the whole answer's (llama-server counts only the part it generates, and the text it went on from as prompt)."""
+
+    id: str | None  # the answer's (its first part's) id
+    shown: int  # tokens the client has from the earlier parts
+    again: int  # of those, how many this part generates again (not shown twice)
+    prompt_tokens: int | None = None  # the request's own prompt, when known
+    prompt: str | None = None  # /completion: the request's own prompt text
+
+    def carries(self, payload: dict[str, Any]) -> bool:
+        """Make `payload`'s id and counts the whole answer's; whether anything changed."""
+        changed = False
+        if self.id is not None and isinstance(payload.get("id"), str) and payload["id"] != self.id:
+            payload["id"], changed = self.id, True
+        earlier = self.shown - self.again  # tokens of the earlier parts this part does not count
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            prompt = self.prompt_tokens if self.prompt_tokens is not None else \
+                max(0, int(usage.get("prompt_tokens") or 0) - earlier)
+            completion = int(usage["completion_tokens"]) + earlier
+            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            changed = True
+        if payload.get("stop") is True and isinstance(payload.get("tokens_predicted"), int):  # /completion's last
+            payload["tokens_predicted"] += earlier
+            if self.prompt_tokens is not None:
+                payload["tokens_evaluated"] = self.prompt_tokens
+            if self.prompt is not None:
+                payload["prompt"] = self.prompt
+            changed = True
+        return changed
+
+
+class Events:
+    def __init__(self, chat: bool, skip: str = "", continuing: bool = False, holds: bool = True,
+                 again: int = 0, carry: Carry | None = None) -> None:
+        self.chat = chat
+        self.carry = carry
+        self.continuing = continuing
+        self.holds = holds  # False: the stop event goes on too (a stream watched only to be resumed if cut)
+        self._skip = skip  # text the continuation echoes first (the assistant prefix), not shown again
+        self._again = again  # then this many events of text the client has already: generated again by a resume
+        self._buffer = b""
+        self.held: list[bytes] = []
+        self.final: dict[str, Any] | None = None
+        self.content: list[str] = []  # the text passed on (after the cut prefix)
+        self.tokens = 0  # events that carried text: the tokens generated, as llama-server streams one an event
+        self.plain = True  # only text so far (no reasoning, no tool call): an assistant prefix can go on from it
+        self.id: str | None = None  # the first id its events carried (a chat answer's)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of `chunk` goes to the client now: whole events, the held ones excepted."""
+        self._buffer += chunk
+        out: list[bytes] = []
+        while b"\n\n" in self._buffer:
+            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+            passed = self._event(raw + b"\n\n")
+            if passed:
+                out.append(passed)
+        return b"".join(out)
+
+    def release(self) -> bytes:
+        """The held events and any unfinished rest, for when the stream ends as llama-server ended it."""
+        return b"".join(self.held) + self._buffer
+
+    def _event(self, raw: bytes) -> bytes | None:
+        if self.held:
+            self.held.append(raw)
+            return None
+        text = raw.decode("utf-8", "replace").strip()
+        if not text.startswith("data:"):
+            return raw
+        data = text[5:].strip()
+        if data == "[DONE]":
+            if not self.holds:
+                return raw
+            self.held.append(raw)
+            return None
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return raw
+        if not isinstance(payload, dict):
+            return raw
+        if self.id is None and isinstance(payload.get("id"), str):
+            self.id = payload["id"]
+        if self.carry is not None and self.carry.carries(payload):
+            raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+        return self._chat(raw, payload) if self.chat else self._completion(raw, payload)
+
+    def _chat(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return raw
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self.final = payload
+            if not self.holds:
+                return raw
+            self.held.append(raw)
+            return None
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return raw
+        if delta.get("reasoning_content") or delta.get("tool_calls"):
+            self.plain = False
+        content = delta.get("content")
+        if not isinstance(content, str) or not content:
+            return None if self.continuing and "role" in delta else raw
+        kept = self._cut_prefix(content)
+        if kept != content:
+            if not kept:
+                return None
+            delta["content"] = kept
+            raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+        self.content.append(kept)
+        self.tokens += 1
+        return raw
+
+    def _completion(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
+        if payload.get("stop"):
+            self.final = payload
+            if not self.holds:
+                return raw
+            self.held.append(raw)
+            return None
+        content = payload.get("content")
+        if isinstance(content, str):
+            kept = self._cut_prefix(content) if self.continuing else content
+            if kept != content:
+                if not kept:
+                    return None  # the client has it: generated again after a resume
+                payload["content"] = kept
+                raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+            self.content.append(kept)
+            self.tokens += 1
+        return raw
+
+    def _cut_prefix(self, content: str) -> str:
+        """What of an event's text is new to the client: after the echoed prefix, and after the events a resume
+        generates again (dropped by count: at temperature 0 they are the text the client has; should they differ,
+        the client's text stands and the answer goes on after them)."""
+        if self._skip:
+            if content.startswith(self._skip):
+                content, self._skip = content[len(self._skip):], ""
+                if not content:
+                    return ""
+            elif self._skip.startswith(content):
+                self._skip = self._skip[len(content):]
+                return ""
+            else:
+                self._skip = ""  # not an echo after all: show everything from here
+        if self._again:
+            self._again -= 1
+            return ""
+        return content
+
+
+def as_answer(chat: bool, final: dict[str, Any]) -> dict[str, Any]:
+    """A stream's last event in the shape of a whole answer, for wrapper/answers/continuation.py."""
+    if not chat:
+        return final
+    timings = final.get("timings") or {}
+    generated = int(timings.get("predicted_n") or 0)
+    used = int(timings.get("cache_n") or 0) + int(timings.get("prompt_n") or 0) + generated
+    usage = final.get("usage") or {"total_tokens": used, "completion_tokens": generated}
+    return {"choices": [{"finish_reason": final["choices"][0].get("finish_reason"), "message": {}}], "usage": usage}

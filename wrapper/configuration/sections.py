@@ -1,0 +1,107 @@
+"""The wrapper's own sections of the config (`watchdog:`, `priority:`, `sleep:`), declared as the built-ins' are
+(wrapper/configuration/settings.py) and read with theirs: the features that use them (wrapper/life/watchdog.py,
+wrapper/queue/priority.py, wrapper/life/sleeping.py) sit above the built-ins, and their sections below."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+from wrapper.configuration.settings import BOOL, COUNT, POSITIVE_DURATION, Kind, Section, setting
+from wrapper.configuration.units import parse_duration
+from wrapper.configuration.yamlread import Reader
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    enabled: bool = setting(True, BOOL, "watch llama-server: start it again when it crashes or hangs, hold the "
+                            "requests meanwhile and go on with those in flight (false: no hang is looked for, and a "
+                            "crash stops the wrapper)")
+    health_timeout: float = setting(30.0, POSITIVE_DURATION, "llama-server is hung when its /health goes unanswered "
+                                    "this long (it answers in milliseconds, a long prefill included); noticed within "
+                                    "this and one look more (every 5 s at most)")
+    stall: float = setting(300.0, POSITIVE_DURATION, "llama-server is hung when a request in flight hears nothing "
+                           "and the server makes no progress this long: no slot does (a task taken, a prompt batch "
+                           "done, a token decoded) and its CPU time stands still (Linux: a long prompt batch "
+                           "computes, a stopped or blocked server does not, so a short stall is safe); without /proc, "
+                           "more than its slowest prompt batch takes (minutes for a large model on a CPU)")
+    restarts: int = setting(3, COUNT, "how many times it is started again within `window`; past that the wrapper "
+                            "stops with the server's exit status (llama-swap or systemd take over)")
+    window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")
+
+
+WATCHDOG = Section("watchdog", WatchdogSettings, "llama-server started again after a crash or a hang")
+
+
+def _keys(r: Reader, node: yaml.Node, what: str) -> tuple[str, ...] | None:
+    """API keys: a list of strings, never echoed (also not in an error)."""
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return ()
+    if not isinstance(node, yaml.SequenceNode):
+        r.error(node, f"{what} must be a list of API keys, e.g. {what.rsplit('.', 1)[-1]}: [\"agent-key\"] "
+                      "(its value is not shown)")
+        return None
+    keys = []
+    for i, item in enumerate(node.value):
+        if not isinstance(item, yaml.ScalarNode) or item.tag != "tag:yaml.org,2002:str" or not item.value:
+            r.error(item, f"{what}[{i}] must be a non-empty string (its value is not shown): quote it")
+            return None
+        keys.append(str(item.value))
+    return tuple(keys)
+
+
+def _preempt(r: Reader, node: yaml.Node, what: str) -> bool | None:
+    """true, false or auto (None, the default; after an error too, which refuses the config)."""
+    value = r.value(node)
+    if isinstance(node, yaml.ScalarNode) and (isinstance(value, bool) or value == "auto"):
+        return None if value == "auto" else bool(value)
+    r.error(node, f"{what} must be true, false or auto, not {value!r}")
+    return None
+
+
+KEYS = Kind("list of API keys (secret)", _keys, lambda v: f"({len(v)} set)" if v else "none")
+PREEMPT = Kind("true | false | auto", _preempt, lambda v: "auto" if v is None else v)
+
+
+@dataclass(frozen=True)
+class PrioritySettings:
+    preempt: bool | None = setting(None, PREEMPT, "pause a background generation when an interactive request finds no "
+                           "free slot, and resume it once one is free, from where it stopped (`auto`: on when the "
+                           "conversation cache is on, which keeps the paused state)")
+    max_pauses: int = setting(3, COUNT, "how many times one background request may be paused; past that it runs "
+                              "to its end (0: never paused, only queued behind interactive ones)")
+    background_keys: tuple[str, ...] = setting((), KEYS, "API keys (`Authorization: Bearer KEY`) whose requests "
+                                               "are background: give an agent its own key and it needs no change; "
+                                               "never shown")
+
+
+PRIORITY = Section("priority", PrioritySettings, "interactive requests first: background ones yield their slot")
+
+
+def _duration_or_off(r: Reader, node: yaml.Node, what: str) -> float | None:
+    """A duration > 0, or off (`off`, `false`, null: the default)."""
+    value = r.value(node)
+    if isinstance(node, yaml.ScalarNode) and (value is None or value is False or value in ("", "~", "off")):
+        return None
+    seconds = r.converted(node, what, parse_duration)
+    if seconds is not None and not seconds > 0:
+        r.error(node, f"{what} must be more than 0s, or off")
+        return None
+    return float(seconds) if seconds is not None else None
+
+
+DURATION_OR_OFF = Kind("duration | off", _duration_or_off, lambda v: "off" if v is None else f"{v:g}s")
+
+
+@dataclass(frozen=True)
+class SleepSettings:
+    after: float | None = setting(None, DURATION_OR_OFF, "fall asleep after this long with no request in flight or "
+                                  "arriving: every slot kept, llama-server stopped (its memory free); the next "
+                                  "request wakes it (off: never on its own; POST /wrapper/sleep still works)")
+    when_asked: float | None = setting(None, DURATION_OR_OFF, "in a pool (degrade.pool): fall asleep when another "
+                                       "member needs more than the others' ladders give, once idle this long, and "
+                                       "give it the whole share (off: never asked)")
+
+
+SLEEP = Section("sleep", SleepSettings, "an idle model gives its memory back and wakes with every conversation")

@@ -1,0 +1,76 @@
+"""Who may ask what of the wrapper's HTTP face: the application's keys (what serves, its life, the supervisor),
+llama-server's own API keys for what it would answer, the admin token for the wrapper's own POSTs, and a JSON
+body read with a message that says where it is wrong."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from wrapper.answers.proxy import json_error
+from wrapper.configuration.auth import allowed, presented_bearer, presented_key
+from wrapper.life.server_life import ServerLife
+from wrapper.life.supervisor import Supervisor
+from wrapper.serving import Serving
+
+log = structlog.get_logger()
+
+SUPERVISOR: web.AppKey[Supervisor] = web.AppKey("supervisor", Supervisor)
+SERVING: web.AppKey[Serving] = web.AppKey("serving", Serving)
+LIFE: web.AppKey[ServerLife] = web.AppKey("life", ServerLife)
+
+
+def unauthorized(request: web.Request) -> web.Response | None:
+    """llama-server's own 401 when it has API keys and the request brings none of them."""
+    keys = request.app[SERVING].current.launch.keys
+    if keys and not allowed(keys, presented_key(request)):
+        return json_error(401, "Invalid API Key", "authentication_error")
+    return None
+
+
+def not_admin(request: web.Request) -> web.Response | None:
+    """POST /wrapper/* needs the admin token; without one configured, those endpoints are off."""
+    admin = request.app[SERVING].current.launch.admin
+    was_off = admin.off
+    token, why = admin.read()  # read at each call: a token file made after the start turns them on
+    if token is None:
+        return json_error(403, f"admin endpoints are off: {why}", "permission_error")
+    if was_off is not None:
+        log.info("admin.on", why="the admin token can be read now")
+    if not allowed((token,), presented_bearer(request)):
+        return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)",
+                          "authentication_error")
+    return None
+
+
+class NotJson(ValueError):
+    """A request body that does not parse: the message says where (the parser's line and column)."""
+
+
+async def json_body(request: web.Request) -> Any:
+    """The body parsed as JSON; None for an empty one; _NotJson for one that is not JSON at all."""
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw.decode(request.charset or "utf-8"))
+    except json.JSONDecodeError as exc:
+        raise NotJson(f"the body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise NotJson(f"the body is not valid JSON: not {exc.encoding} text (byte {exc.start})") from exc
+    except LookupError as exc:  # a charset Python does not know
+        raise NotJson(f"the body is not valid JSON: an unknown charset {request.charset!r}") from exc
+
+
+async def object_body(request: web.Request, what: str) -> dict[str, Any] | web.Response:
+    """The body as a JSON object, or the 400 that says it is not one (`what`: what the object is of)."""
+    try:
+        body = await json_body(request)
+    except NotJson as exc:
+        return json_error(400, str(exc), "invalid_request_error")
+    if not isinstance(body, dict):
+        return json_error(400, f"the body must be a JSON object{what}", "invalid_request_error")
+    return body

@@ -1,0 +1,146 @@
+"""The slots' queue: a request that decodes takes a seat (one per llama-server slot) before its steps run, and
+holds it until it is answered. When every seat is taken, interactive requests go first, first come first served
+within a class; a background request keeps its place (its first arrival) when it waits again after a pause.
+
+Preemption: an interactive request that finds no free seat asks a background one to pause — the one cheapest
+to resume (the fewest tokens in its slot), that is in an exchange it can be resumed from, and was paused fewer
+than `max_pauses` times. The paused request keeps its state (a built-in's `keep`), leaves its seat, and waits
+for one again ahead of later background requests (wrapper/answers/forwarding.py, wrapper/answers/answering.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from wrapper.metrics import METRICS
+from wrapper.queue.priority import Class
+from wrapper.steps import SlotUse
+
+
+class UnderWay(Protocol):
+    """How far the exchange a seat may be paused from got (wrapper/answers/sse.py's Events)."""
+
+    @property
+    def tokens(self) -> int:
+        """The tokens generated in its slot so far."""
+        ...
+
+    @property
+    def plain(self) -> bool:
+        """Its answer so far is text an assistant prefix can go on from."""
+        ...
+
+
+@dataclass(eq=False)
+class Seat:
+    """One request's place: in the queue, then in a slot."""
+
+    klass: Class
+    path: str
+    arrived: float = field(default_factory=time.monotonic)  # its first arrival: its place in its class
+    use: SlotUse = field(default_factory=SlotUse)  # what it takes of its slot, as the steps learn it
+    under_way: UnderWay | None = None  # the exchange it may be paused from, while it runs (wrapper/answers/passes.py)
+    pause: asyncio.Event = field(default_factory=asyncio.Event)  # set: stop the exchange, keep, wait again
+    asked_at: float | None = None  # when it was last asked to pause
+    since: float = field(default_factory=time.monotonic)  # when it began to wait, or to be seated
+
+    @property
+    def pauses(self) -> int:
+        return self.use.pauses
+
+    def cost(self) -> int:
+        """What resuming it costs: the tokens its slot holds."""
+        return self.use.tokens + (self.under_way.tokens if self.under_way is not None else 0)
+
+
+class Seats:
+    def __init__(self, total: int = 1) -> None:
+        self.total = max(1, total)
+        self.running: list[Seat] = []
+        self.waiting: list[Seat] = []
+        self._changed = asyncio.Event()
+        self.preempt = False  # whether paused states are kept now (the conversation cache is on)
+        self.max_pauses = 3
+        self.paused = 0  # background generations paused, resumed, and let go (their client hung up while paused)
+        self.resumed = 0
+        self.gone = 0
+
+    def resize(self, total: int) -> None:
+        if max(1, total) != self.total:
+            self.total = max(1, total)
+            self.changed()
+
+    def changed(self) -> None:
+        """Something a waiter or a pause depends on moved: look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+        self._ask_pauses()
+
+    async def take(self, seat: Seat) -> None:
+        """Wait for a seat (cancelled: the place is given up)."""
+        seat.since = time.monotonic()
+        self.waiting.append(seat)
+        METRICS.background_queue.set(self._background_waiting())
+        try:
+            while not self._granted(seat):
+                changed = self._changed
+                self._ask_pauses()
+                await changed.wait()
+        finally:
+            if seat in self.waiting:
+                self.waiting.remove(seat)
+            METRICS.background_queue.set(self._background_waiting())
+        waited = time.monotonic() - seat.since
+        if seat.klass is Class.INTERACTIVE:
+            METRICS.interactive_wait.observe(waited)
+        seat.since = time.monotonic()
+        seat.pause.clear()
+        self.running.append(seat)
+        self.changed()
+
+    def leave(self, seat: Seat) -> None:
+        seat.under_way = None
+        if seat in self.running:
+            self.running.remove(seat)
+            self.changed()
+
+    def _order(self) -> list[Seat]:
+        return sorted(self.waiting, key=lambda s: (s.klass is not Class.INTERACTIVE, s.arrived))
+
+    def _granted(self, seat: Seat) -> bool:
+        free = self.total - len(self.running)
+        return free > 0 and seat in self._order()[:free]
+
+    def _background_waiting(self) -> int:
+        return sum(1 for s in self.waiting if s.klass is Class.BACKGROUND)
+
+    def _ask_pauses(self) -> None:
+        """As many background seats asked to pause as interactive requests wait beyond the free seats."""
+        if not self.preempt:
+            return
+        free = max(0, self.total - len(self.running))
+        beyond = sum(1 for s in self._order()[free:] if s.klass is Class.INTERACTIVE)
+        asked = sum(1 for s in self.running if s.pause.is_set())
+        while asked < beyond:
+            candidates = [s for s in self.running if s.klass is Class.BACKGROUND and s.under_way is not None
+                          and s.under_way.plain and not s.pause.is_set() and s.pauses < self.max_pauses]
+            if not candidates:
+                return
+            chosen = min(candidates, key=lambda s: (s.cost(), -s.since))
+            chosen.asked_at = time.monotonic()
+            chosen.pause.set()
+            asked += 1
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+
+        def shown(seat: Seat) -> dict[str, Any]:
+            return {"class": seat.klass.value, "path": seat.path, "slot": seat.use.slot, "pauses": seat.pauses,
+                    "tokens": seat.cost(), "s": round(now - seat.since, 3)}
+
+        return {"slots": self.total, "preempt": self.preempt, "max_pauses": self.max_pauses,
+                "paused": self.paused, "resumed": self.resumed, "gone": self.gone,
+                "running": [shown(s) for s in self.running], "waiting": [shown(s) for s in self._order()]}
