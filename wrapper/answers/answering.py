@@ -27,7 +27,7 @@ from aiohttp import web
 
 from wrapper import paths
 from wrapper.answers.answer import Answer
-from wrapper.answers.proxy import Outcome, Pass, Wanted
+from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
 from wrapper.answers.sse import Events
 from wrapper.server.generation import Host
@@ -46,7 +46,7 @@ LIMITS = ("max_completion_tokens", "max_tokens", "n_predict")  # what a request 
 class Passing(Protocol):
     """A request's passes to llama-server (wrapper/answers/passes.py)."""
 
-    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+    async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
         """One pass: `body` sent, its answer read in `shape` (through `events`), `going_on` the client's response
         it continues."""
@@ -81,7 +81,7 @@ class AnswerLoop:
         while True:
             n_ctx = self.slot_context()
             events = answer.events(holds=self.continuing)
-            got = await self.passes.send(answer.sent, answer.shape, self._wanted(n_ctx), events, answer.response)
+            got = await self.passes.send(answer.sent, answer.shape, self._catching(n_ctx), events, answer.response)
             if got.outcome in (Outcome.CUT, Outcome.PAUSED):
                 told = await self._interrupted(got, events)
                 if told is not None:
@@ -109,17 +109,17 @@ class AnswerLoop:
             answer.grown()
             log.info("degrade.continue", path=self.path, used=used, stream=answer.shape is Shape.STREAM)
 
-    def _wanted(self, n_ctx: int) -> Wanted:
+    def _catching(self, n_ctx: int) -> Catching:
         """The whole answers the loop looks at before the client does: an overflow (with a growth), and in the WHOLE
         shape (continuing) one a full context cut, or any part of an answer already continued."""
         answer = self.answer
 
-        def wanted(payload: dict[str, Any], status: int) -> bool:
+        def catching(payload: dict[str, Any], status: int) -> bool:
             if status >= 400:
                 return self.growth is not None and overflowed(payload)
             return answer.shape is Shape.WHOLE and self.continuing and (
                 answer.whole is not None or answer.part_cut(payload, n_ctx) is not None)
-        return wanted
+        return catching
 
     # -- a cut or a pause -----------------------------------------------------------------------------------------
 

@@ -20,10 +20,10 @@ from aiohttp import web
 from wrapper import built_ins
 from wrapper.answers.proxy import (
     STARTED,
+    Catching,
     Outcome,
     Pass,
     Upstream,
-    Wanted,
     answered,
     broken_off,
     catch,
@@ -89,19 +89,19 @@ class Passes:
 
     # -- a pass ---------------------------------------------------------------------------------------------------
 
-    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+    async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
-        """The answer loop's pass, in `shape`: a whole answer `wanted` caught, an event stream through `events`
+        """The answer loop's pass, in `shape`: a whole answer `catching` caught, an event stream through `events`
         (gathered, never passed on, in the GATHERED shape)."""
         request, path = self.request, self.path
         if shape is Shape.GATHERED:
             assert events is not None
 
             def sender(to: Upstream) -> Awaitable[Pass]:
-                return collect(request, to, wanted, path, body, events)
+                return collect(request, to, catching, path, body, events)
         else:
             def sender(to: Upstream) -> Awaitable[Pass]:
-                return catch(request, to, wanted, path, body, events, going_on)
+                return catch(request, to, catching, path, body, events, going_on)
         resumable = None if events is None else (lambda: events.plain and events.final is None)
         return await self._sent(sender, events if self.pausable else None, resumable)
 

@@ -109,7 +109,7 @@ class Outcome(Enum):
     """What one pass to llama-server came to."""
 
     ANSWERED = "answered"  # passed on to the client as it came (or a refusal for it): `response` is its answer
-    CAUGHT = "caught"  # a whole JSON answer kept from the client (`wanted` said so): `status`, `payload`, `headers`
+    CAUGHT = "caught"  # a whole JSON answer kept from the client (`catching` said so): `status`, `payload`, `headers`
     HELD = "held"  # an event stream passed on but for its last events (`events`): `response` still open
     GATHERED = "gathered"  # an event stream read to its end into `events`, nothing of it passed on
     CUT = "cut"  # llama-server went away under it (`error`), before its answer reached the client or in the middle
@@ -163,7 +163,7 @@ class Upstream:
     heard: Callable[[], None] | None = None
 
 
-Wanted = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its status): keep it from the client
+Catching = Callable[[dict[str, Any], int], bool]  # (a whole JSON answer, its status): keep it from the client
 
 
 async def forward(request: web.Request, to: Upstream, path: str | None = None, body: bytes | None = None,
@@ -172,34 +172,34 @@ async def forward(request: web.Request, to: Upstream, path: str | None = None, b
     streamed. `body`: the request body, read already (else streamed from the client). `events`: an event stream
     is passed through it, HELD when it held something back; `going_on`: the client's response, still open, that
     this answer continues. ANSWERED, or CUT when llama-server went away under it."""
-    return await catch(request, to, _nothing_wanted, path, body, events, going_on)
+    return await catch(request, to, _nothing_caught, path, body, events, going_on)
 
 
-def _nothing_wanted(payload: dict[str, Any], status: int) -> bool:
+def _nothing_caught(payload: dict[str, Any], status: int) -> bool:
     return False
 
 
-async def catch(request: web.Request, to: Upstream, wanted: Wanted, path: str | None = None,
+async def catch(request: web.Request, to: Upstream, catching: Catching, path: str | None = None,
                 body: bytes | None = None, events: Events | None = None,
                 going_on: web.StreamResponse | None = None) -> Pass:
-    """As `forward`, but a whole JSON answer (not streamed, at most CAUGHT_LIMIT) that `wanted` accepts is CAUGHT
+    """As `forward`, but a whole JSON answer (not streamed, at most CAUGHT_LIMIT) that `catching` accepts is CAUGHT
     instead of being sent (the caller may send the request again, or go on from it); any other answer is streamed
     through."""
     path = path if path is not None else request.rel_url.raw_path
     try:
         async with _sent(request, to, path, body) as reply:
             read: bytes | None = None  # an answer read whole to be looked at
-            if _catchable(reply) and wanted is not _nothing_wanted:
+            if _catchable(reply) and catching is not _nothing_caught:
                 read = await reply.read()
                 payload = json_object(read)
-                if payload is not None and wanted(payload, reply.status):
+                if payload is not None and catching(payload, reply.status):
                     return Pass(Outcome.CAUGHT, request, None, reply.status, payload, _forwardable(reply.headers))
             return await _through(request, reply, to, path, read, events, going_on)
     except aiohttp.ClientError as exc:
         return _unreachable(request, path, exc, going_on)
 
 
-async def collect(request: web.Request, to: Upstream, wanted: Wanted, path: str, body: bytes,
+async def collect(request: web.Request, to: Upstream, catching: Catching, path: str, body: bytes,
                   events: Events) -> Pass:
     """As `catch`, but an event stream is read into `events`, GATHERED, never passed on (a request that asked for
     one JSON answer, sent as a stream so that it can be paused: wrapper/answers/gathered.py)."""
@@ -208,7 +208,7 @@ async def collect(request: web.Request, to: Upstream, wanted: Wanted, path: str,
             if reply.content_type != "text/event-stream":
                 read = await reply.read() if _catchable(reply) else None
                 payload = json_object(read) if read is not None else None
-                if payload is not None and wanted(payload, reply.status):
+                if payload is not None and catching(payload, reply.status):
                     return Pass(Outcome.CAUGHT, request, None, reply.status, payload, _forwardable(reply.headers))
                 return await _through(request, reply, to, path, read, None, None)
             if reply.connection is not None and reply.connection.protocol is not None:

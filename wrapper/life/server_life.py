@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeVar
 
-import aiohttp
 import structlog
 
 from wrapper import built_ins
@@ -35,17 +34,16 @@ from wrapper.life.hooks_running import Hooks
 from wrapper.life.notify import Notifier
 from wrapper.life.occasions import Occasion, down, up
 from wrapper.life.reloader import NextGeneration, Reloader
-from wrapper.life.sleeping import Sleep
+from wrapper.life.sleeping import Sleep, remember
 from wrapper.life.watch import Watch
 from wrapper.life.watchdog import Budget, Lost
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
-from wrapper.paths import ANSWERED_ASLEEP
 from wrapper.progress import PROGRESS
 from wrapper.server.child import Exit
 from wrapper.server.generation import Generation, ServerLost, StartFailed
 from wrapper.server.llama import LlamaError
-from wrapper.serving import Remembered, Serving
+from wrapper.serving import Serving
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -282,8 +280,9 @@ class ServerLife:
         """Keep every slot and stop llama-server; False when requests in flight did not finish within
         server.drain_timeout (the sleep is given up, nothing stopped, the held requests go on)."""
         serving, sleep, generation, began = self.serving, self.sleep, self.current, time.monotonic()
-        await self._remember(generation)
+        await remember(self.serving, generation)
         in_flight = serving.in_flight
+        log.info("sleep.falling_asleep", why=why, in_flight=in_flight)
         gone = await self._down(Occasion.SLEEP, True, generation.config.drain_timeout, lambda _: "success")
         if gone is None:
             log.info("sleep.given_up", why=why, in_flight=serving.in_flight,
@@ -295,7 +294,7 @@ class ServerLife:
         sleep.fell_asleep(why, "; ".join(f"{r.action}: {r.detail or r.outcome}" for r in gone.saved) or None)
         METRICS.asleep.set(1)
         took_s = round(time.monotonic() - began, 3)
-        log.info("sleep.asleep", why=why, in_flight=in_flight, took_s=took_s, kept=sleep.kept, held=serving.gate.held)
+        log.info("sleep.asleep", why=why, took_s=took_s, kept=sleep.kept, held=serving.gate.held)
         self.notifier.status(f"asleep since {time.strftime('%H:%M:%S')} ({why}): the next request wakes llama-server")
         sleep.answer({"asleep": True, "why": why, "took_s": took_s, "kept": sleep.kept})
         return True
@@ -385,17 +384,6 @@ class ServerLife:
         log.error("sleep.wake_failed", error=why, held=held, after_s=round(time.monotonic() - began, 3),
                   hint="the wrapper stays asleep; the next request tries to wake llama-server again")
         self.notifier.status(f"asleep: the last wake failed ({why})")
-
-    async def _remember(self, generation: Generation) -> None:
-        """What llama-server answers the GETs clients poll, for the sleep (each asked now, while it runs)."""
-        headers = {"Accept-Encoding": "identity"}  # the session passes bodies through as they come: plain JSON
-        if generation.launch.api_key:
-            headers["Authorization"] = f"Bearer {generation.launch.api_key}"
-        for path in ANSWERED_ASLEEP:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                async with self.serving.session.get(generation.launch.url + path, headers=headers) as reply:
-                    if reply.status == 200 and reply.content_type == "application/json":
-                        self.serving.remembered[path] = Remembered(reply.status, await reply.json())
 
     # -- a reload (wrapper/life/reloader.py runs its cycle; these are its moves) --------------------------------------
 

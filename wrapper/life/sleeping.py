@@ -10,12 +10,18 @@ asleep); the life (wrapper/life/server_life.py) falls asleep and wakes, and wrap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from wrapper.configuration.sections import SleepSettings
 from wrapper.life.reloader import NextGeneration
+from wrapper.paths import ANSWERED_ASLEEP
+from wrapper.server.generation import Generation
+from wrapper.serving import Remembered, Serving
 
 LOOK_EVERY_S = 1.0  # how often the idle clock is looked at (a sleep comes at most this late)
 
@@ -76,3 +82,15 @@ class Sleep:
             "last_wake_s": self.last_wake_s, "last_wake_error": self.last_wake_error,
             "reload_at_wake": list(self.pending.plan.changes) if self.pending is not None else None,
         }
+
+
+async def remember(serving: Serving, generation: Generation) -> None:
+    """What llama-server answers the GETs clients poll, for the sleep (each asked now, while it runs)."""
+    headers = {"Accept-Encoding": "identity"}  # the session passes bodies through as they come: plain JSON
+    if generation.launch.api_key:
+        headers["Authorization"] = f"Bearer {generation.launch.api_key}"
+    for path in ANSWERED_ASLEEP:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with serving.session.get(generation.launch.url + path, headers=headers) as reply:
+                if reply.status == 200 and reply.content_type == "application/json":
+                    serving.remembered[path] = Remembered(reply.status, await reply.json())

@@ -1,6 +1,6 @@
-"""The answer loop alone: its exchange with llama-server, the growth and the loss of the server are scripted
-(answers in llama-server's shapes, passed through `wanted` as wrapper/answers/proxy.py's catch does), so that every path
-of an overflow, a continuation and a lost server is seen without a server."""
+"""The answer loop alone: its passes to llama-server, the growth and the loss of the server are scripted (answers in
+llama-server's shapes, passed through the `catching` rule as wrapper/answers/proxy.py's catch does), so that every
+path of an overflow, a continuation, a lost server and a pause is seen without a server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from wrapper.answers.answering import MAX_GROWTHS, AnswerLoop
-from wrapper.answers.proxy import Outcome, Pass, Wanted
+from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
 from wrapper.answers.sse import Events
 from wrapper.server.generation import Host
@@ -36,19 +36,19 @@ def chat(text: str, finish: str = "stop", prompt: int = 100, completion: int = 1
 
 @dataclass
 class Script:
-    """llama-server's answers in turn, and what the loop sent; an answer `wanted` does not keep goes through."""
+    """llama-server's answers in turn, and what the loop sent; an answer `catching` does not keep goes through."""
 
     answers: list[tuple[int, dict[str, Any]] | str]  # a str: llama-server went away under that pass
     sent: list[dict[str, Any]] = field(default_factory=list)
 
-    async def send(self, body: bytes, wanted: Wanted, events: Events | None,
+    async def send(self, body: bytes, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
         self.sent.append(json.loads(body))
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         if isinstance(answer, str):
             return Pass(Outcome.CUT, REQUEST, error=answer)
         status, payload = answer
-        if wanted(payload, status):
+        if catching(payload, status):
             return Pass(Outcome.CAUGHT, REQUEST, status=status, payload=payload)
         return Pass(Outcome.ANSWERED, REQUEST, web.json_response(payload, status=status))
 
@@ -85,10 +85,10 @@ class Passes:
     script: Script
     losing: Losing | None
 
-    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+    async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
         assert shape is Shape.WHOLE and events is None
-        return await self.script.send(body, wanted, events, going_on)
+        return await self.script.send(body, catching, events, going_on)
 
     async def lost(self) -> Loss:
         assert self.losing is not None  # asked only with the watchdog on
@@ -266,7 +266,7 @@ class Streams:
     losses: list[Loss] = field(default_factory=lambda: [Loss.BACK])
     resumes: list[bytes | str] = field(default_factory=list)
 
-    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+    async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
         assert shape is Shape.STREAM and events is not None
         self.sent.append(json.loads(body))

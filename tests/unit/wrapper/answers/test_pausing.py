@@ -13,7 +13,7 @@ from aiohttp import web
 from wrapper.answers.answering import AnswerLoop
 from wrapper.answers.continuation import RESUME_LOOKBACK, SoFar, greedy, resume_point
 from wrapper.answers.gathered import Gathered, whole_answer
-from wrapper.answers.proxy import Outcome, Pass, Wanted
+from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
 from wrapper.answers.sse import Carry, Events
 from wrapper.server.generation import Host
@@ -132,7 +132,7 @@ class Passes:
     resumed: list[tuple[dict[str, Any], int]] = field(default_factory=list)
     request: web.BaseRequest = field(default_factory=lambda: cast(web.BaseRequest, None))
 
-    async def send(self, body: bytes, shape: Shape, wanted: Wanted, events: Events | None,
+    async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
         assert shape is Shape.GATHERED and isinstance(events, Gathered) and going_on is None
         self.sent.append(json.loads(body))
