@@ -156,7 +156,8 @@ class DirectoryStore:
         with self._lock:
             self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
             entry = self._read(sidecar, key, tokens)
-            assert entry is not None
+            if entry is None:  # a longer state of the same conversation was committed meanwhile and replaced it
+                return self._holding(tokens, wrote)
             entry.written = wrote + final.stat().st_size + sidecar.stat().st_size
             for other in self.entries():
                 with contextlib.suppress(Unreadable):
@@ -164,6 +165,15 @@ class DirectoryStore:
                             common_prefix(other.tokens, tokens) == other.n_tokens:
                         self.remove(other)  # a shorter state of the same conversation: the new one holds it all
         return entry
+
+    def _holding(self, tokens: list[int], wrote: int) -> Entry:
+        """The entry that holds `tokens` and more (under the lock), its `written` what this commit wrote."""
+        for other in self.entries():
+            with contextlib.suppress(Unreadable):
+                if other.n_tokens >= len(tokens) and common_prefix(other.tokens, tokens) == len(tokens):
+                    other.written = wrote
+                    return other
+        raise Unreadable(f"the state of {len(tokens)} tokens just written is gone from {self.directory}")
 
     @_locked
     def touch(self, entry: Entry) -> None:

@@ -44,6 +44,26 @@ def test_a_longer_state_of_a_conversation_replaces_the_shorter(tmp_path: Path) -
     assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["conv", "conv"]  # one pair, no litter
 
 
+def test_a_shorter_state_replaced_while_it_commits_gives_the_longer_one(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two slots paused at once holding one conversation (two agents asked the same): the longer state's commit
+    removes the shorter one between its files' writing and its listing (each commit on its own thread)."""
+    store = DirectoryStore(tmp_path)
+    shorter, longer = [1, 2, 3], [1, 2, 3, 4, 5]
+    commit_pair = layout.commit_pair
+
+    def the_longer_commits_meanwhile(*args: object, **kwargs: object) -> Path:
+        final = commit_pair(*args, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.setattr(layout, "commit_pair", commit_pair)
+        store.commit(written(store, longer), longer, RECORD)
+        return final
+
+    monkeypatch.setattr(layout, "commit_pair", the_longer_commits_meanwhile)
+    entry = store.commit(written(store, shorter), shorter, RECORD)
+    assert entry.tokens == longer  # the store holds it, in the longer state
+    assert [e.tokens for e in store.entries()] == [longer]
+
+
 def test_the_least_recently_used_go_first(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     for n in range(4):
