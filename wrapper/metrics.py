@@ -90,6 +90,10 @@ class Metrics:
                                registry=r)
         self.interactive_wait = Histogram("llama_wrapper_priority_interactive_wait_seconds", "How long an "
                                           "interactive request waited for a slot", buckets=DURATIONS, registry=r)
+        self.not_paused = Counter("llama_wrapper_priority_not_paused", "Running requests an interactive request found "
+                                  "no free slot behind and that were not paused for it, by why (interactive, "
+                                  "preempt_off, max_pauses, between, begun, tools, api, choices, logprobs, no_keep)",
+                                  ["reason"], registry=r)
         self.background_queue = Gauge("llama_wrapper_priority_background_waiting", "Background requests waiting "
                                       "for a slot (paused ones included)", registry=r)
         self.asleep = Gauge("llama_wrapper_asleep", "1 while asleep: llama-server stopped, its memory free (sleep:)",

@@ -24,7 +24,7 @@ from wrapper.launching.launch import Launch
 from wrapper.lifecycle import Lifecycle, State
 from wrapper.metrics import METRICS
 from wrapper.queue.gate import Gate
-from wrapper.queue.seats import Seats
+from wrapper.queue.seats import Seats, Why
 from wrapper.server.context import AUTO_SLOTS
 from wrapper.server.generation import Generation
 from wrapper.server.llama import LlamaClient
@@ -90,7 +90,8 @@ class Serving:
         settings = PRIORITY.of(generation.config)
         self.seats.resize(slot_count(generation))
         self.seats.max_pauses = settings.max_pauses
-        self.seats.preempt = built_ins.preemption(generation.config)[0]
+        self.seats.preempt, why = built_ins.preemption(generation.config)
+        self.seats.preempt_off = Why("preempt_off", why)
         return generation
 
     def new_generation(self, config: Config, launch: Launch) -> Generation:

@@ -10,6 +10,25 @@ from typing import Any
 
 from wrapper import paths
 
+GOES_ON_NOT = {
+    "api": "its API's answers are not continued (chat completions and /completion are)",
+    "tools": "its request offers tools (a tool call has no prefix to go on from)",
+    "choices": "it asks for several choices",
+}
+"""Why an answer cannot go on from what its client has, by code (the priority.not_paused reason)."""
+
+
+def cannot_go_on(path: str, request: dict[str, Any]) -> str | None:
+    """Why an answer to `request` cannot go on from the text its client has (an assistant prefix, or the prompt
+    appended to), as a code of GOES_ON_NOT; None when it can (chat or /completion, no tools, one choice)."""
+    if path not in paths.CONTINUABLE:
+        return "api"
+    if request.get("tools"):
+        return "tools"
+    if request.get("n") not in (None, 1):
+        return "choices"
+    return None
+
 
 def _limit(request: dict[str, Any]) -> int | None:
     for key in ("max_completion_tokens", "max_tokens", "n_predict"):

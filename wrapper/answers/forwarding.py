@@ -17,6 +17,7 @@ from aiohttp import web
 
 from wrapper import built_ins, paths
 from wrapper.answers.answering import AnswerLoop
+from wrapper.answers.continuation import GOES_ON_NOT, cannot_go_on
 from wrapper.answers.passes import Passes
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
@@ -25,7 +26,7 @@ from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.lifecycle import State
 from wrapper.paths import ANSWERED_ASLEEP
 from wrapper.queue import priority
-from wrapper.queue.seats import Seat
+from wrapper.queue.seats import BETWEEN, Seat, Why
 from wrapper.server.generation import Generation, Host
 from wrapper.serving import Serving
 from wrapper.steps import Outgoing
@@ -74,8 +75,10 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
             if refusal is not None:
                 status = refusal.status
                 return refusal
-            passes.pausable = _pausable(serving, seat, first)
-            goes_on = first.payload is not None and _goes_on(path, first.payload)
+            if seat is not None and seat.klass is priority.Class.BACKGROUND:
+                seat.unpausable = _unpausable(first)
+            passes.pausable = seat is not None and serving.seats.why_not_paused(seat) in (None, BETWEEN)
+            goes_on = first.payload is not None and cannot_go_on(path, first.payload) is None
             passes.resumable = watched and goes_on
             if growth is None and not watched and not passes.pausable:
                 response = await passes.through(lambda to: forward(request, to, path, first.body), False)
@@ -107,22 +110,20 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
 _ODD_SEEN: set[str] = set()
 
 
-def _pausable(serving: Serving, seat: Seat | None, out: Outgoing) -> bool:
-    """A background request the answer loop can pause and resume: a step keeps what its slot holds, and its
-    answer can be continued (see _goes_on) — not a JSON answer with token probabilities (a gathered stream has
-    none)."""
+def _unpausable(out: Outgoing) -> Why | None:
+    """Why a background request cannot be paused and resumed (None: it can): its answer cannot go on from its text
+    (continuation.cannot_go_on), no step keeps what its slot holds (the conversation cache is off), or it asked for a
+    JSON answer with token probabilities (a gathered stream has none)."""
     payload = out.payload
-    if seat is None or seat.klass is not priority.Class.BACKGROUND or not serving.seats.preempt \
-            or not out.keep or payload is None or not _goes_on(out.path, payload):
-        return False
-    whole = payload.get("stream") is not True
-    return not (whole and (payload.get("logprobs") or payload.get("n_probs")))
-
-
-def _goes_on(path: str, payload: dict[str, Any]) -> bool:
-    """An answer that can go on from its text so far (an assistant prefix, or the prompt appended to): chat or
-    /completion, no tools (a tool call has no prefix to go on from), one choice."""
-    return path in paths.CONTINUABLE and not payload.get("tools") and payload.get("n") in (None, 1)
+    if payload is None:
+        return Why("api", "its body is not a JSON object")
+    if (code := cannot_go_on(out.path, payload)) is not None:
+        return Why(code, GOES_ON_NOT[code])
+    if not out.keep:
+        return Why("no_keep", "no built-in keeps what its slot holds (the conversation cache is off)")
+    if payload.get("stream") is not True and (payload.get("logprobs") or payload.get("n_probs")):
+        return Why("logprobs", "it asks for a JSON answer with token probabilities")
+    return None
 
 
 @contextlib.asynccontextmanager

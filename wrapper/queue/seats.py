@@ -15,9 +15,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
+
 from wrapper.metrics import METRICS
 from wrapper.queue.priority import Class
 from wrapper.steps import SlotUse
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why a running request is not paused for an interactive one: a code (the metric's `reason` label) and words."""
+
+    code: str
+    words: str
+
+
+INTERACTIVE = Why("interactive", "an interactive request is never paused")
+BETWEEN = Why("between", "between its passes (its steps, or waiting at the gate): asked once it is under way")
+BEGUN = Why("begun", "its answer began reasoning or a tool call, which no prefix goes on from")
 
 
 class UnderWay(Protocol):
@@ -42,10 +59,12 @@ class Seat:
     path: str
     arrived: float = field(default_factory=time.monotonic)  # its first arrival: its place in its class
     use: SlotUse = field(default_factory=SlotUse)  # what it takes of its slot, as the steps learn it
+    unpausable: Why | None = None  # why its request can never be paused (a background one), when it cannot
     under_way: UnderWay | None = None  # the exchange it may be paused from, while it runs (wrapper/answers/passes.py)
     pause: asyncio.Event = field(default_factory=asyncio.Event)  # set: stop the exchange, keep, wait again
     asked_at: float | None = None  # when it was last asked to pause
     since: float = field(default_factory=time.monotonic)  # when it began to wait, or to be seated
+    behind: list[dict[str, Any]] = field(default_factory=list)  # waiting: what runs that it is not paused for, why
 
     @property
     def pauses(self) -> int:
@@ -63,6 +82,7 @@ class Seats:
         self.waiting: list[Seat] = []
         self._changed = asyncio.Event()
         self.preempt = False  # whether paused states are kept now (the conversation cache is on)
+        self.preempt_off = Why("preempt_off", "nothing is paused")  # why not, when not
         self.max_pauses = 3
         self.paused = 0  # background generations paused, resumed, and let go (their client hung up while paused)
         self.resumed = 0
@@ -98,6 +118,7 @@ class Seats:
             METRICS.interactive_wait.observe(waited)
         seat.since = time.monotonic()
         seat.pause.clear()
+        seat.behind = []
         self.running.append(seat)
         self.changed()
 
@@ -118,29 +139,59 @@ class Seats:
         return sum(1 for s in self.waiting if s.klass is Class.BACKGROUND)
 
     def _ask_pauses(self) -> None:
-        """As many background seats asked to pause as interactive requests wait beyond the free seats."""
-        if not self.preempt:
-            return
+        """As many background seats asked to pause as interactive requests wait beyond the free seats; an interactive
+        request that waits with none to ask is told why each running one is not (`behind`), and the log once."""
         free = max(0, self.total - len(self.running))
-        beyond = sum(1 for s in self._order()[free:] if s.klass is Class.INTERACTIVE)
+        waiting = [s for s in self._order()[free:] if s.klass is Class.INTERACTIVE]
         asked = sum(1 for s in self.running if s.pause.is_set())
-        while asked < beyond:
-            candidates = [s for s in self.running if s.klass is Class.BACKGROUND and s.under_way is not None
-                          and s.under_way.plain and not s.pause.is_set() and s.pauses < self.max_pauses]
+        while asked < len(waiting) and self.preempt:
+            candidates = [s for s in self.running if self.why_not_paused(s) is None and not s.pause.is_set()]
             if not candidates:
-                return
+                break
             chosen = min(candidates, key=lambda s: (s.cost(), -s.since))
             chosen.asked_at = time.monotonic()
             chosen.pause.set()
             asked += 1
+        for seat in waiting[asked:]:
+            self._not_paused_for(seat)
+
+    def why_not_paused(self, seat: Seat) -> Why | None:
+        """Why a running seat is not paused for an interactive request (None: it may be)."""
+        if seat.klass is Class.INTERACTIVE:
+            return INTERACTIVE
+        if not self.preempt:
+            return self.preempt_off
+        if seat.unpausable is not None:
+            return seat.unpausable
+        if seat.pauses >= self.max_pauses:
+            return Why("max_pauses", f"paused priority.max_pauses ({self.max_pauses}) times already: it runs to its "
+                       "end")
+        if seat.under_way is None:
+            return BETWEEN
+        return None if seat.under_way.plain else BEGUN
+
+    def _not_paused_for(self, seat: Seat) -> None:
+        behind = [(s, why) for s in self.running if not s.pause.is_set() and (why := self.why_not_paused(s))]
+        told = bool(seat.behind)
+        seat.behind = [{"path": s.path, "class": s.klass.value, "slot": s.use.slot, "reason": why.code,
+                        "why": why.words} for s, why in behind]
+        if not told and seat.behind:
+            for _, why in behind:
+                METRICS.not_paused.labels(reason=why.code).inc()
+            log.info("priority.not_paused", path=seat.path, behind=seat.behind)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
 
-        def shown(seat: Seat) -> dict[str, Any]:
-            return {"class": seat.klass.value, "path": seat.path, "slot": seat.use.slot, "pauses": seat.pauses,
-                    "tokens": seat.cost(), "s": round(now - seat.since, 3)}
+        def shown_of(seat: Seat) -> dict[str, Any]:
+            shown: dict[str, Any] = {"class": seat.klass.value, "path": seat.path, "slot": seat.use.slot,
+                                     "pauses": seat.pauses, "tokens": seat.cost(), "s": round(now - seat.since, 3)}
+            if seat in self.running and (why := self.why_not_paused(seat)) is not None:
+                shown["not_paused"] = why.code
+            if seat in self.waiting and seat.behind:
+                shown["behind"] = seat.behind
+            return shown
 
         return {"slots": self.total, "preempt": self.preempt, "max_pauses": self.max_pauses,
                 "paused": self.paused, "resumed": self.resumed, "gone": self.gone,
-                "running": [shown(s) for s in self.running], "waiting": [shown(s) for s in self._order()]}
+                "running": [shown_of(s) for s in self.running], "waiting": [shown_of(s) for s in self._order()]}

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from structlog.testing import capture_logs
+
+from wrapper.metrics import METRICS
 from wrapper.queue.priority import Class
-from wrapper.queue.seats import Seat, Seats
+from wrapper.queue.seats import BEGUN, BETWEEN, INTERACTIVE, Seat, Seats, Why
 from wrapper.steps import SlotUse
 
 PERSON, AGENT = Class.INTERACTIVE, Class.BACKGROUND
@@ -169,3 +172,48 @@ async def test_more_slots_let_waiters_in() -> None:
     seats.resize(2)
     await settle()
     assert waiting.done() and seats.status()["slots"] == 2
+
+
+def test_why_a_running_seat_is_not_paused() -> None:
+    seats = Seats(1)
+    seats.preempt = True
+    agent = seat(AGENT, 0.0)
+    assert seats.why_not_paused(agent) == BETWEEN  # in its steps: asked once under way
+    agent.under_way = Running()
+    assert seats.why_not_paused(agent) is None
+    agent.under_way = Running(plain=False)
+    assert seats.why_not_paused(agent) == BEGUN
+    agent.under_way, agent.use.pauses = Running(), 3
+    assert seats.why_not_paused(agent).code == "max_pauses"  # type: ignore[union-attr]
+    agent.use.pauses, agent.unpausable = 0, Why("tools", "its request offers tools")
+    assert seats.why_not_paused(agent) == agent.unpausable
+    assert seats.why_not_paused(seat(PERSON, 1.0)) == INTERACTIVE
+    seats.preempt = False
+    assert seats.why_not_paused(seat(AGENT, 2.0)) is seats.preempt_off
+
+
+async def test_a_person_who_waits_is_told_what_runs_and_why_it_is_not_paused() -> None:
+    seats = Seats(1)
+    seats.preempt = True
+    agent = seat(AGENT, 0.0)
+    await seats.take(agent)
+    agent.under_way, agent.unpausable = Running(), Why("tools", "its request offers tools")
+    before = promtext_value("tools")
+    with capture_logs() as logs:
+        person = seat(PERSON, 1.0)
+        waiting = asyncio.ensure_future(seats.take(person))
+        await settle()
+        seats.changed()  # looked at again: told once
+        await settle()
+    told = [e for e in logs if e["event"] == "priority.not_paused"]
+    assert len(told) == 1 and told[0]["behind"][0]["reason"] == "tools"
+    assert seats.status()["waiting"][0]["behind"][0]["why"] == "its request offers tools"
+    assert seats.status()["running"][0]["not_paused"] == "tools" and not agent.pause.is_set()
+    assert promtext_value("tools") == before + 1
+    seats.leave(agent)
+    await waiting
+    assert person.behind == []
+
+
+def promtext_value(reason: str) -> float:
+    return METRICS.registry.get_sample_value("llama_wrapper_priority_not_paused_total", {"reason": reason}) or 0.0
