@@ -39,6 +39,9 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation) or store is None or out.payload is None:
         return out
     book = book_of(generation)
+    if not book.total:  # a new server's first request: a stream it went on with may hold this conversation
+        with contextlib.suppress(LlamaError):
+            book.learnt_total(int((await generation.props()).get("total_slots") or 1))
     resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(out.payload) if out.path in paths.CHAT else None
     if messages is not None and not resuming and book.total:
@@ -55,9 +58,6 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         return out  # the server tokenizes it its own way; this request is not pinned
     book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     conv = state(generation)
-    if not book.total:
-        with contextlib.suppress(LlamaError):
-            book.learnt_total(int((await generation.props()).get("total_slots") or 1))
     asked = out.payload.get("id_slot")
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself

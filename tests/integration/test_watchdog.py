@@ -148,6 +148,26 @@ def test_the_turn_after_a_crashed_stream_reuses_the_whole_conversation(
         assert wrapper.stop() == 0
 
 
+@pytest.mark.parametrize("parallel", [2, 4])
+def test_the_turn_after_a_crash_of_a_short_conversation_goes_to_its_slot(
+        tmp_path: Path, server_bin: str, demo_path: str, parallel: int) -> None:
+    """Nothing of a short conversation was kept (shorter than cache.min_tokens): after a crash mid-stream its
+    continued answer is in one slot of the server started again, and the next turn, the new server's first looked-up
+    request, goes there (it went to another slot and read everything again: the book did not know the slots yet)."""
+    with running(tmp_path, argv(server_bin, demo_path, parallel), config(tmp_path)) as wrapper:
+        first = [{"role": "user", "content": "Name three colours."}]
+        answer = chat(wrapper.url, first, max_tokens=32)
+        turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+        events, before = stream_killed(wrapper, turn, kill_after=20, max_tokens=300)
+        assert before >= 20 and wrapper.events("wrapper.stream_resumed") and events[-1] == {"done": True}
+        following = chat(wrapper.url, [*turn, {"role": "assistant", "content": text_of(events)},
+                                       {"role": "user", "content": "Thank you."}], max_tokens=8)
+        history = following["usage"]["prompt_tokens"]
+        assert reused(following) >= 0.9 * history, (reused(following), history)
+        assert wrapper.stop() == 0
+
+
 def test_a_whole_answer_survives_a_sigkill(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
         answers: list[dict[str, Any]] = []
