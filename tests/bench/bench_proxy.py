@@ -2,7 +2,10 @@
 
 Prints a table of medians and ratios (wrapped / direct); the `cost` column of the small request's rows is the time
 the wrapper adds to one request (`GET /v1/models`, on one reused connection). Requests alternate between the two
-paths so that noise on a shared machine hits both alike. Run with `make bench` (it sets LLAMA_SERVER).
+paths so that noise on a shared machine hits both alike. Then the same streams through a wrapper with what agents
+and people share a server with (the slot built-ins, the conversation cache, `priority:`): the wrapper's CPU per
+streamed token against the plain proxy's (what makes a generation resumable must not cost every token), and the
+throughput at CONCURRENT streams. Run with `make bench` (it sets LLAMA_SERVER).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -30,6 +35,13 @@ CONCURRENT_TOKENS = 32
 # e.g. SERVER_ARGS="-t 1" leaves a core to the proxy and the client, as a GPU server would
 EXTRA_SERVER_ARGS = os.environ.get("SERVER_ARGS", "").split()
 PROMPT = "Write a short story about a lighthouse keeper who counts ships."
+AGENTS_CONFIG = """
+slots: {{dir: {dir}}}
+priority: {{background_keys: ["agent-key"]}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
 
 
 async def small_request(session: aiohttp.ClientSession, base: str) -> float:
@@ -69,6 +81,37 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def streamed_cpu(session: aiohttp.ClientSession, wrapped: str, direct: str,
+                       wrapper_pid: int) -> tuple[float, float, float]:
+    """(the wrapper's CPU µs per streamed token, the wrapped and the direct decode rates' medians)."""
+    rate: dict[str, list[float]] = {wrapped: [], direct: []}
+    wrapper_cpu, wrapped_tokens = 0.0, 0
+    for _ in range(STREAMS):
+        for base in (wrapped, direct):
+            cpu_before = cpu_seconds(wrapper_pid)
+            _, tps, tokens = await stream(session, base, STREAM_TOKENS)
+            if base == wrapped:
+                wrapper_cpu += cpu_seconds(wrapper_pid) - cpu_before
+                wrapped_tokens += tokens
+            rate[base].append(tps)
+    return wrapper_cpu / wrapped_tokens * 1e6, statistics.median(rate[wrapped]), statistics.median(rate[direct])
+
+
+async def agents_rows(wrapped: str, direct: str, wrapper_pid: int) -> list[tuple[str, float, float, str]]:
+    """The streams again, through the wrapper with the agents' config, as an agent's (background: its key)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     headers={"Authorization": "Bearer agent-key"}) as session:
+        for base in (wrapped, direct):
+            await stream(session, base, 8)
+        cpu, _, _ = await streamed_cpu(session, wrapped, direct, wrapper_pid)
+        agg: dict[str, list[float]] = {wrapped: [], direct: []}
+        for _ in range(2):
+            for base in (wrapped, direct):
+                agg[base].append(await concurrent(session, base))
+    return [("wrapper CPU per streamed token (µs)", cpu, 0.0, "cpu"),
+            (f"{CONCURRENT} concurrent streams (tokens/s, best)", max(agg[wrapped]), max(agg[direct]), "%")]
+
+
 async def measure(wrapped: str, direct: str, wrapper_pid: int) -> list[tuple[str, float, float, str]]:
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
@@ -103,7 +146,7 @@ async def measure(wrapped: str, direct: str, wrapper_pid: int) -> list[tuple[str
                      statistics.median(ttfb[direct]) * 1e3, "ms"))
         rows.append(("stream decode rate (tokens/s, median)", statistics.median(rate[wrapped]),
                      statistics.median(rate[direct]), "%"))
-        rows.append(("wrapper CPU per streamed token (ms)", wrapper_cpu / wrapped_tokens * 1e3, 0.0, "cpu"))
+        rows.append(("wrapper CPU per streamed token (µs)", wrapper_cpu / wrapped_tokens * 1e6, 0.0, "cpu"))
         rows.append(("wrapper CPU while streaming (% of one core)", wrapper_cpu / wrapped_wall * 100, 0.0, "cpu"))
         agg: dict[str, list[float]] = {wrapped: [], direct: []}
         for _ in range(2):
@@ -113,22 +156,23 @@ async def measure(wrapped: str, direct: str, wrapper_pid: int) -> list[tuple[str
     return rows
 
 
-def main() -> None:
-    server = models.llama_server()
-    model = models.gemma()
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = [server, "-m", model, "-c", str(CONCURRENT * 512), "-np", str(CONCURRENT), *EXTRA_SERVER_ARGS]
-        wrapper = Wrapper(Path(tmp), argv, extra=["--log-level", "warning"])
-        try:
-            wrapper.wait_ready(120)
-            direct = wrapper.status()["server"]["url"]
-            rows = asyncio.run(measure(wrapper.url, direct, wrapper.process.pid))
-        finally:
-            wrapper.stop()
-            wrapper.kill()
-    extra = f", llama-server {' '.join(EXTRA_SERVER_ARGS)}" if EXTRA_SERVER_ARGS else ""
-    print(f"\nllama-wrapper proxy cost, {Path(model).name}{extra}, {os.cpu_count()} CPUs; "
-          "wrapped and direct interleaved\n")
+def run(tmp: Path, config: str | None,
+        measuring: Callable[[str, str, int], Coroutine[Any, Any, list[tuple[str, float, float, str]]]]
+        ) -> list[tuple[str, float, float, str]]:
+    tmp.mkdir()
+    argv = [models.llama_server(), "-m", models.gemma(), "-c", str(CONCURRENT * 512), "-np", str(CONCURRENT),
+            *EXTRA_SERVER_ARGS]
+    wrapper = Wrapper(tmp, argv, config.format(dir=tmp / "slots") if config else None,
+                      extra=["--log-level", "warning"])
+    try:
+        wrapper.wait_ready(120)
+        return asyncio.run(measuring(wrapper.url, wrapper.status()["server"]["url"], wrapper.process.pid))
+    finally:
+        wrapper.stop()
+        wrapper.kill()
+
+
+def table(rows: list[tuple[str, float, float, str]]) -> None:
     print(f"| {'measure':<42} | {'wrapped':>9} | {'direct':>9} | {'wrapped/direct':>14} | {'cost':>12} |")
     print(f"|{'-' * 44}|{'-' * 11}|{'-' * 11}|{'-' * 16}|{'-' * 14}|")
     for name, w, d, unit in rows:
@@ -137,6 +181,22 @@ def main() -> None:
             continue
         cost = f"{w - d:+.2f} ms" if unit == "ms" else f"{(w / d - 1) * 100:+.1f} %"
         print(f"| {name:<42} | {w:>9.2f} | {d:>9.2f} | {w / d:>14.3f} | {cost:>12} |")
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = run(Path(tmp) / "plain", None, measure)
+        agents = run(Path(tmp) / "agents", AGENTS_CONFIG, agents_rows)
+    extra = f", llama-server {' '.join(EXTRA_SERVER_ARGS)}" if EXTRA_SERVER_ARGS else ""
+    print(f"\nllama-wrapper proxy cost, {Path(models.gemma()).name}{extra}, {os.cpu_count()} CPUs; "
+          "wrapped and direct interleaved\n")
+    table(plain)
+    print("\nthe same streams through a wrapper with the slot built-ins, the conversation cache and priority:\n")
+    table(agents)
+    plain_cpu = next(w for name, w, _, unit in plain if name.startswith("wrapper CPU per streamed token (µs)"))
+    agents_cpu = agents[0][1]
+    print(f"\nCPU per streamed token: {agents_cpu:.0f} µs with agents' config against {plain_cpu:.0f} µs as a plain "
+          f"proxy: x{agents_cpu / plain_cpu:.2f} (goal: within 10 %)")
 
 
 if __name__ == "__main__":

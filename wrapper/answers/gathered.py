@@ -16,6 +16,7 @@ class Gathered(Events):
 
     def __init__(self, chat: bool, skip: str = "", again: int = 0) -> None:
         super().__init__(chat, skip=skip, continuing=bool(skip or again), holds=False, again=again)
+        self._fast = False  # read as they come: nothing goes to the client, the answer is made of them
         self.first: dict[str, Any] | None = None
         self.reasoning: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}

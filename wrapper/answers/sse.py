@@ -10,8 +10,11 @@ client sees one answer.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
+
+_FINAL = re.compile(rb'"finish_reason"\s*:\s*"|"stop"\s*:\s*true|\[DONE\]')  # an event a stream ends with
 
 
 @dataclass(frozen=True)
@@ -59,15 +62,58 @@ class Events:
         self._again = again  # then this many events of text the client has already: generated again by a resume
         self._buffer = b""
         self.held: list[bytes] = []
-        self.final: dict[str, Any] | None = None
-        self.content: list[str] = []  # the text passed on (after the cut prefix)
-        self.tokens = 0  # events that carried text: the tokens generated, as llama-server streams one an event
-        self.plain = True  # only text so far (no reasoning, no tool call): an assistant prefix can go on from it
-        self.id: str | None = None  # the first id its events carried (a chat answer's)
+        # A first pass rewrites nothing: its events go on as they come, read only when asked (a cut, a pause, the end).
+        self._fast = not (skip or again or continuing or carry is not None)
+        self._unread: list[bytes] = []  # whole events passed on, not read yet
+        self._final: dict[str, Any] | None = None
+        self._content: list[str] = []
+        self._tokens = 0
+        self._plain = True
+        self._id: str | None = None
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        """The event that said why the generation stopped, once it came."""
+        self._read()
+        return self._final
+
+    @property
+    def content(self) -> list[str]:
+        """The text passed on (after the cut prefix), a piece per event."""
+        self._read()
+        return self._content
+
+    @property
+    def tokens(self) -> int:
+        """Events that carried text: the tokens generated, as llama-server streams one an event."""
+        self._read()
+        return self._tokens
+
+    @property
+    def plain(self) -> bool:
+        """Only text so far (no reasoning, no tool call): an assistant prefix can go on from it."""
+        self._read()
+        return self._plain
+
+    @property
+    def id(self) -> str | None:
+        """The first id its events carried (a chat answer's)."""
+        self._read()
+        return self._id
 
     def feed(self, chunk: bytes) -> bytes:
         """What of `chunk` goes to the client now: whole events, the held ones excepted."""
         self._buffer += chunk
+        if self._fast and not self.held:
+            end = self._buffer.rfind(b"\n\n")
+            if end < 0:
+                return b""
+            whole = self._buffer[:end + 2]
+            if not self.holds or _FINAL.search(whole) is None:  # nothing to hold back in it: on as it came
+                self._buffer = self._buffer[end + 2:]
+                self._unread.append(whole)
+                return whole
+        self._read()
         out: list[bytes] = []
         while b"\n\n" in self._buffer:
             raw, self._buffer = self._buffer.split(b"\n\n", 1)
@@ -75,6 +121,13 @@ class Events:
             if passed:
                 out.append(passed)
         return b"".join(out)
+
+    def _read(self) -> None:
+        """Read the events passed on unread (what they carried: text, the id, the final event)."""
+        unread, self._unread = self._unread, []
+        for whole in unread:
+            for raw in whole.split(b"\n\n")[:-1]:
+                self._event(raw + b"\n\n")  # a first pass holds nothing back there: only what it carried counts
 
     def release(self) -> bytes:
         """The held events and any unfinished rest, for when the stream ends as llama-server ended it."""
@@ -99,8 +152,8 @@ class Events:
             return raw
         if not isinstance(payload, dict):
             return raw
-        if self.id is None and isinstance(payload.get("id"), str):
-            self.id = payload["id"]
+        if self._id is None and isinstance(payload.get("id"), str):
+            self._id = payload["id"]
         if self.carry is not None and self.carry.carries(payload):
             raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
         return self._chat(raw, payload) if self.chat else self._completion(raw, payload)
@@ -111,7 +164,7 @@ class Events:
             return raw
         choice = choices[0]
         if choice.get("finish_reason"):
-            self.final = payload
+            self._final = payload
             if not self.holds:
                 return raw
             self.held.append(raw)
@@ -120,7 +173,7 @@ class Events:
         if not isinstance(delta, dict):
             return raw
         if delta.get("reasoning_content") or delta.get("tool_calls"):
-            self.plain = False
+            self._plain = False
         content = delta.get("content")
         if not isinstance(content, str) or not content:
             return None if self.continuing and "role" in delta else raw
@@ -130,13 +183,13 @@ class Events:
                 return None
             delta["content"] = kept
             raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-        self.content.append(kept)
-        self.tokens += 1
+        self._content.append(kept)
+        self._tokens += 1
         return raw
 
     def _completion(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
         if payload.get("stop"):
-            self.final = payload
+            self._final = payload
             if not self.holds:
                 return raw
             self.held.append(raw)
@@ -149,8 +202,8 @@ class Events:
                     return None  # the client has it: generated again after a resume
                 payload["content"] = kept
                 raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-            self.content.append(kept)
-            self.tokens += 1
+            self._content.append(kept)
+            self._tokens += 1
         return raw
 
     def _cut_prefix(self, content: str) -> str:
