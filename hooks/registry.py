@@ -174,7 +174,8 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         # after media (a conversation with an image comes back into a server with the projector)
         family=conversations.FAMILY, after=(slot_settings.FAMILY, media.FAMILY), sections=(CACHE,),
         in_use=conversations.in_use,
-        before=(Before(conversations.PATHS, conversations.before),),
+        before=(Before(conversations.PATHS, conversations.before),
+                Before(paths.SLOT_USERS_UNPINNED, conversations.unpinned)),
         observer=conversations.observer, metrics=conversations.metrics, background=conversations.keep_while_idle,
         keeps_paused=True, families=("llama_wrapper_conversation_cache_",),
     ),

@@ -118,17 +118,28 @@ class Asked:
 
 
 def _text(event: dict[str, Any]) -> str:
+    """The text an event carries: a chat chunk's content or reasoning, a /completion event's content, a Responses
+    text delta, a Messages text block delta (a tool call's arguments are not text)."""
     if "choices" in event:
-        return str((event["choices"] or [{}])[0].get("delta", {}).get("content") or "")
+        delta = (event["choices"] or [{}])[0].get("delta", {})
+        return str(delta.get("content") or delta.get("reasoning_content") or "")
+    if event.get("type") == "response.output_text.delta":
+        return str(event.get("delta") or "")
+    if event.get("type") == "content_block_delta":
+        return str((event.get("delta") or {}).get("text") or "")
     return str(event.get("content") or "")
 
 
 def agent(url: str, max_tokens: int, stream: bool = True, headers: dict[str, str] | None = None,
           path: str = "/v1/chat/completions", **extra: Any) -> Asked:
-    """A long greedy answer (it never stops early), as an agent asks for it."""
+    """A long greedy answer (it never stops early), as an agent asks for it: chat completions, /completion,
+    /v1/responses (Codex) or /v1/messages (Claude Code)."""
     body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream, **extra}
-    if path.endswith("chat/completions"):
+    if path.endswith(("chat/completions", "/messages")):
         body["messages"] = [{"role": "user", "content": AGENT_TASK}]
+    elif path.endswith("/responses"):
+        body["input"] = AGENT_TASK
+        body["max_output_tokens"] = body.pop("max_tokens")
     else:
         body["prompt"] = AGENT_TASK + "\n\n"
     return Asked(url, path, body, {"X-Priority": "background"} if headers is None else headers)

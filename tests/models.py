@@ -121,3 +121,11 @@ def _copy_field(writer: gguf.GGUFWriter, field: gguf.ReaderField) -> None:
     else:
         value = field.parts[field.data[0]].tolist()[0]
         writer.add_key_value(field.name, value, kind)
+
+
+def template(server_bin: str, name: str) -> str:
+    """One of llama.cpp's own chat templates (models/templates/NAME.jinja), kept next to the llama-server build."""
+    path = Path(server_bin).parent / "templates" / f"{name}.jinja"
+    if not path.is_file():
+        raise RuntimeError(f"no {path}: llama.cpp/build-server keeps the pinned sdist's templates next to the build")
+    return str(path)

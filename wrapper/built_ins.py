@@ -18,8 +18,10 @@ from wrapper.configuration.config import Config, load_config, parse_config
 from wrapper.configuration.sections import PRIORITY, SLEEP, WATCHDOG
 from wrapper.configuration.settings import Section
 from wrapper.kept import Kept, Key
+from wrapper.launching.flags import supported_flags
 from wrapper.launching.launch import Asks, Launch
 from wrapper.launching.launch import prepare as prepare_launch
+from wrapper.queue import priority
 from wrapper.server.generation import Generation, Host
 from wrapper.server.output import server_output_level
 from wrapper.steps import Before, Growth, Observer, Shown
@@ -99,6 +101,12 @@ def launch_for(config: Config, shared: Kept, asks: Asks | None = None) -> Launch
     fits for (by type: hooks/asks.py)."""
     launch = prepare_launch(config)
     argv, notes, fitted = list(launch.argv), list(launch.notes), dict(launch.fitted)
+    flags = supported_flags(argv[0])
+    kvu = flags is None or "-kvu" in flags
+    fitted[LANE], fitted[LANE_WHY_KEY] = priority.lane(PRIORITY.of(config), argv, kvu and config.uses("slots"))
+    if fitted[LANE]:  # first: the fits (degrade's plan) size the server it makes
+        argv, added = priority.with_lane(argv, kvu)
+        notes += added
     keep_saved = launch.keep_saved
     for builtin in uses(config):
         if builtin.fit is not None:
@@ -107,6 +115,14 @@ def launch_for(config: Config, shared: Kept, asks: Asks | None = None) -> Launch
             notes += fit.notes
             keep_saved = keep_saved or fit.keep_saved
     return replace(launch, argv=argv, notes=notes, fitted=fitted, keep_saved=keep_saved)
+
+
+LANE, LANE_WHY_KEY = "priority.lane", "priority.lane.why"  # in Launch.fitted: whether a slot is kept for people
+
+
+def lane_of(launch: Launch) -> tuple[bool, str]:
+    """Whether the launch keeps a slot for interactive requests (priority.lane), and why."""
+    return bool(launch.fitted.get(LANE)), str(launch.fitted.get(LANE_WHY_KEY) or "")
 
 
 def bind(name: str, options: Mapping[str, Any], generation: Generation) -> BuiltinFn:

@@ -9,10 +9,10 @@ INFILL = ("/infill",)
 GENERATING = (*COMPLETIONS, *CHAT, *INFILL)  # fill a slot's context: a request that overflows it can be grown for
 CONVERSING = (*COMPLETIONS, *CHAT)  # a conversation whose tokens can be told before it is sent (the cache pins it)
 CONTINUABLE = (NATIVE_COMPLETION, *CHAT)  # an answer cut by a full context can be continued after a growth
-SLOT_USERS_UNPINNED = (*INFILL, "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
-                       "/v1/rerank", "/v1/reranking")  # take a slot the cache does not choose
 RESPONSES = ("/v1/responses", "/responses")  # OpenAI Responses: `input` items
 MESSAGES = ("/v1/messages",)  # Anthropic Messages
+SLOT_USERS_UNPINNED = (*INFILL, *RESPONSES, *MESSAGES, "/embedding", "/embeddings", "/v1/embeddings", "/rerank",
+                       "/reranking", "/v1/rerank", "/v1/reranking")  # take a slot the cache does not choose
 CARRYING_MEDIA = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a request here may carry an image or audio
 DESCRIBING = ("/props", "/models", "/v1/models")  # what the server says it can do (modalities, capabilities)
 ANSWERED_ASLEEP = DESCRIBING  # GETs answered from memory while asleep (and never keeping the server awake)

@@ -89,6 +89,8 @@ class Serving:
         generation = self.current
         settings = PRIORITY.of(generation.config)
         self.seats.resize(slot_count(generation))
+        on, self.seats.lane_why = built_ins.lane_of(generation.launch)
+        self.seats.lane = 1 if on and self.seats.total > 1 else 0
         self.seats.max_pauses = settings.max_pauses
         self.seats.preempt, why = built_ins.preemption(generation.config)
         self.seats.preempt_off = Why("preempt_off", why)

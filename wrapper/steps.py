@@ -31,6 +31,7 @@ class SlotUse:
     prompt: int = 0  # its own request's prompt tokens (the first count; 0: not counted)
     counted: bool = False  # a step counted its prompt (or chose not to: then `prompt` stays 0)
     pauses: int = 0  # how often it was paused: more than 0, the request goes on from its own kept state
+    session: str | None = None  # the session an agent says it belongs to (X-Session-Id, prompt_cache_key, ...)
 
 
 @dataclass

@@ -13,11 +13,11 @@ from hooks.conversations.checkpoints import keep_while_idle
 from hooks.conversations.report import metrics, observer, status
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import FAMILY
-from hooks.conversations.step import PATHS, before
+from hooks.conversations.step import PATHS, before, unpinned
 from hooks.slots.settings import FAMILY as SLOTS_FAMILY
 from wrapper.configuration.config import Config
 
-__all__ = ["FAMILY", "PATHS", "before", "in_use", "keep_while_idle", "metrics", "observer", "status"]
+__all__ = ["FAMILY", "PATHS", "before", "in_use", "keep_while_idle", "metrics", "observer", "status", "unpinned"]
 
 
 def in_use(config: Config) -> bool:

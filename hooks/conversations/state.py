@@ -22,6 +22,7 @@ FAMILY = "conversations"
 class Conversations:
     kept: KeptRates | None = None  # loaded at the first use (the model id is known then)
     busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
+    unpinned: int = 0  # requests in flight in a slot the server chose (Responses, Messages, infill, embeddings)
     last_used: dict[int, float] = field(default_factory=dict)
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
     decisions: Decisions = field(default_factory=Decisions)

@@ -72,13 +72,35 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         if not out.use.counted:
             out.use.prompt, out.use.counted = len(tokens), True
     try:
+        session = out.use.session if out.use is not None else None
         if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
-                                                                resuming)) is None:
+                                                                resuming, session)) is None:
             log.error("conversations.server_lost", slot=slot)  # the entry set aside, the server started again
             return out  # to the server started again, unpinned
     except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
         log.exception("conversations.internal_error", slot=slot)
     return _pinned(out, slot)
+
+
+async def unpinned(host: Host, out: Outgoing) -> Outgoing:
+    """A request the server puts in a slot of its own choosing: while it runs, a pinned one is kept off that slot
+    (the server would queue it there, behind it)."""
+    generation = host.current
+    if not enabled(generation):
+        return out
+    conv = state(generation)
+    conv.unpinned += 1
+    done = False
+
+    def ended(status: int | None) -> None:
+        nonlocal done
+        if not done:
+            done = True
+            conv.unpinned -= 1
+            conv.freed.set()
+
+    out.after.append(ended)
+    return out
 
 
 def _pinned(out: Outgoing, slot: int) -> Outgoing:
@@ -143,10 +165,10 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
 
 
 async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                                    tokens: list[int], resuming: bool) -> bool:
+                                    tokens: list[int], resuming: bool, session: str | None) -> bool:
     try:
         await _make_room(generation, conv, store, slot, tokens)
-        await _bring_back(generation, conv, store, slot, tokens, resuming)
+        await _bring_back(generation, conv, store, slot, tokens, resuming, session)
     except ServerLost:
         book_of(generation).forgotten()  # before the server is started again: its start restores what it can
         raise
@@ -178,7 +200,9 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
     book = book_of(generation)
     deadline = time.monotonic() + WAIT_FOR_SLOT_S
     while True:
-        free = [s for s in range(max(1, book.total)) if s not in conv.busy and (asked is None or s == asked)]
+        elsewhere = await _processing(generation) if conv.unpinned else set()
+        free = [s for s in range(max(1, book.total)) if s not in conv.busy and s not in elsewhere
+                and (asked is None or s == asked)]
         if free:
             break
         if time.monotonic() > deadline:
@@ -189,6 +213,14 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
     slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens)
     conv.busy.add(slot)
     return slot
+
+
+async def _processing(generation: Generation) -> set[int]:
+    """The slots the server says are busy (a request it placed itself runs there)."""
+    try:
+        return {int(s["id"]) for s in await generation.client.slots() if s.get("is_processing")}
+    except (LlamaError, KeyError, TypeError, ValueError):
+        return set()
 
 
 @dataclass
@@ -298,7 +330,7 @@ def _skip(slot: int, reason: str) -> None:
 
 
 async def _bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                      tokens: list[int], resuming: bool = False) -> None:
+                      tokens: list[int], resuming: bool = False, session: str | None = None) -> None:
     """`resuming`: a paused generation goes on; its own state is restored whenever it holds more than the slot (it
     is the KV its decoding computed: a prefill computes it another way, and the text would drift)."""
     settings = CACHE.of(generation.config)
@@ -316,7 +348,8 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
     if entry is not None and decision.gain > 0:
         record = {"slot": slot, "entry": entry.key, "entry_tokens": entry.n_tokens, "shared": shared,
                   "in_slot": in_slot, "choice": "restore" if decision.restore else "prefill", "why": decision.why,
-                  "predicted_restore_s": _round(decision.restore_s), "predicted_prefill_s": _round(decision.prefill_s)}
+                  "predicted_restore_s": _round(decision.restore_s), "predicted_prefill_s": _round(decision.prefill_s),
+                  **({"session": session} if session is not None else {})}
         conv.decisions.made(**record)
         log.info("conversations.decision", **record)
     if not decision.restore or entry is None:

@@ -11,6 +11,11 @@ Measured side by side in one run:
              whether its text is a lone uninterrupted run's (with -np 1 at temperature 0 it should be: its own state
              is restored; with more slots the agents are batched together, which changes the numbers)
 
+Then the agents people run, which the wrapper does not pause (they offer tools, reason, or speak the Responses or the
+Messages API), on real chat templates (llama.cpp's own: Llama 3.1, a DeepSeek R1 distill), with the lane
+(`priority.lane`: one slot more than -np, kept for interactive requests): the question's first token alone and
+behind each, against the goal (3x alone + 1 s), and whether the agent's text is its lone run's.
+
     LLAMA_SERVER=$(llama.cpp/build-server) python tests/bench/bench_priority.py [--model gemma] [--parallel 2]
 """
 
@@ -22,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -60,14 +66,70 @@ def behind(wrapper: Wrapper, parallel: int) -> tuple[Asked, list[Asked]]:
     return question, agents
 
 
+LANE_CONFIG = """
+slots: {{dir: {dir}}}
+priority: {{background_keys: ["agent-key"], lane: {lane}}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+KEY = {"Authorization": "Bearer agent-key"}
+KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {  # what the agent sends, and the template the server runs
+    "chat offering tools": ("meta-llama-Llama-3.1-8B-Instruct", "/v1/chat/completions",
+                            {"tools": TOOLS, "tool_choice": "auto"}),
+    "reasoning (R1 distill)": ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "/v1/chat/completions", {}),
+    "POST /v1/responses": ("meta-llama-Llama-3.1-8B-Instruct", "/v1/responses", {}),
+    "POST /v1/messages": ("meta-llama-Llama-3.1-8B-Instruct", "/v1/messages", {"model": "demo"}),
+}
+
+
+def unpausable(server: str, model: str, tmp: Path) -> None:
+    """The question behind each kind of agent the wrapper does not pause, with the lane and without it."""
+    print(f"\nagents the wrapper does not pause, {Path(model).name}, -np 1, agents of {AGENT_TOKENS // 2} tokens:")
+    print(f"  {'agent':<24} {'alone':>8} {'no lane':>10} {'lane':>8} {'goal':>8}  the agent's text")
+    for kind, (template, path, extra) in KINDS.items():
+        argv = [server, "-m", model, "-c", "8192", "-np", "1", "--jinja", "--chat-template-file",
+                models.template(server, template)]
+        timings: dict[str, float] = {}
+        same = ""
+        for lane in ("false", "auto"):
+            wrapper = Wrapper(tmp, argv, LANE_CONFIG.format(dir=tmp / f"{kind}-{lane}".replace(" ", "_"), lane=lane))
+            try:
+                wrapper.wait_ready()
+                timings["alone"] = min(timings.get("alone", 1e9), first_token_alone(wrapper))
+                for _ in range(2):  # the second with its prompt from the slot, as the run beside the question
+                    lone = agent(wrapper.url, AGENT_TOKENS // 2, headers=KEY, path=path, **extra).start().join()
+                working = agent(wrapper.url, AGENT_TOKENS // 2, headers=KEY, path=path, **extra).start()
+                working.wait_tokens(1)
+                time.sleep(2.0)
+                question = person(wrapper.url).start().join()
+                working.join()
+                assert question.first_token is not None and working.status == 200, (working.status, working.raw[:300])
+                timings[lane] = question.first_token
+                if lane == "auto":
+                    same = "its lone run's" if working.text == lone.text else "ANOTHER TEXT"
+            finally:
+                wrapper.kill()
+        goal = 3 * timings["alone"] + 1
+        print(f"  {kind:<24} {timings['alone']:>7.3f}s {timings['false']:>9.3f}s {timings['auto']:>7.3f}s "
+              f"{goal:>7.2f}s  {'met' if timings['auto'] <= goal else 'MISSED'}; {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["demo", "gemma"], default="demo")
     parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--unpausable", action="store_true", help="only the agents the wrapper does not pause")
     options = parser.parse_args()
     server = models.llama_server()
     model = models.gemma() if options.model == "gemma" else models.demo()
     argv = [server, "-m", model, "-c", "8192", "-np", str(options.parallel)]
+    if options.unpausable:
+        with tempfile.TemporaryDirectory() as tmp:
+            unpausable(server, model, Path(tmp))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         wrappers = {preempt: Wrapper(tmp_path, argv, CONFIG.format(dir=tmp_path / preempt, preempt=preempt))
@@ -104,6 +166,8 @@ def main() -> None:
         print(f"  agent {n}: {asked.took:.2f} s against {before.took:.2f} s without preemption: "
               f"{asked.took - before.took:+.2f} s (the question took {question.took:.2f} s); {asked.tokens} tokens, "
               f"one final event; {same}")
+    with tempfile.TemporaryDirectory() as tmp:
+        unpausable(server, model, Path(tmp))
 
 
 if __name__ == "__main__":

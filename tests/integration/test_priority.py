@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
+from tests import models
 from tests.asking import Asked, agent, person
 from tests.helpers import Wrapper, http, running, wait_for
 
 CONFIG = """
 slots: {{dir: {dir}}}
-priority: {{background_keys: ["agent-key"]{more}}}
+priority: {{background_keys: ["agent-key"], lane: {lane}{more}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
@@ -26,8 +27,9 @@ hooks:
 TOKEN = "priority-token"
 
 
-def config(tmp_path: Path, more: str = "", sections: str = "") -> str:
-    return CONFIG.format(dir=tmp_path / "slots", more=more) + sections
+def config(tmp_path: Path, more: str = "", sections: str = "", lane: str = "false") -> str:
+    """The slot built-ins and the background key; without a lane unless asked (these tests pause the agent)."""
+    return CONFIG.format(dir=tmp_path / "slots", more=more, lane=lane) + sections
 
 
 def argv(server_bin: str, demo_path: str, parallel: int = 1) -> list[str]:
@@ -241,3 +243,53 @@ def test_a_stop_while_paused_keeps_the_agents_conversation(tmp_path: Path, serve
         turn.start().join()
         assert turn.answer is not None and turn.answer["timings"]["cache_n"] >= 0.9 * kept  # it came back
         assert again.stop() == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+@pytest.mark.parametrize(("path", "extra"), [
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "auto"}),  # a coding agent offers tools every time
+    ("/v1/responses", {}),  # Codex CLI
+    ("/v1/messages", {"model": "demo"}),  # Claude Code
+], ids=["tools", "responses", "messages"])
+def test_with_the_lane_a_person_is_answered_beside_an_agent_that_cannot_be_paused(
+        tmp_path: Path, server_bin: str, demo_path: str, path: str, extra: dict[str, Any]) -> None:
+    """An agent's answer that cannot be paused (it offers tools, or speaks the Responses or the Messages API): with the
+    lane (on by default with background_keys), llama-server runs one slot more than -np and the agent never takes it,
+    so the person's question runs beside the agent's answer — not in the agent's slot, where llama-server would queue
+    it — and the agent's answer is its lone run's."""
+    template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")
+    with running(tmp_path, [*argv(server_bin, demo_path), "--jinja", "--chat-template-file", template],
+                 config(tmp_path, lane="auto")) as wrapper:
+        assert wrapper.status()["priority"]["slots"] == 2 and wrapper.status()["priority"]["lane"]["slots"] == 1
+        assert any(note["change"] == "-np 1 -> 2" for note in wrapper.status()["argv_changes"])
+        key = {"Authorization": "Bearer agent-key"}
+        for _ in range(2):  # the second: its prompt from the slot, as the run beside the question reads it (a
+            alone = agent(wrapper.url, 300, headers=key, path=path, **extra).start().join()  # prompt read in one
+        working = agent(wrapper.url, 300, headers=key, path=path, **extra)  # batch computes another KV)
+        question = behind(wrapper, [working])
+        assert question.status == 200 and question.text and working.status == 200, working.raw[:300]
+        assert (question.ended_at or 0) < (working.ended_at or 0)  # beside it, not after it
+        assert not paused(wrapper) and not wrapper.events("priority.not_paused")  # nothing to pause: a seat was free
+        assert working.text == alone.text  # batched beside the question, its text is its lone run's
+        assert wrapper.stop() == 0
+
+
+def test_without_the_lane_a_person_is_told_why_the_agent_is_not_paused(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
+        working = agent(wrapper.url, 300, headers={"Authorization": "Bearer agent-key"}, tools=TOOLS,
+                        tool_choice="auto").start()
+        working.wait_tokens(40)
+        question = person(wrapper.url).start()
+        told = wait_for(lambda: wrapper.status()["priority"]["waiting"], 60, "the question to wait")
+        assert told[0]["behind"][0]["reason"] == "tools" and "tools" in told[0]["behind"][0]["why"]
+        question.join()
+        working.join()
+        (event,) = wrapper.events("priority.not_paused")
+        assert event["behind"][0]["reason"] == "tools" and not paused(wrapper)
+        metrics = http("GET", f"{wrapper.url}/metrics")[2].decode()
+        assert 'llama_wrapper_priority_not_paused_total{reason="tools"} 1.0' in metrics
+        assert wrapper.stop() == 0

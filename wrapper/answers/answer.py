@@ -24,7 +24,7 @@ from wrapper.answers.continuation import SoFar, continued, cut_by_context, greed
 from wrapper.answers.gathered import Gathered, whole_answer
 from wrapper.answers.proxy import Outcome, Pass, broken_off, json_error, json_object
 from wrapper.answers.route import Shape
-from wrapper.answers.sse import Carry, Events, as_answer
+from wrapper.answers.sse import Carry, Events, Had, as_answer
 
 
 class Answer:
@@ -40,6 +40,7 @@ class Answer:
         self.response: web.StreamResponse | None = None  # the client's, once a stream began
         self.held = b""  # the last events of a stream, written when it cannot go on
         self.skip, self.again = "", 0  # what the next part echoes first, and how many events it generates again
+        self.had: Had | None = None  # what else of a chat answer the client has: reasoning, tool calls
         self.carry: Carry | None = None  # the earlier parts' id and counts, once it goes on
         self.id: str | None = None  # the answer's (its first part's) id
         self.first: dict[str, Any] | None = None  # a gathered answer's first event: its id, created, model
@@ -52,9 +53,9 @@ class Answer:
         if self.shape is Shape.WHOLE:
             return None
         if self.shape is Shape.GATHERED:
-            return Gathered(self.chat, skip=self.skip, again=self.again)
+            return Gathered(self.chat, skip=self.skip, again=self.again, had=self.had)
         return Events(self.chat, skip=self.skip, continuing=self.response is not None, holds=holds,
-                      again=self.again, carry=self.carry)
+                      again=self.again, carry=self.carry, had=self.had)
 
     # -- what a pass came to ----------------------------------------------------------------------------------
 
@@ -67,10 +68,10 @@ class Answer:
         if self.shape is Shape.WHOLE:
             return  # sent again as it was: nothing of it reached the client
         if self.response is not None or self.shape is Shape.GATHERED or got.outcome is Outcome.PAUSED:
-            self.request, self.skip, self.again = self.so_far.going_on(self.path, self.original,
-                                                                       greedy(self.original))
-            if self.shape is Shape.STREAM:
-                self.carry = self._carry(self.again)
+            self.request, self.skip, self.again, self.had = self.so_far.going_on(self.path, self.original,
+                                                                                 greedy(self.original))
+            if self.shape is Shape.STREAM:  # the events it generates again are not the earlier parts' to count
+                self.carry = self._carry(self.again + (self.had.again_reasoning if self.had is not None else 0))
         self.sent = self._body(self.request)
 
     def resumed(self, body: bytes) -> None:
@@ -90,7 +91,7 @@ class Answer:
         if events is None:
             return
         self.last = events
-        self.so_far.add(events.content)
+        self.so_far.took(events)
         self.id = self.id or events.id
         if isinstance(events, Gathered):
             self.first = self.first or events.first
@@ -117,6 +118,7 @@ class Answer:
         else:
             self.request = continued(self.path, self.original, self.so_far.shaped())
             self.skip, self.again = (self.so_far.text if self.chat else ""), 0
+            self.had = Had("".join(self.so_far.reasoning)) if self.chat else None
             if self.shape is Shape.STREAM:
                 self.carry = self._carry(0)
         self.sent = self._body(self.request)
@@ -134,8 +136,8 @@ class Answer:
         if self.shape is Shape.GATHERED:
             assert self.last is not None and isinstance(self.last, Gathered)
             self.last.first = self.first
-            return web.json_response(whole_answer(self.chat, self.last, self.so_far.text, self.so_far.tokens,
-                                                  self.prompt_tokens, self.original))
+            return web.json_response(whole_answer(self.chat, self.last, self.so_far, self.prompt_tokens,
+                                                  self.original))
         assert self.whole is not None
         return web.json_response(self.whole)
 

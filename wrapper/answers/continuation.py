@@ -6,28 +6,35 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from wrapper import paths
+from wrapper.answers.sse import Had
 
 GOES_ON_NOT = {
     "api": "its API's answers are not continued (chat completions and /completion are)",
-    "tools": "its request offers tools (a tool call has no prefix to go on from)",
+    "tools": "its request offers tools: after a pause it would not go on exactly (a tool call is made again)",
     "choices": "it asks for several choices",
 }
 """Why an answer cannot go on from what its client has, by code (the priority.not_paused reason)."""
 
 
 def cannot_go_on(path: str, request: dict[str, Any]) -> str | None:
-    """Why an answer to `request` cannot go on from the text its client has (an assistant prefix, or the prompt
-    appended to), as a code of GOES_ON_NOT; None when it can (chat or /completion, no tools, one choice)."""
+    """Why an answer to `request` cannot go on after a loss of the server from what its client has (its text,
+    reasoning and tool calls so far: SoFar.going_on), as a code of GOES_ON_NOT; None when it can (chat or
+    /completion, one choice)."""
     if path not in paths.CONTINUABLE:
         return "api"
-    if request.get("tools"):
-        return "tools"
     if request.get("n") not in (None, 1):
         return "choices"
     return None
+
+
+def cannot_pause(path: str, request: dict[str, Any]) -> str | None:
+    """Why an answer cannot be paused and go on exactly (a code of GOES_ON_NOT): as `cannot_go_on`, and not one that
+    offers tools (a tool call under way is made again from the start, which a restored state does not make
+    exact)."""
+    return cannot_go_on(path, request) or ("tools" if request.get("tools") else None)
 
 
 def _limit(request: dict[str, Any]) -> int | None:
@@ -63,16 +70,22 @@ def cut_by_context(path: str, request: dict[str, Any], answer: dict[str, Any], n
     return used, wanted if wanted is not None else 0
 
 
-def continued(path: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    """The request that goes on where `answer` stopped."""
+def continued(path: str, request: dict[str, Any], answer: dict[str, Any],
+              generated: int | None = None) -> dict[str, Any]:
+    """The request that goes on where `answer` stopped (`generated`: the tokens it took of the request's limit, by
+    default as the answer counts them)."""
     body = copy.deepcopy(request)
     if path in paths.CHAT:
-        partial = answer["choices"][0]["message"].get("content") or ""
-        body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": partial}]
-        generated = int((answer.get("usage") or {}).get("completion_tokens") or 0)
+        said = answer["choices"][0]["message"]
+        message: dict[str, Any] = {"role": "assistant", "content": said.get("content") or ""}
+        if said.get("reasoning_content"):
+            message["reasoning_content"] = said["reasoning_content"]
+        body["messages"] = [*body.get("messages", []), message]
+        counted = int((answer.get("usage") or {}).get("completion_tokens") or 0)
     else:
         body["prompt"] = str(body.get("prompt", "")) + str(answer.get("content") or "")
-        generated = int(answer.get("tokens_predicted") or 0)
+        counted = int(answer.get("tokens_predicted") or 0)
+    generated = counted if generated is None else generated
     for key in ("max_completion_tokens", "max_tokens", "n_predict"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -126,10 +139,14 @@ def resume_point(pieces: list[str]) -> int:
 
 @dataclass
 class SoFar:
-    """The answer a client has so far, a piece per token, and the request that goes on from it."""
+    """The answer a client has so far, a piece per token (its content; a chat answer's reasoning and tool calls
+    too), and the request that goes on from it."""
 
     chat: bool
     pieces: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, list[Any]] = field(default_factory=dict)  # index -> [id, name, arguments]
+    call_tokens: int = 0  # events that carried a tool call's part
 
     @property
     def text(self) -> str:
@@ -137,25 +154,72 @@ class SoFar:
 
     @property
     def tokens(self) -> int:
-        return len(self.pieces)
+        return len(self.pieces) + len(self.reasoning) + self.call_tokens
 
     def add(self, content: list[str]) -> None:
         self.pieces += content
 
+    def took(self, part: Parted) -> None:
+        """What one part of the answer gave its client."""
+        self.pieces += part.content
+        self.reasoning += part.reasoning
+        for index, (call_id, name, arguments) in part.calls.items():
+            had = self.calls.setdefault(index, [None, "", ""])
+            had[0] = had[0] or call_id
+            had[1] = had[1] or name
+            had[2] += arguments
+        self.call_tokens += part.call_tokens
+
     def shaped(self, upto: int | None = None) -> dict[str, Any]:
-        """The answer (its first `upto` tokens) in the shape `continued` goes on from."""
+        """The answer (its first `upto` tokens of content) in the shape `continued` goes on from."""
         k = len(self.pieces) if upto is None else upto
         text = "".join(self.pieces[:k])
         if self.chat:
-            return {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": k}}
+            message: dict[str, Any] = {"content": text}
+            if self.reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
+            return {"choices": [{"message": message}],
+                    "usage": {"completion_tokens": k + len(self.reasoning) + self.call_tokens}}
         return {"content": text, "tokens_predicted": k}
 
-    def going_on(self, path: str, request: dict[str, Any], again: bool) -> tuple[dict[str, Any], str, int]:
+    def going_on(self, path: str, request: dict[str, Any], again: bool) -> tuple[dict[str, Any], str, int, Had]:
         """The request that goes on after a pause or a loss; the text llama-server echoes first (the assistant
-        prefix of a chat); and how many of the events that follow the client has already (`again`: the request
-        is greedy, and goes on from before the last word, see resume_point). None of those is shown again."""
-        if not self.pieces:
-            return request, "", 0
+        prefix of a chat); how many of the events that follow the client has already (`again`: the request is
+        greedy, and goes on from before the last word, see resume_point); and what else of a chat answer the
+        client has (its reasoning, its tool calls). None of those is shown again.
+
+        A chat answer whose tool call began goes on from what came before the call, and the calls are made again
+        (a trailing assistant message may not carry tool calls): the client is shown only what it lacks of them.
+        One whose content has not begun goes on within its reasoning."""
+        if not (self.pieces or self.reasoning or self.calls):
+            return request, "", 0, Had()
+        reasoning = "".join(self.reasoning)
+        if self.chat and self.calls:
+            calls = [(c[0], c[1], c[2]) for _, c in sorted(self.calls.items())]
+            body = continued(path, request, self.shaped(), generated=self.tokens)
+            return body, self.text, 0, Had(reasoning, 0, calls)
+        if self.chat and not self.pieces:  # within its reasoning
+            k = resume_point(self.reasoning) if again else len(self.reasoning)
+            thought = "".join(self.reasoning[:k])
+            body = continued(path, request, {"choices": [{"message": {"content": "", "reasoning_content": thought}}]},
+                             generated=k)
+            return body, "", 0, Had(thought, len(self.reasoning) - k)
         k = resume_point(self.pieces) if again else len(self.pieces)
-        body = continued(path, request, self.shaped(k))
-        return body, "".join(self.pieces[:k]) if self.chat else "", len(self.pieces) - k
+        body = continued(path, request, self.shaped(k), generated=k + len(self.reasoning) + self.call_tokens)
+        return body, "".join(self.pieces[:k]) if self.chat else "", len(self.pieces) - k, Had(reasoning)
+
+
+class Parted(Protocol):
+    """What one part of an answer gave its client (wrapper/answers/sse.py's Events)."""
+
+    @property
+    def content(self) -> list[str]: ...
+
+    @property
+    def reasoning(self) -> list[str]: ...
+
+    @property
+    def calls(self) -> dict[int, tuple[str | None, str, str]]: ...
+
+    @property
+    def call_tokens(self) -> int: ...

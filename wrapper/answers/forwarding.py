@@ -17,7 +17,7 @@ from aiohttp import web
 
 from wrapper import built_ins, paths
 from wrapper.answers.answering import AnswerLoop
-from wrapper.answers.continuation import GOES_ON_NOT, cannot_go_on
+from wrapper.answers.continuation import GOES_ON_NOT, cannot_go_on, cannot_pause
 from wrapper.answers.passes import Passes
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
@@ -104,20 +104,22 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
             _ODD_SEEN.add(mark)
             log.warning("priority.unknown_mark", mark=mark, read_as=klass.value,
                         hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
-    return Seat(klass, path)
+    seat = Seat(klass, path)
+    seat.use.session = priority.session_of(request.headers, payload)
+    return seat
 
 
 _ODD_SEEN: set[str] = set()
 
 
 def _unpausable(out: Outgoing) -> Why | None:
-    """Why a background request cannot be paused and resumed (None: it can): its answer cannot go on from its text
-    (continuation.cannot_go_on), no step keeps what its slot holds (the conversation cache is off), or it asked for a
-    JSON answer with token probabilities (a gathered stream has none)."""
+    """Why a background request cannot be paused and resumed (None: it can): its answer cannot go on exactly
+    (continuation.cannot_pause), no step keeps what its slot holds (the conversation cache is off), or it asked for
+    a JSON answer with token probabilities (a gathered stream has none)."""
     payload = out.payload
     if payload is None:
         return Why("api", "its body is not a JSON object")
-    if (code := cannot_go_on(out.path, payload)) is not None:
+    if (code := cannot_pause(out.path, payload)) is not None:
         return Why(code, GOES_ON_NOT[code])
     if not out.keep:
         return Why("no_keep", "no built-in keeps what its slot holds (the conversation cache is off)")

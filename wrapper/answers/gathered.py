@@ -8,52 +8,31 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from wrapper.answers.sse import Events
+from wrapper.answers.continuation import SoFar
+from wrapper.answers.sse import Events, Had
 
 
 class Gathered(Events):
-    """One pass's events, none passed on: the first event's identity, the reasoning, the tool calls, the last."""
+    """One pass's events, none passed on: read as they come (what they carry: wrapper/answers/sse.py), and the first
+    event's identity."""
 
-    def __init__(self, chat: bool, skip: str = "", again: int = 0) -> None:
-        super().__init__(chat, skip=skip, continuing=bool(skip or again), holds=False, again=again)
+    def __init__(self, chat: bool, skip: str = "", again: int = 0, had: Had | None = None) -> None:
+        super().__init__(chat, skip=skip, continuing=bool(skip or again or had), holds=False, again=again, had=had)
         self._fast = False  # read as they come: nothing goes to the client, the answer is made of them
         self.first: dict[str, Any] | None = None
-        self.reasoning: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}
 
     def _chat(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
         if self.first is None:
             self.first = payload
-        choices = payload.get("choices")
-        delta = choices[0].get("delta") if isinstance(choices, list) and len(choices) == 1 and \
-            isinstance(choices[0], dict) else None
-        if isinstance(delta, dict):
-            if isinstance(delta.get("reasoning_content"), str):
-                self.reasoning.append(delta["reasoning_content"])
-            for call in delta.get("tool_calls") or []:
-                if isinstance(call, dict):
-                    self._tool_call(call)
         return super()._chat(raw, payload)
 
-    def _tool_call(self, part: dict[str, Any]) -> None:
-        given = part.get("index")
-        index = given if isinstance(given, int) else len(self.tool_calls)
-        call = self.tool_calls.setdefault(index, {"type": "function", "function": {"name": "", "arguments": ""}})
-        for key in ("id", "type"):
-            if isinstance(part.get(key), str):
-                call[key] = part[key]
-        function = part.get("function")
-        if isinstance(function, dict):
-            for key in ("name", "arguments"):
-                if isinstance(function.get(key), str):
-                    call["function"][key] += function[key]
 
-
-def whole_answer(path_is_chat: bool, last: Gathered, text: str, generated: int, prompt: int | None,
+def whole_answer(path_is_chat: bool, last: Gathered, so_far: SoFar, prompt: int | None,
                  original: dict[str, Any]) -> dict[str, Any]:
-    """The JSON answer of a request whose passes were gathered: `text` and `generated` of every pass, the
-    rest from the last one (`prompt`: the request's own prompt tokens, when known; `timings` are the last
-    pass's)."""
+    """The JSON answer of a request whose passes were gathered: what every pass gave (`so_far`: the text, the
+    reasoning, the tool calls, the tokens), the rest from the last one (`prompt`: the request's own prompt tokens,
+    when known; `timings` are the last pass's)."""
+    text, generated = so_far.text, so_far.tokens
     final = last.final or {}
     given = final.get("timings")
     timings: dict[str, Any] = given if isinstance(given, dict) else {}
@@ -70,10 +49,12 @@ def whole_answer(path_is_chat: bool, last: Gathered, text: str, generated: int, 
     first = last.first or {}
     choice = (final.get("choices") or [{}])[0]
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    if last.reasoning:
-        message["reasoning_content"] = "".join(last.reasoning)
-    if last.tool_calls:
-        message["tool_calls"] = [last.tool_calls[i] for i in sorted(last.tool_calls)]
+    if so_far.reasoning:
+        message["reasoning_content"] = "".join(so_far.reasoning)
+    if so_far.calls:
+        message["tool_calls"] = [{"type": "function", **({"id": call[0]} if call[0] else {}),
+                                  "function": {"name": call[1], "arguments": call[2]}}
+                                 for _, call in sorted(so_far.calls.items())]
     answer = {"choices": [{"finish_reason": choice.get("finish_reason"), "index": 0, "message": message}],
               "created": first.get("created", final.get("created")), "model": first.get("model", final.get("model")),
               "system_fingerprint": first.get("system_fingerprint", final.get("system_fingerprint")),

@@ -204,7 +204,8 @@ class Passes:
         serving.seats.paused += 1
         METRICS.paused.inc()
         paused_at = time.monotonic()
-        log.info("priority.paused", path=path, slot=seat.use.slot, tokens=kept, generated=generated,
+        log.info("priority.paused", path=path, session=seat.use.session, slot=seat.use.slot, tokens=kept,
+                 generated=generated,
                  pauses=seat.pauses, took_s=round(paused_at - (seat.asked_at or paused_at), 3))
         serving.seats.leave(seat)
         try:
@@ -223,7 +224,8 @@ class Passes:
             return f"this answer was paused for an interactive request and cannot go on: {message}"
         serving.seats.resumed += 1
         METRICS.resumed.inc()
-        log.info("priority.resumed", path=path, slot=seat.use.slot, tokens=seat.use.tokens, pause_s=pause_s)
+        log.info("priority.resumed", path=path, session=seat.use.session, slot=seat.use.slot, tokens=seat.use.tokens,
+                 pause_s=pause_s)
         return out.body
 
 

@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _FINAL = re.compile(rb'"finish_reason"\s*:\s*"|"stop"\s*:\s*true|\[DONE\]')  # an event a stream ends with
+
+
+@dataclass
+class Had:
+    """What the client has of a chat answer from its earlier parts that the next part must not show again: the
+    reasoning it echoes first (its prefill) and the reasoning events a resume generates again, and the tool calls
+    the client has opened (id, name, arguments so far: made again by the next part, which shows only the rest)."""
+
+    reasoning: str = ""
+    again_reasoning: int = 0
+    calls: list[tuple[str | None, str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -53,8 +64,9 @@ class Carry:
 
 class Events:
     def __init__(self, chat: bool, skip: str = "", continuing: bool = False, holds: bool = True,
-                 again: int = 0, carry: Carry | None = None) -> None:
+                 again: int = 0, carry: Carry | None = None, had: Had | None = None) -> None:
         self.chat = chat
+        self.had = had or Had()
         self.carry = carry
         self.continuing = continuing
         self.holds = holds  # False: the stop event goes on too (a stream watched only to be resumed if cut)
@@ -63,10 +75,17 @@ class Events:
         self._buffer = b""
         self.held: list[bytes] = []
         # A first pass rewrites nothing: its events go on as they come, read only when asked (a cut, a pause, the end).
-        self._fast = not (skip or again or continuing or carry is not None)
+        self._fast = not (skip or again or continuing or carry is not None or had is not None)
         self._unread: list[bytes] = []  # whole events passed on, not read yet
         self._final: dict[str, Any] | None = None
         self._content: list[str] = []
+        self._reasoning: list[str] = []  # a chat answer's reasoning passed on, a piece per event
+        self._calls: dict[int, tuple[str | None, str, str]] = {}  # its tool calls passed on: index -> id, name, args
+        self._call_tokens = 0
+        self._skip_reasoning = self.had.reasoning
+        self._again_reasoning = self.had.again_reasoning
+        self._args_had = {i: call[2] for i, call in enumerate(self.had.calls)}  # what each call's client has still
+        # to come again (the rest of its arguments is shown)
         self._tokens = 0
         self._plain = True
         self._id: str | None = None
@@ -82,6 +101,23 @@ class Events:
         """The text passed on (after the cut prefix), a piece per event."""
         self._read()
         return self._content
+
+    @property
+    def reasoning(self) -> list[str]:
+        """A chat answer's reasoning passed on, a piece per event."""
+        self._read()
+        return self._reasoning
+
+    @property
+    def calls(self) -> dict[int, tuple[str | None, str, str]]:
+        """A chat answer's tool calls as passed on: index -> (id, name, the arguments shown)."""
+        self._read()
+        return self._calls
+
+    @property
+    def call_tokens(self) -> int:
+        self._read()
+        return self._call_tokens
 
     @property
     def tokens(self) -> int:
@@ -172,20 +208,96 @@ class Events:
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             return raw
-        if delta.get("reasoning_content") or delta.get("tool_calls"):
+        changed = False
+        if isinstance(thought := delta.get("reasoning_content"), str) and thought:
             self._plain = False
+            kept = self._cut_reasoning(thought)
+            if kept != thought:
+                changed = True
+                if kept:
+                    delta["reasoning_content"] = kept
+                else:
+                    del delta["reasoning_content"]
+            if kept:
+                self._reasoning.append(kept)
+        if isinstance(calls := delta.get("tool_calls"), list) and calls:
+            self._plain = False
+            shown = [part for call in calls if isinstance(call, dict) and (part := self._call(call)) is not None]
+            if shown != calls:
+                changed = True
+                if shown:
+                    delta["tool_calls"] = shown
+                else:
+                    del delta["tool_calls"]
         content = delta.get("content")
-        if not isinstance(content, str) or not content:
-            return None if self.continuing and "role" in delta else raw
-        kept = self._cut_prefix(content)
-        if kept != content:
-            if not kept:
+        if isinstance(content, str) and content:
+            kept = self._cut_prefix(content)
+            if kept != content:
+                changed = True
+                delta["content"] = kept or None
+            if kept:
+                self._content.append(kept)
+                self._tokens += 1
+        if not changed:
+            if self.continuing and "role" in delta and not content and not thought and not calls:
+                return None  # the continuation's own role chunk: the client has one
+            return raw
+        if not (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")):
+            return None  # all of it was the client's already
+        if self.continuing:
+            delta.pop("role", None)
+        return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+    def _call(self, part: dict[str, Any]) -> dict[str, Any] | None:
+        """One tool call's part as the client is shown it: a call it has opened already comes again in the next part
+        (after a loss: a new id, its name again, its arguments from the start) and is shown only what it lacks."""
+        given = part.get("index")
+        index = given if isinstance(given, int) else len(self._calls)
+        given_function = part.get("function")
+        function: dict[str, Any] = given_function if isinstance(given_function, dict) else {}
+        given_arguments = function.get("arguments")
+        arguments = given_arguments if isinstance(given_arguments, str) else ""
+        self._call_tokens += 1
+        if index < len(self.had.calls):
+            had_id = self.had.calls[index][0]
+            left = self._args_had.get(index, "")
+            if left:  # the client's arguments stand: what of these it has is not shown again
+                if arguments.startswith(left):
+                    arguments, left = arguments[len(left):], ""
+                elif left.startswith(arguments):
+                    arguments, left = "", left[len(arguments):]
+                else:
+                    left = ""  # they part ways: the client's stand, and the rest goes on after them
+                self._args_had[index] = left
+            seen = self._calls.get(index, (had_id, self.had.calls[index][1], ""))
+            self._calls[index] = (seen[0], seen[1], seen[2] + arguments)
+            if not arguments:
                 return None
-            delta["content"] = kept
-            raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-        self._content.append(kept)
-        self._tokens += 1
-        return raw
+            return {"index": index, "function": {"arguments": arguments}}
+        seen = self._calls.get(index, (None, "", ""))
+        given_id, given_name = part.get("id"), function.get("name")
+        call_id = given_id if isinstance(given_id, str) else seen[0]
+        name = given_name if isinstance(given_name, str) and not seen[1] else seen[1]
+        self._calls[index] = (call_id, name, seen[2] + arguments)
+        return part
+
+    def _cut_reasoning(self, thought: str) -> str:
+        """What of a reasoning event is new to the client: after the reasoning the continuation echoes, and after
+        the events a resume generates again."""
+        if self._skip_reasoning:
+            if thought.startswith(self._skip_reasoning):
+                thought, self._skip_reasoning = thought[len(self._skip_reasoning):], ""
+                if not thought:
+                    return ""
+            elif self._skip_reasoning.startswith(thought):
+                self._skip_reasoning = self._skip_reasoning[len(thought):]
+                return ""
+            else:
+                self._skip_reasoning = ""
+        if self._again_reasoning:
+            self._again_reasoning -= 1
+            return ""
+        return thought
 
     def _completion(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
         if payload.get("stop"):

@@ -18,11 +18,13 @@ from wrapper.cli import logs
 from wrapper.configuration.auth import default_token_file
 from wrapper.configuration.config import HOOK_EVENTS, Config, ConfigError, parse_listen
 from wrapper.configuration.exits import EXIT_CONFIG, EXIT_FAILED
+from wrapper.configuration.sections import PRIORITY
 from wrapper.configuration.units import parse_duration
 from wrapper.configuration.usage import RUN_EXAMPLES, SERVER_COMMAND_SETTINGS, ServerCommand
 from wrapper.http.listener import serve
 from wrapper.kept import Kept
 from wrapper.life.supervisor import supervise
+from wrapper.queue import priority
 
 log = structlog.get_logger()
 
@@ -116,6 +118,14 @@ def check(config_path: str | None, probe: bool) -> None:
         sys.exit(EXIT_FAILED)
 
 
+def _lane(config: Config) -> dict[str, Any]:
+    """Whether a slot is kept for interactive requests (priority.lane), as it would be for the config's argv."""
+    if not config.argv:
+        return {"enabled": "decided at the start, from the llama-server command's -np and -kvu"}
+    on, why = priority.lane(PRIORITY.of(config), list(config.argv), config.uses("slots"))
+    return {"enabled": on, "why": why}
+
+
 def _resolved(config: Config) -> dict[str, Any]:
     hooks: dict[str, Any] = {}
     for event in HOOK_EVENTS:
@@ -134,6 +144,7 @@ def _resolved(config: Config) -> dict[str, Any]:
         "built-ins": [b.family for b in built_ins.uses(config)],
         **{section.name: section.shown(config) for section in built_ins.sections()},
         "preemption": dict(zip(("enabled", "why"), built_ins.preemption(config), strict=True)),
+        "lane": _lane(config),
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},

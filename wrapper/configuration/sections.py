@@ -62,6 +62,7 @@ def _preempt(r: Reader, node: yaml.Node, what: str) -> bool | None:
 
 KEYS = Kind("list of API keys (secret)", _keys, lambda v: f"({len(v)} set)" if v else "none")
 PREEMPT = Kind("true | false | auto", _preempt, lambda v: "auto" if v is None else v)
+AUTO_BOOL = PREEMPT  # the same three words for any switch whose default the wrapper decides
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class PrioritySettings:
     background_keys: tuple[str, ...] = setting((), KEYS, "API keys (`Authorization: Bearer KEY`) whose requests "
                                                "are background: give an agent its own key and it needs no change; "
                                                "never shown")
+    lane: bool | None = setting(None, AUTO_BOOL, "keep one slot for interactive requests: llama-server runs one slot "
+                                "more than -np, and background requests take at most -np of them, so a person's "
+                                "request is answered beside an agent's at once, not after it or after its pause "
+                                "(`auto`: on with `background_keys` when the slots share one KV, as they do with the "
+                                "slot built-ins: the slot then costs no KV memory)")
 
 
 PRIORITY = Section("priority", PrioritySettings, "interactive requests first: background ones yield their slot")

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from wrapper.configuration import argv as args
 from wrapper.configuration.sections import PrioritySettings
 
 HEADER = "X-Priority"
@@ -77,3 +78,60 @@ def unsaid(payload: dict[str, Any]) -> bool:
         return False
     del payload[TIER]
     return True
+
+
+SESSION_HEADERS = ("X-Session-Id", "x-session-affinity", "session_id")  # opencode's, opencode's, Codex's
+SESSION_FIELDS = ("prompt_cache_key", "session_id")  # Codex's Responses body, and others'
+
+
+def session_of(headers: Mapping[str, str], payload: dict[str, Any] | None) -> str | None:
+    """The session an agent says a request belongs to (its header, else its body's `prompt_cache_key`): for the log
+    and the status; llama-server ignores these fields, so they go on as they came."""
+    for name in SESSION_HEADERS:
+        if value := headers.get(name, "").strip():
+            return _shown_mark(value)
+    for name in SESSION_FIELDS:
+        field = payload.get(name) if payload is not None else None
+        if isinstance(field, str) and field.strip():
+            return _shown_mark(field.strip())
+    return None
+
+
+def _shown_mark(value: str) -> str:
+    printable = "".join(c for c in value if c.isprintable())
+    return printable[:64]
+
+
+LANE_WHY = "one slot more, kept for interactive requests (priority.lane)"
+
+
+def lane(settings: PrioritySettings, argv: list[str], slots_fit_kvu: bool) -> tuple[bool, str]:
+    """Whether one slot is kept for interactive requests, and why: `priority.lane` true, or `auto` when the config
+    says agents share the server (`priority.background_keys`) and one KV serves all slots (the argv's, or the -kvu the
+    slot built-ins' fit adds: `slots_fit_kvu`), where a slot more costs no KV memory (without it, a slot more would
+    take its share of -c)."""
+    if settings.lane is False:
+        return False, "priority.lane is false"
+    unified = args.unified_kv(argv) or (slots_fit_kvu and args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED)
+                                        is None)
+    if settings.lane is None:
+        if not settings.background_keys:
+            return False, "no priority.background_keys: nothing says agents share this server (priority.lane: true)"
+        if not unified:
+            return False, ("the slots have a KV each (-np without -kvu): a slot more would take its share of -c "
+                           "(priority.lane: true adds -kvu)")
+    return True, LANE_WHY + (" on one KV: it costs no KV memory" if unified else ", with -kvu added")
+
+
+def with_lane(argv: list[str], kvu: bool) -> tuple[list[str], list[dict[str, str]]]:
+    """The argv with the lane: -np one more (none given: llama-server's automatic slots, which share one KV, keep one
+    of theirs), and one KV (-kvu, when the binary has it: `kvu`) when the argv does not say; the notes saying so."""
+    notes = []
+    given = args.get(argv, args.PARALLEL)
+    if given is not None and given.strip().isdigit() and int(given) > 0:
+        argv = args.replace(argv, args.PARALLEL, str(int(given) + 1))
+        notes.append({"change": f"-np {given} -> {int(given) + 1}", "why": LANE_WHY})
+    if kvu and args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED) is None and not args.unified_kv(argv):
+        argv = [*argv, "-kvu"]
+        notes.append({"change": "-kvu", "why": "the lane's slot shares the one KV: it costs no KV memory"})
+    return argv, notes

@@ -83,6 +83,8 @@ class Seats:
         self._changed = asyncio.Event()
         self.preempt = False  # whether paused states are kept now (the conversation cache is on)
         self.preempt_off = Why("preempt_off", "nothing is paused")  # why not, when not
+        self.lane = 0  # seats background requests may not take (priority.lane: kept for interactive ones)
+        self.lane_why = ""
         self.max_pauses = 3
         self.paused = 0  # background generations paused, resumed, and let go (their client hung up while paused)
         self.resumed = 0
@@ -132,8 +134,21 @@ class Seats:
         return sorted(self.waiting, key=lambda s: (s.klass is not Class.INTERACTIVE, s.arrived))
 
     def _granted(self, seat: Seat) -> bool:
+        """Whether `seat` is among those the free seats go to now: interactive ones first, first come first served
+        within a class, and background ones only while the lane stays free."""
         free = self.total - len(self.running)
-        return free > 0 and seat in self._order()[:free]
+        background = self.total - self.lane - sum(1 for s in self.running if s.klass is Class.BACKGROUND)
+        for waiting in self._order():
+            if free <= 0:
+                return False
+            if waiting.klass is Class.BACKGROUND:
+                if background <= 0:
+                    continue
+                background -= 1
+            if waiting is seat:
+                return True
+            free -= 1
+        return False
 
     def _background_waiting(self) -> int:
         return sum(1 for s in self.waiting if s.klass is Class.BACKGROUND)
@@ -173,12 +188,12 @@ class Seats:
     def _not_paused_for(self, seat: Seat) -> None:
         behind = [(s, why) for s in self.running if not s.pause.is_set() and (why := self.why_not_paused(s))]
         told = bool(seat.behind)
-        seat.behind = [{"path": s.path, "class": s.klass.value, "slot": s.use.slot, "reason": why.code,
-                        "why": why.words} for s, why in behind]
+        seat.behind = [{"path": s.path, "class": s.klass.value, "slot": s.use.slot, "session": s.use.session,
+                        "reason": why.code, "why": why.words} for s, why in behind]
         if not told and seat.behind:
             for _, why in behind:
                 METRICS.not_paused.labels(reason=why.code).inc()
-            log.info("priority.not_paused", path=seat.path, behind=seat.behind)
+            log.info("priority.not_paused", path=seat.path, session=seat.use.session, behind=seat.behind)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -186,12 +201,15 @@ class Seats:
         def shown_of(seat: Seat) -> dict[str, Any]:
             shown: dict[str, Any] = {"class": seat.klass.value, "path": seat.path, "slot": seat.use.slot,
                                      "pauses": seat.pauses, "tokens": seat.cost(), "s": round(now - seat.since, 3)}
+            if seat.use.session is not None:
+                shown["session"] = seat.use.session
             if seat in self.running and (why := self.why_not_paused(seat)) is not None:
                 shown["not_paused"] = why.code
             if seat in self.waiting and seat.behind:
                 shown["behind"] = seat.behind
             return shown
 
-        return {"slots": self.total, "preempt": self.preempt, "max_pauses": self.max_pauses,
+        return {"slots": self.total, "lane": {"slots": self.lane, "why": self.lane_why}, "preempt": self.preempt,
+                "max_pauses": self.max_pauses,
                 "paused": self.paused, "resumed": self.resumed, "gone": self.gone,
                 "running": [shown_of(s) for s in self.running], "waiting": [shown_of(s) for s in self._order()]}

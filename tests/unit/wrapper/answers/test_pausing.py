@@ -39,15 +39,15 @@ def test_only_a_greedy_request_generates_again() -> None:
 def test_the_request_that_goes_on_and_the_text_it_gives_first() -> None:
     asked = {"messages": [{"role": "user", "content": "tell"}], "max_tokens": 10, "temperature": 0}
     so_far = SoFar(chat=True)
-    assert so_far.going_on(CHAT, asked, True) == (asked, "", 0)  # nothing yet: the request as it was
+    assert so_far.going_on(CHAT, asked, True)[:3] == (asked, "", 0)  # nothing yet: the request as it was
     so_far.add(["Once", " upon", " a", " time", "."])
-    body, echo, again = so_far.going_on(CHAT, asked, True)
+    body, echo, again, _ = so_far.going_on(CHAT, asked, True)
     assert body["messages"][-1] == {"role": "assistant", "content": "Once upon a"}
     assert body["max_tokens"] == 7 and (echo, again) == ("Once upon a", 2)  # the echo, then 2 generated again
-    body, echo, again = so_far.going_on(CHAT, asked, False)
+    body, echo, again, _ = so_far.going_on(CHAT, asked, False)
     assert body["messages"][-1]["content"] == "Once upon a time." and body["max_tokens"] == 5 and again == 0
     completion = SoFar(chat=False, pieces=["Once", " upon", " a", " time"])
-    body, echo, again = completion.going_on("/completion", {"prompt": "Tell: ", "n_predict": 8}, True)
+    body, echo, again, _ = completion.going_on("/completion", {"prompt": "Tell: ", "n_predict": 8}, True)
     assert body["prompt"] == "Tell: Once upon a" and body["n_predict"] == 5 and (echo, again) == ("", 1)
 
 
@@ -106,11 +106,13 @@ def test_a_gathered_stream_is_llama_servers_json_answer() -> None:
                     delta(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]), final("tool_calls")))
     events.feed(b"data: [DONE]\n\n")
     assert not events.plain
-    answer = whole_answer(True, events, "".join(events.content), events.tokens, 42, {})
+    so_far = SoFar(chat=True)
+    so_far.took(events)
+    answer = whole_answer(True, events, so_far, 42, {})
     assert answer["choices"] == [{"finish_reason": "tool_calls", "index": 0, "message": {
         "role": "assistant", "content": "Hi you", "reasoning_content": "think",
         "tool_calls": [{"type": "function", "id": "c1", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]
-    assert answer["usage"] == {"completion_tokens": 2, "prompt_tokens": 42, "total_tokens": 44,
+    assert answer["usage"] == {"completion_tokens": 5, "prompt_tokens": 42, "total_tokens": 47,
                                "prompt_tokens_details": {"cached_tokens": 40}}
     assert answer["id"] == "chatcmpl-1" and answer["object"] == "chat.completion" and answer["timings"]
 
@@ -119,7 +121,7 @@ def test_a_gathered_completion_is_its_last_event_with_the_whole_text() -> None:
     events = Gathered(chat=False)
     events.feed(sse({"content": " a", "stop": False}, {"content": "", "stop": True, "tokens_predicted": 1,
                                                           "prompt": "Tell: Once", "timings": {"predicted_n": 1}}))
-    answer = whole_answer(False, events, "Once a", 2, None, {"prompt": "Tell: "})
+    answer = whole_answer(False, events, SoFar(chat=False, pieces=["Once", " a"]), None, {"prompt": "Tell: "})
     assert answer["content"] == "Once a" and answer["tokens_predicted"] == 2 and answer["prompt"] == "Tell: "
 
 

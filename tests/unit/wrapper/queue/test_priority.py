@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from wrapper import built_ins
+from wrapper.configuration import argv as args
 from wrapper.configuration.config import ConfigError
 from wrapper.configuration.sections import PRIORITY, PrioritySettings
+from wrapper.queue import priority
 from wrapper.queue.priority import Class, classify, odd_marks, unsaid
 
 KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
@@ -104,3 +106,38 @@ def test_check_warns_when_preemption_is_asked_for_and_cannot_be() -> None:
     assert any("priority.preempt is true" in w for w in built_ins.warnings(built_ins.parse(
         "priority: {preempt: true}\n")))
     assert not any("priority" in w for w in built_ins.warnings(built_ins.parse("")))
+
+
+@pytest.mark.parametrize(("lane", "argv", "slots_kvu", "on", "slots", "kvu"), [
+    (None, ["-np", "1"], True, True, "2", True),  # the slot built-ins make one KV: a slot more is free
+    (None, ["-np", "2", "-kvu"], False, True, "3", True),
+    (None, [], False, True, None, False),  # automatic slots share one KV: one of them is kept, nothing added
+    (None, ["-np", "2"], False, False, "2", False),  # a KV each: a slot more takes its share of -c
+    (None, ["-np", "2", "-no-kvu"], True, False, "2", False),  # asked for a KV each
+    ("no keys", ["-np", "1"], True, False, "1", False),  # auto, and nothing says agents share it
+    (True, ["-np", "2"], False, True, "3", True),  # asked for: one KV too
+    (False, ["-np", "1"], True, False, "1", False),
+])
+def test_the_lane_a_server_keeps_for_interactive_requests(lane: bool | str | None, argv: list[str], slots_kvu: bool,
+                                                          on: bool, slots: str | None, kvu: bool) -> None:
+    keys = () if lane == "no keys" else ("agent-key",)
+    settings = PrioritySettings(lane=None if isinstance(lane, str) else lane, background_keys=keys)
+    full = ["llama-server", *argv]
+    kept, why = priority.lane(settings, full, slots_kvu)
+    assert kept is on and why
+    after = priority.with_lane(full, kvu=True)[0] if kept else full
+    assert args.get(after, args.PARALLEL) == slots and args.has(after, args.KV_UNIFIED) is kvu
+
+
+@pytest.mark.parametrize(("headers", "payload", "session"), [
+    ({"X-Session-Id": "ses_1"}, None, "ses_1"),  # opencode
+    ({"x-session-affinity": "ses_2"}, {"prompt_cache_key": "k"}, "ses_2"),  # the header first
+    ({"session_id": "0199-abc"}, None, "0199-abc"),  # Codex's header
+    ({}, {"prompt_cache_key": "019a-thread"}, "019a-thread"),  # Codex's Responses body
+    ({}, {"session_id": "s"}, "s"),
+    ({"X-Session-Id": "  "}, {"prompt_cache_key": 7}, None),  # empty, or not a string: none
+    ({"X-Session-Id": "a\nb" + "x" * 100}, None, "ab" + "x" * 62),  # printable, at most 64 characters
+])
+def test_the_session_an_agent_says(headers: dict[str, str], payload: dict[str, object] | None,
+                                   session: str | None) -> None:
+    assert priority.session_of(headers, payload) == session

@@ -217,3 +217,39 @@ async def test_a_person_who_waits_is_told_what_runs_and_why_it_is_not_paused() -
 
 def promtext_value(reason: str) -> float:
     return METRICS.registry.get_sample_value("llama_wrapper_priority_not_paused_total", {"reason": reason}) or 0.0
+
+
+async def test_the_lane_is_kept_for_interactive_requests() -> None:
+    seats = Seats(2)
+    seats.lane = 1
+    first, second = seat(AGENT, 0.0), seat(AGENT, 1.0)
+    await seats.take(first)
+    waiting = asyncio.ensure_future(seats.take(second))
+    await settle()
+    assert not waiting.done()  # a background request never takes the lane
+    person = seat(PERSON, 2.0)
+    await asyncio.wait_for(seats.take(person), 1)  # at once, beside the agent: nothing paused
+    assert not first.pause.is_set() and seats.status()["lane"]["slots"] == 1
+    seats.leave(first)
+    await asyncio.wait_for(waiting, 1)  # one background request at a time, beside the person
+    another = asyncio.ensure_future(seats.take(seat(AGENT, 3.0)))
+    seats.leave(person)
+    await settle()
+    assert not another.done()  # the person's seat freed is the lane: still not an agent's
+    seats.leave(second)
+    await asyncio.wait_for(another, 1)
+
+
+async def test_without_a_lane_interactive_requests_still_go_first() -> None:
+    seats = Seats(1)
+    agent = seat(AGENT, 0.0)
+    await seats.take(agent)
+    later_agent, person = seat(AGENT, 1.0), seat(PERSON, 2.0)
+    agent_waits = asyncio.ensure_future(seats.take(later_agent))
+    person_waits = asyncio.ensure_future(seats.take(person))
+    await settle()
+    seats.leave(agent)
+    await asyncio.wait_for(person_waits, 1)
+    assert not agent_waits.done()
+    seats.leave(person)
+    await asyncio.wait_for(agent_waits, 1)
