@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests import models
 from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
 
 CONFIG = """
@@ -288,3 +289,97 @@ def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
         assert answers and answers[0]["choices"][0]["message"]["content"]  # sent again to the new server
         assert reloading and wrapper.status()["state"] == "ready" and server_pid(wrapper) != old
         assert wrapper.stop() == 0
+
+
+def _streamed(wrapper: Wrapper, body: dict[str, Any], kill_when: Any = None) -> list[dict[str, Any]]:
+    """A streamed chat answer read event by event; SIGKILL to llama-server once `kill_when(events)` is true."""
+    host, port = wrapper.url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=600)
+    connection.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                       {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200
+    events: list[dict[str, Any]] = []
+    killed = False
+    pid = server_pid(wrapper)
+    for raw in reply:
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            events.append({"done": True} if data == "[DONE]" else json.loads(data))
+            if kill_when is not None and not killed and kill_when(events):
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+    connection.close()
+    assert kill_when is None or killed
+    return events
+
+
+def _deltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["choices"][0]["delta"] for e in events if e.get("choices")]
+
+
+def _whole_and_once(events: list[dict[str, Any]]) -> None:
+    """One answer: one role chunk, one final event, one [DONE], no error, one id."""
+    assert not any("error" in e for e in events), events[-3:]
+    assert sum(1 for d in _deltas(events) if d.get("role")) == 1
+    assert sum(1 for e in events if e.get("choices") and e["choices"][0].get("finish_reason")) == 1
+    assert events[-1] == {"done": True} and sum("done" in e for e in events) == 1
+    assert len({e["id"] for e in events if "id" in e}) == 1
+
+
+def test_a_reasoning_stream_survives_a_sigkill_with_its_reasoning_once(tmp_path: Path, server_bin: str,
+                                                                       demo_path: str) -> None:
+    """A DeepSeek R1 distill's template: everything streams as reasoning. Killed 30 reasoning events in, the answer
+    goes on within its reasoning: the client's reasoning is not sent again (it was: 1,640-1,753 characters against
+    1,250)."""
+    template = models.template(server_bin, "deepseek-ai-DeepSeek-R1-Distill-Llama-8B")
+    body = {"messages": [{"role": "user", "content": "Why is the sky blue? Explain briefly."}], "max_tokens": 200,
+            "temperature": 0}
+    with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
+                 config(tmp_path)) as wrapper:
+        alone = "".join(d.get("reasoning_content") or "" for d in _deltas(_streamed(wrapper, body)))
+        events = _streamed(wrapper, body, lambda seen: sum(bool(d.get("reasoning_content"))
+                                                           for d in _deltas(seen)) >= 30)
+        _whole_and_once(events)
+        reasoning = "".join(d.get("reasoning_content") or "" for d in _deltas(events))
+        kept = "".join(d.get("reasoning_content") or "" for d in _deltas(events)[:31])
+        assert reasoning.startswith(kept) and reasoning.count(kept) == 1  # what the client had, once
+        assert 0.8 * len(alone) <= len(reasoning) <= 1.2 * len(alone), (len(reasoning), len(alone))
+        assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
+
+
+def test_a_tool_call_under_way_survives_a_sigkill_as_one_call(tmp_path: Path, server_bin: str,
+                                                               demo_path: str) -> None:
+    """Llama 3.1's template, tool_choice required: the demo model writes a line, then a write_file call. Killed 3
+    argument chunks into the call, the call is made again by the server started again and the client is shown only
+    what it lacks: one call, one id, its name once, its arguments whole (it got two calls: a second id, the name
+    again, 256 characters where the call has 183). The server started again reads the prompt afresh, which computes
+    its KV another way than the one that decoded: what comes after the cut may differ from the lone run's."""
+    template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")
+    tool = {"type": "function", "function": {"name": "write_file", "description": "Write a file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+        "required": ["path", "content"]}}}
+    body = {"messages": [{"role": "user", "content": "Read the file README.md please."}], "max_tokens": 120,
+            "temperature": 0, "tools": [tool], "tool_choice": "required"}
+
+    def calls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [c for d in _deltas(events) for c in d.get("tool_calls") or []]
+
+    with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
+                 config(tmp_path)) as wrapper:
+        alone = _streamed(wrapper, body)
+        assert calls(alone), "the demo model made no call: the template or the prompt changed"
+        events = _streamed(wrapper, body, lambda seen: len(calls(seen)) >= 4)
+        _whole_and_once(events)
+        parts = calls(events)
+        assert len({c["id"] for c in parts if "id" in c}) == 1  # one id, the first
+        assert sum(1 for c in parts if (c.get("function") or {}).get("name")) == 1  # its name once
+        arguments = "".join((c.get("function") or {}).get("arguments") or "" for c in parts)
+        expected = "".join((c.get("function") or {}).get("arguments") or "" for c in calls(alone))
+        cut = "".join((c.get("function") or {}).get("arguments") or "" for c in parts[:4])
+        assert expected.startswith(cut) and arguments.startswith(cut)  # what the client had stands
+        assert set(json.loads(arguments)) == set(json.loads(expected)) == {"path", "content"}  # whole, valid JSON
+        final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
+        assert final["choices"][0]["finish_reason"] == "tool_calls"
+        assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
