@@ -11,6 +11,7 @@ CONVERSING = (*COMPLETIONS, *CHAT)  # a conversation whose tokens can be told be
 CONTINUABLE = (NATIVE_COMPLETION, *CHAT)  # an answer cut by a full context can be continued after a growth
 RESPONSES = ("/v1/responses", "/responses")  # OpenAI Responses: `input` items
 MESSAGES = ("/v1/messages",)  # Anthropic Messages
+ASSISTANT_MESSAGE = (*CHAT, *RESPONSES, *MESSAGES)  # an answer is an assistant message: text, reasoning, tool calls
 SLOT_USERS_UNPINNED = (*INFILL, *RESPONSES, *MESSAGES, "/embedding", "/embeddings", "/v1/embeddings", "/rerank",
                        "/reranking", "/v1/rerank", "/v1/reranking")  # take a slot the cache does not choose
 CARRYING_MEDIA = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a request here may carry an image or audio

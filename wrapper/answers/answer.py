@@ -25,6 +25,7 @@ from wrapper.answers.gathered import Gathered, whole_answer
 from wrapper.answers.proxy import Outcome, Pass, broken_off, json_error, json_object
 from wrapper.answers.route import Shape
 from wrapper.answers.sse import Carry, Events, Had, as_answer
+from wrapper.answers.typed import Shown, TypedEvents
 
 
 class Answer:
@@ -36,7 +37,9 @@ class Answer:
         self.request = self.original  # the request the next pass sends
         self.sent = as_stream(body) if shape is Shape.GATHERED else body  # ... as bytes
         self.prompt_tokens = prompt_tokens  # the request's own prompt, as the steps counted it
-        self.so_far = SoFar(self.chat)  # the text the client has (STREAM) or will have (GATHERED)
+        self.so_far = SoFar(path in paths.ASSISTANT_MESSAGE)  # the text the client has (STREAM) or will have
+        # (GATHERED), a chat's, a Responses' or a Messages' answer as a chat's message
+        self.shown = Shown() if path in (*paths.RESPONSES, *paths.MESSAGES) else None  # ... and their frame
         self.response: web.StreamResponse | None = None  # the client's, once a stream began
         self.held = b""  # the last events of a stream, written when it cannot go on
         self.skip, self.again = "", 0  # what the next part echoes first, and how many events it generates again
@@ -54,6 +57,9 @@ class Answer:
             return None
         if self.shape is Shape.GATHERED:
             return Gathered(self.chat, skip=self.skip, again=self.again, had=self.had)
+        if self.shown is not None:
+            return TypedEvents(self.path, self.shown, skip=self.skip, continuing=self.response is not None,
+                               again=self.again, carry=self.carry, had=self.had)
         return Events(self.chat, skip=self.skip, continuing=self.response is not None, holds=holds,
                       again=self.again, carry=self.carry, had=self.had)
 
@@ -101,7 +107,7 @@ class Answer:
         if got.outcome is Outcome.CAUGHT:
             return self.part_cut(got.payload, n_ctx)
         final = self.last.final if self.last is not None else None
-        if final is None:
+        if final is None or self.path not in paths.CONTINUABLE:
             return None
         asked = self.original if self.carry is not None else self.request
         return cut_by_context(self.path, asked, as_answer(self.chat, final), n_ctx)
@@ -173,7 +179,7 @@ class Answer:
 
     def _carry(self, again: int) -> Carry:
         """What the next part makes its counts and id from: the client's answer so far, the request's prompt."""
-        prompt = self.original.get("prompt") if not self.chat else None
+        prompt = self.original.get("prompt") if not self.so_far.chat else None
         return Carry(self.id, self.so_far.tokens, again, self.prompt_tokens or None,
                      prompt if isinstance(prompt, str) else None)
 

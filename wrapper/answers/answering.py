@@ -27,6 +27,7 @@ from aiohttp import web
 
 from wrapper import paths
 from wrapper.answers.answer import Answer
+from wrapper.answers.continuation import LIMITS
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
 from wrapper.answers.sse import Events
@@ -40,7 +41,6 @@ OVERFLOW = "exceed_context_size_error"
 POOL_FULL = "Context size has been exceeded."  # llama-server's 500 when the shared KV (-kvu) ran out
 MAX_GROWTHS = 3
 MAX_LOSSES = 2  # in flight at this many losses of the server: a prompt that kills it, not sent again
-LIMITS = ("max_completion_tokens", "max_tokens", "n_predict")  # what a request may generate, by API
 
 
 class Passing(Protocol):

@@ -12,7 +12,8 @@ from wrapper import paths
 from wrapper.answers.sse import Had
 
 GOES_ON_NOT = {
-    "api": "its API's answers are not continued (chat completions and /completion are)",
+    "api": "its API's answers are not paused (chat completions' and /completion's are; a Responses or Messages "
+           "stream goes on after a loss of the server)",
     "tools": "its request offers tools: after a pause it would not go on exactly (a tool call is made again)",
     "choices": "it asks for several choices",
 }
@@ -21,9 +22,9 @@ GOES_ON_NOT = {
 
 def cannot_go_on(path: str, request: dict[str, Any]) -> str | None:
     """Why an answer to `request` cannot go on after a loss of the server from what its client has (its text,
-    reasoning and tool calls so far: SoFar.going_on), as a code of GOES_ON_NOT; None when it can (chat or
-    /completion, one choice)."""
-    if path not in paths.CONTINUABLE:
+    reasoning and tool calls so far: SoFar.going_on), as a code of GOES_ON_NOT; None when it can (chat,
+    Responses, Messages or /completion, one choice)."""
+    if path not in paths.CONTINUABLE and path not in paths.ASSISTANT_MESSAGE:
         return "api"
     if request.get("n") not in (None, 1):
         return "choices"
@@ -31,14 +32,20 @@ def cannot_go_on(path: str, request: dict[str, Any]) -> str | None:
 
 
 def cannot_pause(path: str, request: dict[str, Any]) -> str | None:
-    """Why an answer cannot be paused and go on exactly (a code of GOES_ON_NOT): as `cannot_go_on`, and not one that
-    offers tools (a tool call under way is made again from the start, which a restored state does not make
-    exact)."""
+    """Why an answer cannot be paused and go on exactly (a code of GOES_ON_NOT): as `cannot_go_on`; not a Responses
+    or Messages answer (a request there cannot be pinned to the slot its state was kept in: a Messages body loses
+    `id_slot`); and not one that offers tools (a tool call under way is made again from the start, which a restored
+    state does not make exact)."""
+    if path not in paths.CONTINUABLE:
+        return "api"
     return cannot_go_on(path, request) or ("tools" if request.get("tools") else None)
 
 
+LIMITS = ("max_completion_tokens", "max_tokens", "n_predict", "max_output_tokens")  # what it may generate, by API
+
+
 def _limit(request: dict[str, Any]) -> int | None:
-    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+    for key in LIMITS:
         value = request.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -75,22 +82,59 @@ def continued(path: str, request: dict[str, Any], answer: dict[str, Any],
     """The request that goes on where `answer` stopped (`generated`: the tokens it took of the request's limit, by
     default as the answer counts them)."""
     body = copy.deepcopy(request)
-    if path in paths.CHAT:
+    if path in paths.ASSISTANT_MESSAGE:
         said = answer["choices"][0]["message"]
-        message: dict[str, Any] = {"role": "assistant", "content": said.get("content") or ""}
-        if said.get("reasoning_content"):
-            message["reasoning_content"] = said["reasoning_content"]
-        body["messages"] = [*body.get("messages", []), message]
+        text, reasoning = str(said.get("content") or ""), str(said.get("reasoning_content") or "")
+        if path in paths.RESPONSES:
+            body["input"] = _responses_input(body.get("input"), text, reasoning)
+        elif path in paths.MESSAGES:
+            body["messages"] = _messages_messages(body.get("messages"), text, reasoning)
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            body["messages"] = [*body.get("messages", []), message]
         counted = int((answer.get("usage") or {}).get("completion_tokens") or 0)
     else:
         body["prompt"] = str(body.get("prompt", "")) + str(answer.get("content") or "")
         counted = int(answer.get("tokens_predicted") or 0)
     generated = counted if generated is None else generated
-    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+    for key in LIMITS:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             body[key] = max(1, value - generated)
     return body
+
+
+def _responses_input(given: Any, text: str, reasoning: str) -> list[Any]:
+    """A Responses request's `input` that goes on from an answer's text and reasoning: its items, then the answer
+    as a reasoning item and an assistant message (llama-server merges them into one assistant message, which it
+    continues). An assistant message or reasoning the input ended with (a prefill) is the answer's start: the
+    answer, as llama-server streamed it, holds it."""
+    items: list[Any] = [{"role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+    while items and isinstance(items[-1], dict) and (items[-1].get("type") == "reasoning" or (
+            items[-1].get("type") == "message" and items[-1].get("role") == "assistant")):
+        items.pop()
+    if reasoning:
+        items.append({"type": "reasoning", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": reasoning}]})
+    if text or not reasoning:
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
+    return items
+
+
+def _messages_messages(given: Any, text: str, reasoning: str) -> list[Any]:
+    """A Messages request's `messages` that go on from an answer's text and reasoning: a trailing assistant message
+    (thinking, then text) — the one the request ended with (a prefill) replaced: the answer holds it."""
+    messages: list[Any] = list(given or [])
+    if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        messages.pop()
+    blocks: list[dict[str, Any]] = []
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text or not reasoning:
+        blocks.append({"type": "text", "text": text})
+    return [*messages, {"role": "assistant", "content": blocks}]
 
 
 def merged(path: str, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,11 @@ class Carry:
     prompt_tokens: int | None = None  # the request's own prompt, when known
     prompt: str | None = None  # /completion: the request's own prompt text
 
+    def counts(self, prompt: int, generated: int) -> tuple[int, int]:
+        """The whole answer's (prompt, generated) tokens from this part's: its prompt held the earlier parts' text."""
+        earlier = self.shown - self.again  # tokens of the earlier parts this part does not count
+        return (self.prompt_tokens if self.prompt_tokens is not None else max(0, prompt - earlier)), generated + earlier
+
     def carries(self, payload: dict[str, Any]) -> bool:
         """Make `payload`'s id and counts the whole answer's; whether anything changed."""
         changed = False
@@ -47,9 +52,7 @@ class Carry:
         earlier = self.shown - self.again  # tokens of the earlier parts this part does not count
         usage = payload.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            prompt = self.prompt_tokens if self.prompt_tokens is not None else \
-                max(0, int(usage.get("prompt_tokens") or 0) - earlier)
-            completion = int(usage["completion_tokens"]) + earlier
+            prompt, completion = self.counts(int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
             usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
             changed = True
         if payload.get("stop") is True and isinstance(payload.get("tokens_predicted"), int):  # /completion's last
@@ -174,9 +177,9 @@ class Events:
             self.held.append(raw)
             return None
         text = raw.decode("utf-8", "replace").strip()
-        if not text.startswith("data:"):
+        data = _data(text)
+        if data is None:
             return raw
-        data = text[5:].strip()
         if data == "[DONE]":
             if not self.holds:
                 return raw
@@ -190,6 +193,10 @@ class Events:
             return raw
         if self._id is None and isinstance(payload.get("id"), str):
             self._id = payload["id"]
+        return self._payload(raw, payload)
+
+    def _payload(self, raw: bytes, payload: dict[str, Any]) -> bytes | None:
+        """What of one event (its JSON `payload`) goes to the client, and what it carried."""
         if self.carry is not None and self.carry.carries(payload):
             raw = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
         return self._chat(raw, payload) if self.chat else self._completion(raw, payload)
@@ -260,15 +267,7 @@ class Events:
         self._call_tokens += 1
         if index < len(self.had.calls):
             had_id = self.had.calls[index][0]
-            left = self._args_had.get(index, "")
-            if left:  # the client's arguments stand: what of these it has is not shown again
-                if arguments.startswith(left):
-                    arguments, left = arguments[len(left):], ""
-                elif left.startswith(arguments):
-                    arguments, left = "", left[len(arguments):]
-                else:
-                    left = ""  # they part ways: the client's stand, and the rest goes on after them
-                self._args_had[index] = left
+            arguments = self._new_arguments(index, arguments)
             seen = self._calls.get(index, (had_id, self.had.calls[index][1], ""))
             self._calls[index] = (seen[0], seen[1], seen[2] + arguments)
             if not arguments:
@@ -280,6 +279,19 @@ class Events:
         name = given_name if isinstance(given_name, str) and not seen[1] else seen[1]
         self._calls[index] = (call_id, name, seen[2] + arguments)
         return part
+
+    def _new_arguments(self, index: int, arguments: str) -> str:
+        """What of a call's arguments, made again by this part, the client lacks (the client's stand)."""
+        left = self._args_had.get(index, "")
+        if left:  # what of these the client has is not shown again
+            if arguments.startswith(left):
+                arguments, left = arguments[len(left):], ""
+            elif left.startswith(arguments):
+                arguments, left = "", left[len(arguments):]
+            else:
+                left = ""  # they part ways: the client's stand, and the rest goes on after them
+            self._args_had[index] = left
+        return arguments
 
     def _cut_reasoning(self, thought: str) -> str:
         """What of a reasoning event is new to the client: after the reasoning the continuation echoes, and after
@@ -336,6 +348,15 @@ class Events:
             self._again -= 1
             return ""
         return content
+
+
+def _data(text: str) -> str | None:
+    """An event's data (its `data:` line; the Responses and Messages APIs name their events in an `event:` line
+    before it); None for an event without one."""
+    if text.startswith("data:"):
+        return text[5:].strip()
+    at = text.find("\ndata:")
+    return text[at + 6:].strip() if at >= 0 else None
 
 
 def as_answer(chat: bool, final: dict[str, Any]) -> dict[str, Any]:

@@ -88,6 +88,8 @@ def test_a_second_call_the_client_had_not_seen_comes_whole() -> None:
 def test_what_goes_on_after_a_loss_and_what_is_paused() -> None:
     assert cannot_go_on(CHAT, {**ASKED, "tools": [{}]}) is None  # made again after a loss: whole
     assert cannot_pause(CHAT, {**ASKED, "tools": [{}]}) == "tools"  # but not exactly: not paused
-    assert cannot_go_on("/v1/responses", ASKED) == cannot_pause("/v1/responses", ASKED) == "api"
+    assert cannot_go_on("/v1/responses", ASKED) is None and cannot_go_on("/v1/messages", ASKED) is None  # goes on
+    assert cannot_pause("/v1/responses", ASKED) == cannot_pause("/v1/messages", ASKED) == "api"  # not pinned
+    assert cannot_go_on("/infill", ASKED) == "api"
     assert cannot_go_on(CHAT, {**ASKED, "n": 2}) == "choices"
     assert cannot_pause("/completion", {"prompt": "x"}) is None
