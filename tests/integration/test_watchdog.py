@@ -383,3 +383,163 @@ def test_a_tool_call_under_way_survives_a_sigkill_as_one_call(tmp_path: Path, se
         final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
         assert final["choices"][0]["finish_reason"] == "tool_calls"
         assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
+
+
+def _typed(wrapper: Wrapper, path: str, body: dict[str, Any], kill_when: Any = None) -> list[dict[str, Any]]:
+    """A streamed Responses or Messages answer (`event:` and `data:` lines) read event by event, each payload with
+    the event's name as `event`; SIGKILL to llama-server once `kill_when(events)` is true."""
+    host, port = wrapper.url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=600)
+    connection.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200
+    events: list[dict[str, Any]] = []
+    name, killed, pid = None, False, server_pid(wrapper)
+    for raw in reply:
+        line = raw.decode().strip()
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            events.append({**json.loads(line[5:].strip()), "event": name})
+            assert events[-1].get("type") == name, events[-1]  # the name and the type agree
+            if kill_when is not None and not killed and kill_when(events):
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+    connection.close()
+    assert kill_when is None or killed
+    return events
+
+
+def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == kind]
+
+
+def _said(events: list[dict[str, Any]], kind: str, key: str = "delta") -> str:
+    return "".join(e[key] if isinstance(e[key], str) else e[key].get("text") or e[key].get("thinking") or
+                   e[key].get("partial_json") or "" for e in _of(events, kind))
+
+
+def _one_response(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One Responses answer: opened once, completed once under the id it opened with, no error; each item added
+    once and every delta under an item the client was shown. The completed response."""
+    assert not _of(events, "error") and not _of(events, "response.failed"), events[-3:]
+    (created,) = _of(events, "response.created")
+    (done,) = _of(events, "response.completed")
+    assert done["response"]["id"] == created["response"]["id"] and events[-1] is done
+    added = [e["item"]["id"] for e in _of(events, "response.output_item.added")]
+    assert len(added) == len(set(added)) and {e["item_id"] for e in events if "item_id" in e} <= set(added)
+    assert [item["id"] for item in done["response"]["output"]] == added
+    response: dict[str, Any] = done["response"]
+    return response
+
+
+def _one_message(events: list[dict[str, Any]]) -> None:
+    """One Messages answer: started and stopped once, no error, each block started once and stopped once, every
+    delta in a block the client was shown."""
+    assert not _of(events, "error"), events[-3:]
+    assert len(_of(events, "message_start")) == 1 and len(_of(events, "message_delta")) == 1
+    assert events[-1]["type"] == "message_stop" and len(_of(events, "message_stop")) == 1
+    started = [e["index"] for e in _of(events, "content_block_start")]
+    assert started == list(range(len(started)))  # each once, in order
+    assert sorted(e["index"] for e in _of(events, "content_block_stop")) == started
+    assert {e["index"] for e in _of(events, "content_block_delta")} <= set(started)
+
+
+def test_a_responses_stream_survives_a_sigkill_as_one_response(tmp_path: Path, server_bin: str,
+                                                              demo_path: str) -> None:
+    """The Responses API (an agent's, Codex's): killed 30 text deltas in, the stream goes on in the same response
+    and the same message item, without the text the client had again, and completes once with that text."""
+    body = {"input": "Tell me a long story about a lighthouse keeper.", "max_output_tokens": 120, "temperature": 0}
+    with running(tmp_path, argv(server_bin, demo_path, 1), config(tmp_path)) as wrapper:
+        alone = _said(_typed(wrapper, "/v1/responses", body), "response.output_text.delta")
+        events = _typed(wrapper, "/v1/responses", body,
+                        lambda seen: len(_of(seen, "response.output_text.delta")) >= 30)
+        response = _one_response(events)
+        text = _said(events, "response.output_text.delta")
+        kept = _said(events[:events.index(_of(events, "response.output_text.delta")[29]) + 1],
+                     "response.output_text.delta")
+        assert text.startswith(kept) and text.count(kept) == 1 and alone.startswith(kept)  # what it had, once
+        (message,) = [item for item in response["output"] if item["type"] == "message"]
+        assert message["content"][0]["text"] == text  # the whole answer, as shown
+        assert 0.8 * len(alone) <= len(text) <= 1.2 * len(alone), (len(text), len(alone))
+        assert 110 <= response["usage"]["output_tokens"] <= 130  # the whole answer's, not the last part's
+        assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
+
+
+def test_a_responses_tool_call_under_way_survives_a_sigkill_as_one_call(tmp_path: Path, server_bin: str,
+                                                                       demo_path: str) -> None:
+    """Llama 3.1's template, tool_choice required, the Responses API: killed 3 argument deltas into the call, the
+    call is made again and the client is shown only what it lacks: one function_call item, one call_id, its
+    arguments whole."""
+    template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")
+    tool = {"type": "function", "name": "write_file", "description": "Write a file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+        "required": ["path", "content"]}}
+    body = {"input": "Read the file README.md please.", "max_output_tokens": 120, "temperature": 0,
+            "tools": [tool], "tool_choice": "required"}
+    delta = "response.function_call_arguments.delta"
+    with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
+                 config(tmp_path)) as wrapper:
+        alone = _typed(wrapper, "/v1/responses", body)
+        assert _of(alone, delta), "the demo model made no call: the template or the prompt changed"
+        events = _typed(wrapper, "/v1/responses", body, lambda seen: len(_of(seen, delta)) >= 3)
+        response = _one_response(events)
+        calls = [e["item"] for e in _of(events, "response.output_item.added") if e["item"]["type"] == "function_call"]
+        (call,) = [item for item in response["output"] if item["type"] == "function_call"]
+        assert len(calls) == 1 and (call["id"], call["call_id"]) == (calls[0]["id"], calls[0]["call_id"])
+        arguments = _said(events, delta)
+        cut = _said(events[:events.index(_of(events, delta)[2]) + 1], delta)
+        assert arguments.startswith(cut) and _said(alone, delta).startswith(cut)  # what the client had stands
+        assert call["arguments"] == arguments and set(json.loads(arguments)) == {"path", "content"}
+        assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
+
+
+def test_a_messages_stream_survives_a_sigkill_in_its_thinking_as_one_message(tmp_path: Path, server_bin: str,
+                                                                             demo_path: str) -> None:
+    """The Messages API (Claude Code's) with a DeepSeek R1 distill's template: killed 30 thinking deltas in, the
+    answer goes on within its thinking block, shown once, in the blocks the client has."""
+    template = models.template(server_bin, "deepseek-ai-DeepSeek-R1-Distill-Llama-8B")
+    body = {"messages": [{"role": "user", "content": "Why is the sky blue? Explain briefly."}], "max_tokens": 200,
+            "temperature": 0}
+    with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
+                 config(tmp_path)) as wrapper:
+        alone = _said(_typed(wrapper, "/v1/messages", body), "content_block_delta")
+        events = _typed(wrapper, "/v1/messages", body, lambda seen: len(_of(seen, "content_block_delta")) >= 30)
+        _one_message(events)
+        said = _said(events, "content_block_delta")
+        kept = _said(events[:events.index(_of(events, "content_block_delta")[29]) + 1], "content_block_delta")
+        assert said.startswith(kept) and said.count(kept) == 1 and alone.startswith(kept)
+        assert _of(events, "content_block_start")[0]["content_block"]["type"] == "thinking"
+        assert 0.8 * len(alone) <= len(said) <= 1.2 * len(alone), (len(said), len(alone))
+        assert 180 <= _of(events, "message_delta")[0]["usage"]["output_tokens"] <= 210  # the whole answer's
+        assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
+
+
+def test_a_messages_tool_use_under_way_survives_a_sigkill_as_one_block(tmp_path: Path, server_bin: str,
+                                                                       demo_path: str) -> None:
+    """Llama 3.1's template, the Messages API, tool_choice any: killed 3 input_json deltas into the tool_use block,
+    the call is made again and shown in the client's block: one tool_use block, one id, its input whole."""
+    template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")
+    tool = {"name": "write_file", "description": "Write a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+        "required": ["path", "content"]}}
+    body = {"messages": [{"role": "user", "content": "Read the file README.md please."}], "max_tokens": 120,
+            "temperature": 0, "tools": [tool], "tool_choice": {"type": "any"}}
+
+    def json_deltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [e for e in _of(events, "content_block_delta") if e["delta"]["type"] == "input_json_delta"]
+
+    with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
+                 config(tmp_path)) as wrapper:
+        alone = json_deltas(_typed(wrapper, "/v1/messages", body))
+        assert alone, "the demo model made no call: the template or the prompt changed"
+        events = _typed(wrapper, "/v1/messages", body, lambda seen: len(json_deltas(seen)) >= 3)
+        _one_message(events)
+        uses = [e for e in _of(events, "content_block_start") if e["content_block"]["type"] == "tool_use"]
+        assert len(uses) == 1 and {e["index"] for e in json_deltas(events)} == {uses[0]["index"]}
+        arguments = "".join(e["delta"]["partial_json"] for e in json_deltas(events))
+        cut = "".join(e["delta"]["partial_json"] for e in json_deltas(events)[:3])
+        assert arguments.startswith(cut) and "".join(e["delta"]["partial_json"] for e in alone).startswith(cut)
+        assert set(json.loads(arguments)) == {"path", "content"}
+        assert _of(events, "message_delta")[0]["delta"]["stop_reason"] == "tool_use"
+        assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
