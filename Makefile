@@ -69,6 +69,7 @@ bench: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_store.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_crash.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_priority.py
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_priority.py --unpausable
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_sleep.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_long_turn.py
 	$(PY) tests/bench/bench_kvconvert.py
