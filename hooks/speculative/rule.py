@@ -3,7 +3,8 @@
 Alone, the draft runs when its speedup (tokens/s with it over without: `spec.alone_speedup` when given, else
 both measured) is above 1; with nothing measured without it, as configured (on) — except after it was
 dropped, when it stays off until a request alone has run without it, so that a switch back is measured,
-not a second reload for nothing. In a crowd it runs only when
+not a second reload for nothing; measured alone without it only (never alone with it), on as configured, once,
+to measure it. In a crowd it runs only when
 measured to pay there; until then it is assumed not to (ASSUMED_CROWD_SPEEDUP: aggregate tokens/s with a draft
 fell below no-draft from the second decoding slot on, llama.cpp #27342). A switch is a reload: it is made only
 when what it wins over `calm` seconds is more than the reload's measured downtime.
@@ -51,6 +52,9 @@ def decide(crowd: bool, running: bool, rates: Rates, calm_s: float, reload_s: fl
     elif not running and rates.alone_with:
         return Decision(False, False, "alone, the draft off: kept off until a request alone has run without it "
                         "(then the two measured decide)", figures)
+    elif rates.alone_without:
+        return _kept(running, True, "alone, measured without the draft only: as configured, so that it is measured "
+                     "with it (then the two measured decide)", figures)
     else:
         return _kept(running, True, "alone, nothing measured without the draft yet: as configured", figures)
     figures.update(speedup=round(speedup, 3), source=source)

@@ -88,12 +88,19 @@ class AdminToken:
         token, self.off = self._read()
         return token, self.off
 
+    @property
+    def unused_env(self) -> str:
+        """What to add to a refusal when LLAMA_WRAPPER_ADMIN_TOKEN is set but the config's file wins over it."""
+        if self.token_file is None or not self.from_env:
+            return ""
+        return f" ({ADMIN_TOKEN_ENV} is set but not used: the config's admin.token_file, {self.token_file}, wins)"
+
     def _read(self) -> tuple[str | None, str | None]:
         if self.token_file is not None:
             try:
                 return _read_token(self.token_file), None
             except ValueError as exc:
-                return None, str(exc)
+                return None, str(exc) + self.unused_env
         if self.from_env:
             return self.from_env, None
         if self.default_file.exists():

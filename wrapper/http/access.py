@@ -41,7 +41,7 @@ def not_admin(request: web.Request) -> web.Response | None:
     if was_off is not None:
         log.info("admin.on", why="the admin token can be read now")
     if not allowed((token,), presented_bearer(request)):
-        return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)",
+        return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)" + admin.unused_env,
                           "authentication_error")
     return None
 

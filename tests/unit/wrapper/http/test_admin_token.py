@@ -27,6 +27,8 @@ def test_the_token_comes_from_the_file_then_the_environment_then_the_default_fil
     named = tmp_path / "named"
     token, off = AdminToken(named, {**home, "LLAMA_WRAPPER_ADMIN_TOKEN": "from-env"}).read()
     assert token is None and off is not None and "does not exist" in off  # a named file is never bypassed
+    assert "LLAMA_WRAPPER_ADMIN_TOKEN is set but not used" in off  # and the refusal says the variable was not used
+    assert AdminToken(named, home).unused_env == ""
     named.write_text("from-file\n")
     assert AdminToken(named, home).read() == ("from-file", None)
 
