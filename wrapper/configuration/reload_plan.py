@@ -93,8 +93,9 @@ def plan(user_argv: Sequence[str], body: Mapping[str, Any], arity: Mapping[str, 
     if problems:
         raise ReloadRefused("; ".join(problems))
     if not edit.plan.changes:
-        raise ReloadRefused("nothing to change: give at least one of " + ", ".join(FIELDS),
-                            reason=Refusal.NOTHING_TO_CHANGE)
+        given = [key for key in FIELDS if key in body]
+        said = (f"{', '.join(given)} already in force" if given else "give at least one of " + ", ".join(FIELDS))
+        raise ReloadRefused("nothing to change: " + said, reason=Refusal.NOTHING_TO_CHANGE)
     return edit.plan
 
 

@@ -355,6 +355,9 @@ def _told(changes: list[str], story: _Story, before: str | None) -> list[str] | 
     None when the context is not news (neither asked for nor changed)."""
     for index, change in enumerate(changes):
         if change.startswith(tuple(f"{name} " for name in args.CTX_SIZE)):
+            name, _, rest = change.partition(" ")
+            if before and rest.startswith("(unset) -> "):  # the user's argv had none: the one that ran is news
+                change = f"{name} {before} -> {rest.removeprefix('(unset) -> ')}"
             return [*changes[:index], f"{change} {story.suffix}", *changes[index + 1:]]
     if before != str(story.runs):
         return [*changes, f"-c {before or '(unset)'} -> {story.runs} {story.suffix}"]

@@ -44,8 +44,10 @@ def test_everything_wrong_is_said_at_once() -> None:
 
 
 def test_nothing_to_change_and_quantized_v_without_flash_attention_are_refused() -> None:
-    with pytest.raises(ReloadRefused, match="nothing to change"):
+    with pytest.raises(ReloadRefused, match="nothing to change: n_ctx already in force"):
         plan(ARGV, {"n_ctx": 4096}, ARITY)
+    with pytest.raises(ReloadRefused, match="nothing to change: give at least one of n_ctx"):
+        plan(ARGV, {}, ARITY)
     with pytest.raises(ReloadRefused, match="needs flash attention"):
         plan([*ARGV, "-fa", "off"], {"cache_type_v": "q8_0"}, ARITY)
 

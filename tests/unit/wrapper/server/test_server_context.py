@@ -61,6 +61,8 @@ def test_a_reload_tells_what_runs_in_its_changes() -> None:
         "(4 slots share 16384, each at most 8192: the model's training context)"
     assert _Story.of(4096, ServerContext(4096, 4096, 4096, 1, True), ran) is None
     assert _told(["-ctk f16 -> q8_0"], capped, "8192") is None  # the context is not news
+    assert _told(["-c (unset) -> 16384"], capped, "8192") == [  # the user's argv had none, the wrapper gave 8192
+        "-c 8192 -> 16384 (asked 16384, runs 8192: the model's training context)"]
 
 
 def test_a_fit_s_context_is_told_with_the_fit_s_reason() -> None:
