@@ -351,7 +351,8 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
                   "predicted_restore_s": _round(decision.restore_s), "predicted_prefill_s": _round(decision.prefill_s),
                   **({"session": session} if session is not None else {})}
         conv.decisions.made(**record)
-        log.info("conversations.decision", **record)
+        # a conversation worth keeping at info; a prefix shared by chance (a system prompt) at debug
+        (log.info if shared >= settings.min_tokens else log.debug)("conversations.decision", **record)
     if not decision.restore or entry is None:
         book = book_of(generation)
         if decision.miss == "the slot holds as much" and book.restored_unchanged(slot) \

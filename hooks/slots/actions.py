@@ -282,7 +282,7 @@ async def _restore_one(generation: Generation, store: Store, held: Noted) -> dic
         if exc.conversion is not None:
             entry["conversion"] = exc.conversion
         entry["warmable"] = exc.warmable
-        return _skipped(entry, exc.reason, failed=exc.failed, expected=exc.kind is Mismatch.MEDIA)
+        return _skipped(entry, exc.reason, failed=exc.failed, expected=exc.kind in EXPECTED)
     entry.update(outcome="restored", entry=done.entry.key, file=done.entry.name, tokens=done.n_restored,
                  bytes=done.header.bytes, server_ms=done.server_ms, total_ms=done.total_ms,
                  saved_at=done.entry.record.get("saved_at"))
@@ -406,9 +406,13 @@ def _sweep(store: Store) -> None:
         log.info("slots.swept", removed=removed)
 
 
+EXPECTED = (Mismatch.MEDIA, Mismatch.NO_SUCH_SLOT)  # skipped, and nothing is wrong: logged at info
+
+
 def _skipped(entry: dict[str, Any], reason: str, failed: bool = False, expected: bool = False) -> dict[str, Any]:
     """`expected`: a state with media while the server runs without its projector (the media built-in dropped it
-    while idle, or the argv has none): its conversation is prefilled at its next turn, nothing is wrong."""
+    while idle, or the argv has none), or one saved from a slot this server has not (`-np` made smaller): its
+    conversation is prefilled, or restored from the conversation cache, at its next turn; nothing is wrong."""
     entry.update(outcome="failed" if failed else "skipped", reason=reason)
     (log.info if expected else log.warning)("slots.restore_skipped", slot=entry["slot"], reason=reason,
                                             file=entry["file"])

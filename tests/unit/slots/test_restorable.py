@@ -147,3 +147,18 @@ def test_an_earlier_state_version_converts_and_a_later_one_is_warmed(tmp_path: P
         return
     assert skip is not None and skip.kind is Mismatch.STATE_VERSION and skip.warmable
     assert upgradable(skip, found, reads) is converts
+
+
+def test_a_state_from_a_slot_the_server_has_not_is_skipped_at_info() -> None:
+    """After -np was made smaller the missing slots' states are expected to be skipped (their conversations come
+    back from the cache): info, not a warning per slot; a state that does not fit for another reason warns."""
+    from structlog.testing import capture_logs
+
+    from hooks.slots.actions import EXPECTED, _skipped
+    from hooks.slots.restorable import Mismatch
+
+    with capture_logs() as logs:
+        _skipped({"slot": 3, "file": "s3.bin"}, "slot 3 does not exist", expected=Mismatch.NO_SUCH_SLOT in EXPECTED)
+        _skipped({"slot": 0, "file": "s0.bin"}, "cache types", expected=Mismatch.CACHE_TYPES in EXPECTED)
+    assert [(e["event"], e["log_level"]) for e in logs] == [("slots.restore_skipped", "info"),
+                                                           ("slots.restore_skipped", "warning")]
