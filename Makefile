@@ -5,6 +5,7 @@ LISTEN ?= 127.0.0.1:8080
 CTX ?= 8192
 CONFIG ?= examples/hooks.yaml
 ARGS ?=
+S3_PORT ?= 8333
 
 .PHONY: demo demo-media demo-spec demo-store demo-pool s3 docs test unit integration bench lint server old-server model clean
 
@@ -39,8 +40,8 @@ demo-spec: $(VENV)/.installed  ## the demo model as its own draft, only while on
 demo-store: $(VENV)/.installed  ## the demo on the bucket of `make s3` (run that first, in another shell)
 	@$(MAKE) -s demo CONFIG=examples/store.yaml
 
-s3: $(VENV)/.installed  ## a local S3 server (SeaweedFS) on 127.0.0.1:8333 for demo-store, until Ctrl-C
-	@exec $(PY) -m tests.demo s3
+s3: $(VENV)/.installed  ## a local S3 server (SeaweedFS) on 127.0.0.1:$(S3_PORT) for demo-store, until Ctrl-C
+	@exec $(PY) -m tests.demo s3 $(S3_PORT)
 
 demo-pool: $(VENV)/.installed  ## two wrappers of the demo model sharing one pool, on LISTEN's port and the next
 	@server=$$(llama.cpp/build-server) && model=$$(llama.cpp/get-model) && \

@@ -112,9 +112,9 @@ def test_the_plan_example_prints_what_the_readme_shows(tmp_path: Path, demo_path
 class _Try:
     """A `make demo-*` target run as the README says, in its own session (Ctrl-C: SIGINT to the group)."""
 
-    def __init__(self, target: str, env: dict[str, str], port: int, log: Path) -> None:
+    def __init__(self, target: str, env: dict[str, str], port: int, log: Path, *more: str) -> None:
         self.log = log.open("wb")
-        self.proc = subprocess.Popen(["make", "-s", target, f"LISTEN=127.0.0.1:{port}"], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen(["make", "-s", target, f"LISTEN=127.0.0.1:{port}", *more], cwd=ROOT, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.path = log
 
@@ -233,3 +233,46 @@ def test_the_object_store_try_as_written(tmp_path: Path, demo_path: str) -> None
         if demo is not None:
             demo.stop()
         assert store.stop(), store.path.read_text()[-3000:]
+
+
+def test_the_crash_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    demo = _Try("demo", env, port, tmp_path / "demo.log")
+    try:
+        demo.wait_ready(port)
+        killed = _status(port)["server"]["pid"]
+        done = _sh(_block("kill -KILL"), env, port)
+        assert done.returncode == 0, done.stderr
+        ended, restarts = done.stdout.splitlines()
+        assert ended == "1" and "'count': 1" in restarts and "killed by SIGKILL" in restarts, done.stdout
+        assert _status(port)["server"]["pid"] != killed
+        assert '"error"' not in Path("/tmp/story.txt").read_text()
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
+
+
+def test_the_person_first_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    demo = _Try("demo", env, port, tmp_path / "demo.log", "ARGS=-np 1")
+    try:
+        demo.wait_ready(port)
+        done = _sh(_block("X-Priority: background"), env, port)
+        assert done.returncode == 0, done.stderr
+        first, counts = done.stdout.splitlines()
+        assert first.startswith("first byte after ") and counts == "paused 1 resumed 1", done.stdout
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
+
+
+def test_the_sleep_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    demo = _Try("demo", env, port, tmp_path / "demo.log")
+    try:
+        demo.wait_ready(port)
+        done = _sh(_block("/wrapper/sleep"), env, port)
+        assert done.returncode == 0, done.stderr
+        slept, health, counts = done.stdout.splitlines()
+        assert json.loads(slept)["asleep"] is True and json.loads(health)["sleep"] == "asleep", done.stdout
+        assert counts.startswith("1 1 "), done.stdout
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
