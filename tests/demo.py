@@ -78,9 +78,10 @@ def run_pool(server: str, model: Path, listen: str) -> None:
     for name, argv, context, at in (("main", main_argv, pooled.MAIN_CONTEXT, int(port)),
                                     ("task", task_argv, pooled.TASK_CONTEXT, int(port) + 1)):
         config = folder / f"{name}.yaml"
-        config.write_text(pooled.config(folder / f"slots-{name}", folder / "pool", total, context, relax="1m"))
+        config.write_text(pooled.config(folder / f"slots-{name}", folder / "pool", total, context, relax="1m",
+                                        media=name == "main"))
         wrappers.append(subprocess.Popen([sys.executable, "-m", "wrapper.cli", "run", "--config", str(config),
-                                          "--listen", f"{host}:{at}", "--", *argv]))
+                                          "--listen", f"{host}:{at}", "--", *argv, "--alias", name]))  # its pool name
         print(f"{name}: http://{host}:{at} ({config})", flush=True)
         if name == "main":
             time.sleep(2)  # the main makes the pool; the task joins it

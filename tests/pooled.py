@@ -24,16 +24,18 @@ STORY = "The keeper of the northern lighthouse wrote the name of every ship that
 LONG = "A long report from the archive of the harbour office, to be summarised. " + STORY * 120  # ~2.2k tokens
 CONFIG = """
 slots: {{dir: {slots}}}
-media: {{projector: on_demand}}
-degrade: {{pool: {pool}, budget: {total}, context: {context}, relax_after: {relax}, pool_wait: 60s{extra}}}
+{media}degrade: {{pool: {pool}, budget: {total}, context: {context}, relax_after: {relax}, pool_wait: 60s{extra}}}
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
 """
 
 
-def config(slots: Path, pool: Path, total: int, context: int, relax: str = "10m", extra: str = "") -> str:
-    return CONFIG.format(slots=slots, pool=pool, total=total, context=context, relax=relax, extra=extra)
+def config(slots: Path, pool: Path, total: int, context: int, relax: str = "10m", extra: str = "",
+           media: bool = True) -> str:
+    """`media`: the projector on demand (the main has one; the demo's task has none)."""
+    return CONFIG.format(slots=slots, pool=pool, total=total, context=context, relax=relax, extra=extra,
+                         media="media: {projector: on_demand}\n" if media else "")
 
 
 def share_of(argv: list[str], context: int, projector: str = "always") -> int:

@@ -11,7 +11,7 @@ from hooks.degrade.ladder import Planner, RungPlan, choose
 from hooks.degrade.memory import PlanError
 from hooks.degrade.planning import MIN_START_CTX, cells, ladder_for, pool_device, resolve_budget
 from hooks.degrade.pool.folder import Member, Pool
-from hooks.degrade.pool.member import ask_now, pool_of
+from hooks.degrade.pool.member import ask_now, member_name, pool_of
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import Fitted, state_of
 from hooks.degrade.wanted import Wanted
@@ -134,11 +134,11 @@ def _fit_in_pool(pool: Pool, argv: list[str], launch: Launch, config: Config, sh
                 n_ctx = min(chosen.max_ctx, wanted)
                 share = planner.plan(chosen.argv, n_ctx).total(device)
                 floor = _floor(planner, rungs, config, settings)
-                held.put(Member(os.getpid(), launch.model.name, share, floor, rung=chosen.name, n_ctx=n_ctx,
+                held.put(Member(os.getpid(), member_name(launch), share, floor, rung=chosen.name, n_ctx=n_ctx,
                                 serving=state.started))  # after its start it answers asks (between reloads too)
                 state.started, state.ctx_taken = True, n_ctx
                 return chosen, n_ctx, planner, rungs, budget, f"pool {pool.dir} ({source})", share, floor
-        ask_now(pool, Member(os.getpid(), launch.model.name, 0), short, settings.pool_wait)
+        ask_now(pool, Member(os.getpid(), member_name(launch), 0), short, settings.pool_wait)
     raise AssertionError("the second pass always returns")
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 HOST = ("--host",)
 PORT = ("--port",)
 MODEL = ("-m", "--model")
+ALIAS = ("-a", "--alias")  # the model's names in the API, comma-separated
 API_KEY = ("--api-key",)
 API_KEY_FILE = ("--api-key-file",)
 CTX_SIZE = ("-c", "--ctx-size")

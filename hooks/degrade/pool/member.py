@@ -27,8 +27,10 @@ import structlog
 from hooks.degrade.pool.folder import Locked, Member, Pool, Request
 from hooks.degrade.settings import DEGRADE, DegradeSettings
 from hooks.degrade.state import Fitted, fitted
+from wrapper.configuration import argv as args
 from wrapper.configuration.sections import SLEEP
 from wrapper.configuration.units import format_size
+from wrapper.launching.launch import Launch
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation, Host
 
@@ -44,9 +46,17 @@ def pool_of(settings: DegradeSettings) -> Pool | None:
 _IDLE_SINCE = [time.time()]  # since when this member serves nothing (kept by the serving loop)
 
 
+def member_name(launch: Launch) -> str:
+    """How the pool names this member: llama-server's first `--alias` when given (two wrappers of one model told
+    apart), else its model's name."""
+    alias = args.get(launch.argv, args.ALIAS)
+    first = alias.split(",")[0].strip() if alias else ""
+    return first or launch.model.name
+
+
 def record(generation: Generation, fit: Fitted, busy: bool = False, asking: bool = False) -> Member:
     """This member's record from a generation that serves."""
-    return Member(os.getpid(), generation.launch.model.name, fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking,
+    return Member(os.getpid(), member_name(generation.launch), fit.share, fit.floor, busy, fit.rung, fit.n_ctx, asking,
                   serving=True, idle_since=0.0 if busy else _IDLE_SINCE[0],
                   sleeps_when_asked=SLEEP.of(generation.config).when_asked or 0.0)
 

@@ -574,3 +574,20 @@ def test_a_damaged_pool_file_is_never_written_over(tmp_path: Path, text: str) ->
     with pytest.raises(PoolError, match=r"pool\.json is damaged.*remove the folder"), Pool(tmp_path).locked() as held:
         held.join(700 << 20, "degrade.budget", "CPU", explicit=True)
     assert (tmp_path / "pool.json").read_text() == text
+
+
+def test_a_member_is_named_by_its_alias_else_by_its_model() -> None:
+    """Two wrappers of one model in a pool (the demo's main and task) are told apart by llama-server's --alias."""
+    from hooks.degrade.pool.member import member_name
+    from wrapper.configuration.config import Listen
+    from wrapper.launching.launch import Launch
+    from wrapper.launching.model import Model
+
+    def launch(*more: str) -> Launch:
+        return Launch(argv=["llama-server", "-m", "m.gguf", *more], port=1, listen=Listen("127.0.0.1", 8080),
+                      model=Model(path="m.gguf", name="SmolLM2", id="x"), env={}, notes=[], facts={})
+
+    assert member_name(launch()) == "SmolLM2"
+    assert member_name(launch("--alias", "task")) == "task"
+    assert member_name(launch("-a", "main,chat")) == "main"  # the first of its aliases
+    assert member_name(launch("-a", "")) == "SmolLM2"
