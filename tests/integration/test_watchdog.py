@@ -169,6 +169,23 @@ def test_the_turn_after_a_crash_of_a_short_conversation_goes_to_its_slot(
         assert wrapper.stop() == 0
 
 
+def test_a_stream_killed_at_its_first_token_is_not_degraded(tmp_path: Path, server_bin: str,
+                                                             demo_path: str) -> None:
+    """Llama 3.1's template, killed one content event in (the demo model's answer begins "\n"): that "\n" read
+    back as a prefix after the template's own "\n\n" was tokenized another way, and the answer went on
+    "#\n\n##..." to its end (a fresh pair of eyes, every time). With no word begun the request goes again from the start: at temperature 0, its lone run's text."""
+    messages = [{"role": "user", "content": "Write a long poem about the sea, with ten stanzas."}]
+    template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")  # its header ends "\n\n"
+    with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
+                 config(tmp_path)) as wrapper:
+        alone, _ = stream_killed(wrapper, messages, None, max_tokens=80)
+        events, before = stream_killed(wrapper, messages, kill_after=1, max_tokens=80)
+        assert before == 1 and wrapper.events("wrapper.stream_resumed")
+        assert sum(1 for e in events if (e.get("choices") or [{}])[0].get("finish_reason")) == 1
+        assert text_of(events) == text_of(alone), (text_of(events)[:200], text_of(alone)[:200])
+        assert wrapper.stop() == 0
+
+
 def test_a_whole_answer_survives_a_sigkill(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
         answers: list[dict[str, Any]] = []

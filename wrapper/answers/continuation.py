@@ -178,6 +178,8 @@ def resume_point(pieces: list[str]) -> int:
         piece = pieces[k]
         if k > 0 and len(piece) > 1 and piece[0] == " " and not piece[1].isspace():
             return k
+    if len(pieces) <= RESUME_LOOKBACK:  # a start with no word begun in it ("\n", "#"): all of it comes again — read
+        return 0  # back after the template's own newline, "\n" became "\n\n" and the answer degenerated
     return len(pieces)
 
 
@@ -244,11 +246,15 @@ class SoFar:
             return body, self.text, 0, Had(reasoning, 0, calls)
         if self.chat and not self.pieces:  # within its reasoning
             k = resume_point(self.reasoning) if again else len(self.reasoning)
+            if k == 0:  # generated again from the start (the request as it came), none of it shown twice
+                return dict(request), "", 0, Had("", len(self.reasoning))
             thought = "".join(self.reasoning[:k])
             body = continued(path, request, {"choices": [{"message": {"content": "", "reasoning_content": thought}}]},
                              generated=k)
             return body, "", 0, Had(thought, len(self.reasoning) - k)
         k = resume_point(self.pieces) if again else len(self.pieces)
+        if k == 0 and not reasoning:  # generated again from the start (the request as it came)
+            return dict(request), "", len(self.pieces), Had()
         body = continued(path, request, self.shaped(k), generated=k + len(self.reasoning) + self.call_tokens)
         return body, "".join(self.pieces[:k]) if self.chat else "", len(self.pieces) - k, Had(reasoning)
 

@@ -93,3 +93,24 @@ def test_what_goes_on_after_a_loss_and_what_is_paused() -> None:
     assert cannot_go_on("/infill", ASKED) == "api"
     assert cannot_go_on(CHAT, {**ASKED, "n": 2}) == "choices"
     assert cannot_pause("/completion", {"prompt": "x"}) is None
+
+
+def test_an_answer_lost_before_a_word_began_is_made_again_from_the_start() -> None:
+    """Its first token "\\n", read back as a prefix after the template's own newline, is "\\n\\n": the answer went
+    on as "#\\n\\n##..." (a fresh pair of eyes, every time). With no word begun, the request goes again as it came
+    and the events the client has are not shown twice."""
+    first = Events(chat=True)
+    first.feed(sse(delta(role="assistant", content=None), delta(content="\n")))
+    so_far = SoFar(chat=True)
+    so_far.took(first)
+    body, skip, again, had = so_far.going_on(CHAT, ASKED, True)
+    assert body == ASKED and body is not ASKED and (skip, again, had.reasoning) == ("", 1, "")
+    thinking = Events(chat=True)
+    thinking.feed(sse(delta(role="assistant", content=None), delta(reasoning_content="Okay")))
+    so_far = SoFar(chat=True)
+    so_far.took(thinking)
+    body, skip, again, had = so_far.going_on(CHAT, ASKED, True)
+    assert body == ASKED and (skip, again, had.reasoning, had.again_reasoning) == ("", 0, "", 1)
+    after = Events(chat=True, continuing=True, again=again, had=had)
+    assert shown(after, sse(delta(reasoning_content="Okay"), delta(reasoning_content=", so"))) == [
+        {"reasoning_content": ", so"}]

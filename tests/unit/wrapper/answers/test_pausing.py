@@ -25,9 +25,10 @@ CHAT = "/v1/chat/completions"
 def test_a_resume_goes_on_from_before_the_last_word() -> None:
     assert resume_point(["Once", " upon", " a", " time", ".\n\n"]) == 3  # " time" and ".\n\n" come again
     assert resume_point(["Once", " upon", " a", " time"]) == 3
-    assert resume_point(["Once"]) == 1  # nothing begins a word after the first token: from the end
+    assert resume_point(["Once"]) == 0  # nothing begins a word after the first token: all of it again
+    assert resume_point(["\n"]) == 0  # "\n" read back after the template's newline is "\n\n": not a prefix
     assert resume_point([]) == 0
-    assert resume_point(["x", "  ", " \n"]) == 3  # spaces alone do not begin a word
+    assert resume_point(["x", "  ", " \n"]) == 0  # spaces alone do not begin a word
     assert resume_point(["a", " b", *["c"] * RESUME_LOOKBACK]) == RESUME_LOOKBACK + 2  # too far back: the end
 
 
