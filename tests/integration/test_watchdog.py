@@ -173,7 +173,8 @@ def test_a_stream_killed_at_its_first_token_is_not_degraded(tmp_path: Path, serv
                                                              demo_path: str) -> None:
     """Llama 3.1's template, killed one content event in (the demo model's answer begins "\n"): that "\n" read
     back as a prefix after the template's own "\n\n" was tokenized another way, and the answer went on
-    "#\n\n##..." to its end (a fresh pair of eyes, every time). With no word begun the request goes again from the start: at temperature 0, its lone run's text."""
+    "#\n\n##..." to its end (a fresh pair of eyes, every time). With no word begun the request goes again from
+    the start: at temperature 0, its lone run's text."""
     messages = [{"role": "user", "content": "Write a long poem about the sea, with ten stanzas."}]
     template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")  # its header ends "\n\n"
     with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],

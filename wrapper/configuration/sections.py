@@ -72,9 +72,9 @@ class PrioritySettings:
                            "conversation cache is on, which keeps the paused state)")
     max_pauses: int = setting(3, COUNT, "how many times one background request may be paused; past that it runs "
                               "to its end (0: never paused, only queued behind interactive ones)")
-    background_keys: tuple[str, ...] = setting((), KEYS, "API keys (`Authorization: Bearer KEY`) whose requests "
-                                               "are background: give an agent its own key and it needs no change; "
-                                               "never shown")
+    background_keys: tuple[str, ...] = setting((), KEYS, "API keys (`Authorization: Bearer KEY` or `X-Api-Key: "
+                                               "KEY`) whose requests are background: give an agent its own key and "
+                                               "it needs no change; never shown")
     lane: bool | None = setting(None, AUTO_BOOL, "keep one slot for interactive requests: llama-server runs one slot "
                                 "more than -np, and background requests take at most -np of them, so a person's "
                                 "request is answered beside an agent's at once, not after it or after its pause "

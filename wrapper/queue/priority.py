@@ -114,13 +114,17 @@ def lane(settings: PrioritySettings, argv: list[str], slots_fit_kvu: bool) -> tu
         return False, "priority.lane is false"
     unified = args.unified_kv(argv) or (slots_fit_kvu and args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED)
                                         is None)
+    split = args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED) is False  # the argv says -no-kvu itself
     if settings.lane is None:
         if not settings.background_keys:
             return False, "no priority.background_keys: nothing says agents share this server (priority.lane: true)"
         if not unified:
-            return False, ("the slots have a KV each (-np without -kvu): a slot more would take its share of -c "
-                           "(priority.lane: true adds -kvu)")
-    return True, LANE_WHY + (" on one KV: it costs no KV memory" if unified else ", with -kvu added")
+            return False, (f"the slots have a KV each ({'-no-kvu' if split else '-np without -kvu'}): a slot more "
+                           f"would take its share of -c (priority.lane: true "
+                           f"{'keeps -no-kvu' if split else 'adds -kvu'})")
+    if unified:
+        return True, LANE_WHY + " on one KV: it costs no KV memory"
+    return True, LANE_WHY + (", -no-kvu kept as given: its slot takes a share of -c" if split else ", with -kvu added")
 
 
 def with_lane(argv: list[str], kvu: bool) -> tuple[list[str], list[dict[str, str]]]:

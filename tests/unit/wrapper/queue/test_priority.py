@@ -116,6 +116,7 @@ def test_check_warns_when_preemption_is_asked_for_and_cannot_be() -> None:
     (None, ["-np", "2", "-no-kvu"], True, False, "2", False),  # asked for a KV each
     ("no keys", ["-np", "1"], True, False, "1", False),  # auto, and nothing says agents share it
     (True, ["-np", "2"], False, True, "3", True),  # asked for: one KV too
+    (True, ["-np", "2", "-no-kvu"], True, True, "3", False),  # asked for, and a KV each kept as given (its why says)
     (False, ["-np", "1"], True, False, "1", False),
 ])
 def test_the_lane_a_server_keeps_for_interactive_requests(lane: bool | str | None, argv: list[str], slots_kvu: bool,
@@ -125,6 +126,8 @@ def test_the_lane_a_server_keeps_for_interactive_requests(lane: bool | str | Non
     full = ["llama-server", *argv]
     kept, why = priority.lane(settings, full, slots_kvu)
     assert kept is on and why
+    assert ("-no-kvu" in why) is ("-no-kvu" in argv)  # what it says of the KV is what the argv has
+    assert "-kvu added" not in why or priority.with_lane(full, kvu=True)[1][-1]["change"] == "-kvu"
     after = priority.with_lane(full, kvu=True)[0] if kept else full
     assert args.get(after, args.PARALLEL) == slots and args.has(after, args.KV_UNIFIED) is kvu
 
