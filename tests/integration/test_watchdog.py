@@ -309,22 +309,27 @@ def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
         assert wrapper.stop() == 0
 
 
-def _streamed(wrapper: Wrapper, body: dict[str, Any], kill_when: Any = None) -> list[dict[str, Any]]:
-    """A streamed chat answer read event by event; SIGKILL to llama-server once `kill_when(events)` is true."""
+def _streamed(wrapper: Wrapper, body: dict[str, Any], kill_when: Any = None,
+              path: str = "/v1/chat/completions") -> list[dict[str, Any]]:
+    """A streamed answer read event by event (a Responses or Messages event's payload gets its `event:` name as
+    `event`); SIGKILL to llama-server once `kill_when(events)` is true."""
     host, port = wrapper.url.removeprefix("http://").split(":")
     connection = HTTPConnection(host, int(port), timeout=600)
-    connection.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                       {"Content-Type": "application/json"})
+    connection.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     reply = connection.getresponse()
     assert reply.status == 200
     events: list[dict[str, Any]] = []
-    killed = False
-    pid = server_pid(wrapper)
+    name, killed, pid = None, False, server_pid(wrapper)
     for raw in reply:
         line = raw.decode().strip()
-        if line.startswith("data:"):
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
             data = line[5:].strip()
             events.append({"done": True} if data == "[DONE]" else json.loads(data))
+            if name is not None:
+                events[-1]["event"] = name
+                assert events[-1].get("type") == name, events[-1]  # the name and the type agree
             if kill_when is not None and not killed and kill_when(events):
                 os.kill(pid, signal.SIGKILL)
                 killed = True
@@ -404,28 +409,8 @@ def test_a_tool_call_under_way_survives_a_sigkill_as_one_call(tmp_path: Path, se
 
 
 def _typed(wrapper: Wrapper, path: str, body: dict[str, Any], kill_when: Any = None) -> list[dict[str, Any]]:
-    """A streamed Responses or Messages answer (`event:` and `data:` lines) read event by event, each payload with
-    the event's name as `event`; SIGKILL to llama-server once `kill_when(events)` is true."""
-    host, port = wrapper.url.removeprefix("http://").split(":")
-    connection = HTTPConnection(host, int(port), timeout=600)
-    connection.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    reply = connection.getresponse()
-    assert reply.status == 200
-    events: list[dict[str, Any]] = []
-    name, killed, pid = None, False, server_pid(wrapper)
-    for raw in reply:
-        line = raw.decode().strip()
-        if line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            events.append({**json.loads(line[5:].strip()), "event": name})
-            assert events[-1].get("type") == name, events[-1]  # the name and the type agree
-            if kill_when is not None and not killed and kill_when(events):
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-    connection.close()
-    assert kill_when is None or killed
-    return events
+    """A streamed Responses or Messages answer (`event:` and `data:` lines), as _streamed reads it."""
+    return _streamed(wrapper, body, kill_when, path)
 
 
 def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
