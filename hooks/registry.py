@@ -87,7 +87,8 @@ class Builtin:
       a pause         `keeps_paused`: a step gave the request a `keep` (what its slot holds goes to the store)
       a sleep         `sleep(generation, True)` once llama-server stopped to sleep, `(generation, False)` before
                       the fit of the wake
-      when asked      `status` in /wrapper/status, `metrics` before a scrape of /metrics, `routes` as endpoints
+      when asked      `status` in /wrapper/status, `metrics` before a scrape of /metrics, `routes` as endpoints;
+                      `held`: the tokens the slots hold (the KV gauge a router reads)
     """
 
     family: str  # actions are named `<family>.<verb>`
@@ -103,6 +104,7 @@ class Builtin:
     observer: Callable[[Generation], Observer | None] | None = None
     status: Callable[[Generation], dict[str, Any]] | None = None
     metrics: Callable[[Generation], None] | None = None
+    held: Callable[[Generation], int] | None = None
     hand_over: Callable[[Generation], Awaitable[str]] | None = None
     take_over: Callable[[Generation], Awaitable[str]] | None = None
     reload_report: Callable[[Generation], list[dict[str, Any]]] | None = None  # per slot
@@ -150,6 +152,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         status=lambda g: {**slot_actions.status(g), "conversations": conversations.status(g)},
         hand_over=slot_actions.save_step, take_over=lambda g: slot_actions.take_over(g, conversations.in_use(g.config)),
         reload_report=slot_actions.restore_report, background=slot_actions.background, metrics=slot_actions.metrics,
+        held=slot_actions.held,
         checked=lambda config, probe: {"store": found} if (found := store_checked(config, probe)) else None,
         families=("llama_wrapper_slot_", "llama_wrapper_reused_tokens", "llama_wrapper_store_"),
         families_off=lambda config: () if STORE.of(config).url else ("llama_wrapper_store_",),

@@ -15,7 +15,7 @@ from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper.actions import BuiltinFn
 from wrapper.configuration.config import Config, load_config, parse_config
-from wrapper.configuration.sections import PRIORITY, SLEEP, WATCHDOG
+from wrapper.configuration.sections import PRIORITY, ROUTER, SLEEP, WATCHDOG
 from wrapper.configuration.settings import Section
 from wrapper.kept import Kept, Key
 from wrapper.launching.flags import supported_flags
@@ -29,7 +29,7 @@ from wrapper.steps import Before, Growth, Observer, Shown
 log = structlog.get_logger()
 
 # the wrapper's own, then the built-ins'
-SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, SLEEP, *BUILTIN_SECTIONS)
+SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, SLEEP, ROUTER, *BUILTIN_SECTIONS)
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -159,6 +159,14 @@ def refresh_metrics(generation: Generation) -> None:
     for builtin in in_use(generation):
         if builtin.metrics is not None:
             builtin.metrics(generation)
+
+
+def held_tokens(generation: Generation) -> int | None:
+    """The tokens the slots hold, as the built-in that tracks them knows (None: none does)."""
+    for builtin in in_use(generation):
+        if builtin.held is not None:
+            return builtin.held(generation)
+    return None
 
 
 def status(generation: Generation) -> dict[str, Any]:

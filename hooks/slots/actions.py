@@ -105,6 +105,11 @@ def metrics(generation: Generation) -> None:
         store.metrics()
 
 
+def held(generation: Generation) -> int:
+    """The tokens every slot holds, as the book knows them (what answers left there, what restores put there)."""
+    return sum(book_of(generation).held().values())
+
+
 def restore_report(generation: Generation) -> list[dict[str, Any]]:
     """The last restore into this generation, one entry per saved slot."""
     return _state(generation).restore

@@ -4,7 +4,10 @@ strictly valid before and after traffic, a restore and a reload; counters only g
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
+from typing import Any
 
 from tests import promtext
 from tests.helpers import http, running, wait_for
@@ -74,3 +77,38 @@ def test_metrics_ask_for_an_api_key_like_llama_servers_own(tmp_path: Path, serve
         assert http("GET", f"{wrapper.url}/metrics")[0] == 401
         families = scrape(wrapper.url, {"Authorization": "Bearer k1"})
         assert any(name.startswith("llamacpp:") for name in families)
+
+
+def test_the_router_gauges_follow_the_queue_and_the_slots(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """One slot: a long answer runs, a second request waits for it; then the KV gauge is what the last answer left
+    in the slot over the context."""
+    argv = [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"]
+    answers: dict[str, dict[str, Any]] = {}
+
+    def complete(name: str, n_predict: int) -> None:
+        status, _, raw = http("POST", f"{wrapper.url}/completion", {
+            "prompt": f"Story {name}: the lighthouse keeper counted the ships. " * 20, "n_predict": n_predict,
+            "temperature": 0, "ignore_eos": True}, timeout=300)
+        assert status == 200, raw[:300]
+        answers[name] = json.loads(raw)
+
+    def gauges() -> tuple[float, float, float]:
+        families = scrape(wrapper.url)
+        return (promtext.value(families, "vllm:num_requests_waiting"),
+                promtext.value(families, "vllm:num_requests_running"),
+                promtext.value(families, "vllm:kv_cache_usage_perc"))
+
+    with running(tmp_path, argv, CONFIG.format(dir=tmp_path / "slots")) as wrapper:
+        assert gauges() == (0, 0, 0)
+        first = threading.Thread(target=complete, args=("A", 400))
+        first.start()
+        wait_for(lambda: gauges()[1] == 1, 30, "the first request in the slot")
+        second = threading.Thread(target=complete, args=("B", 8))
+        second.start()
+        assert wait_for(lambda: (g := gauges())[0] == 1 and g, 30, "the second one to wait")[1] == 1
+        first.join(300)
+        second.join(300)
+        assert set(answers) == {"A", "B"}
+        timings = answers["B"]["timings"]
+        left = timings["cache_n"] + timings["prompt_n"] + timings["predicted_n"]
+        assert gauges() == (0, 0, left / 4096)

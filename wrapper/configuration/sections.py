@@ -1,9 +1,11 @@
-"""The wrapper's own sections of the config (`watchdog:`, `priority:`, `sleep:`), declared as the built-ins' are
-(wrapper/configuration/settings.py) and read with theirs: the features that use them (wrapper/life/watchdog.py,
-wrapper/queue/priority.py, wrapper/life/sleeping.py) sit above the built-ins, and their sections below."""
+"""The wrapper's own sections of the config (`watchdog:`, `priority:`, `sleep:`, `router:`), declared as the
+built-ins' are (wrapper/configuration/settings.py) and read with theirs: the features that use them
+(wrapper/life/watchdog.py, wrapper/queue/priority.py, wrapper/life/sleeping.py, wrapper/http/gauges.py) sit above
+the built-ins, and their sections below."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import yaml
@@ -111,3 +113,33 @@ class SleepSettings:
 
 
 SLEEP = Section("sleep", SleepSettings, "an idle model gives its memory back and wakes with every conversation")
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def _metric_name(r: Reader, node: yaml.Node, what: str) -> str | None:
+    """A Prometheus metric name, or '' (the gauge left out)."""
+    value = r.scalar(node, what, (str,))
+    if value is None or value == "" or _METRIC_NAME.fullmatch(value):
+        return value  # type: ignore[no-any-return]
+    r.error(node, f"{what} must be a Prometheus metric name (letters, digits, _ and :, not first a digit), or '' to "
+                  f"leave the gauge out; not {value!r}")
+    return None
+
+
+METRIC_NAME = Kind("metric name | ''", _metric_name, lambda v: v or "(left out)")
+
+
+@dataclass(frozen=True)
+class RouterGaugeSettings:
+    waiting: str = setting("vllm:num_requests_waiting", METRIC_NAME, "the gauge of requests waiting for a slot (in "
+                           "the queue, or held while llama-server starts or reloads): the name a router's load-aware "
+                           "scorer reads (the endpoint picker's default)")
+    running: str = setting("vllm:num_requests_running", METRIC_NAME, "the gauge of requests in a slot now")
+    kv_usage: str = setting("vllm:kv_cache_usage_perc", METRIC_NAME, "the gauge of the KV cache's use, from 0 to 1: "
+                            "the tokens the slots hold over the context llama-server runs (known with the slot "
+                            "built-ins, which track what each slot holds; left out without them)")
+
+
+ROUTER = Section("router", RouterGaugeSettings, "the gauges a router in front reads from /metrics, by name")

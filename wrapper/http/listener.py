@@ -14,7 +14,8 @@ from wrapper import built_ins
 from wrapper.answers.forwarding import forward_request
 from wrapper.answers.passes import RETRY_AFTER_S
 from wrapper.answers.proxy import BadPath, canonical_path, json_error
-from wrapper.http import admin
+from wrapper.configuration.sections import ROUTER
+from wrapper.http import admin, gauges
 from wrapper.http.access import LIFE, SERVING, SUPERVISOR, unauthorized
 from wrapper.http.admin import AWAKE_SOON
 from wrapper.life.supervisor import Supervisor
@@ -77,7 +78,14 @@ async def metrics(request: web.Request) -> web.Response:
     METRICS.in_flight.set(serving.in_flight)  # the gauges read now
     METRICS.held.set(serving.gate.held)
     built_ins.refresh_metrics(serving.current)
-    return web.Response(body=server + METRICS.text(built_ins.families_off(serving.current)),
+    generation = serving.current
+    held = built_ins.held_tokens(generation)
+    if held is not None and not generation.alive:
+        held = 0  # asleep (or between a crash and the restart): no slot holds anything
+    load = gauges.Load(waiting=len(serving.seats.waiting) + serving.gate.held, running=len(serving.seats.running),
+                       held=held, context=generation.context.runs if generation.context is not None else None)
+    router = gauges.exposition(ROUTER.of(generation.config), load)
+    return web.Response(body=server + METRICS.text(built_ins.families_off(generation)) + router,
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

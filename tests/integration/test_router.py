@@ -1,0 +1,122 @@
+"""Past one machine, behind the real router: three wrappers (one llama-server each, `--alias demo`) on one bucket of
+a real S3 server (SeaweedFS), behind SMG with the recipe's policy (docs/recipes/router.md): consistent hashing on
+the agents' session header. Six sessions turn after turn; one host is drained and stopped, another SIGKILLed;
+every session's next turn is answered and takes at least 90 % of the conversation from the cache."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Wrapper, http, wait_for
+from tests.router import Router, Session, skip_without_smg
+from tests.s3server import S3Server, skip_without_weed
+
+TOKEN = "router-drain-token"
+CONFIG = """
+slots: {{dir: {dir}}}
+store: {{url: {store}, refresh: 1s, timeout: 3s}}
+cache: {{checkpoint_tokens: 16}}
+hooks:
+  on_startup: [{{builtin: slots.restore}}]
+  on_will_stop: [{{builtin: slots.save}}]
+"""
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    skip_without_weed()
+    skip_without_smg()
+    with S3Server(tmp_path / "s3") as server:
+        yield server
+
+
+def host(tmp_path: Path, name: str, s3: S3Server, server_bin: str, demo_path: str) -> Wrapper:
+    config = CONFIG.format(dir=tmp_path / name, store=s3.store("conversations"))
+    return Wrapper(tmp_path, [server_bin, "-m", demo_path, "-c", "8192", "-np", "1", "--alias", "demo"], config,
+                   env={**s3.env(), "LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN})
+
+
+def kept(wrapper: Wrapper, checkpoints: int) -> bool:
+    """Every conversation it served is in the bucket: a checkpoint after its last turn, and nothing pending."""
+    saved = [e for e in wrapper.events("conversations.saved") if e.get("why") == "checkpoint"]
+    store = wrapper.status()["slots"]["tiers"]["store"]
+    return len(saved) > checkpoints and store["pending"] == 0 and store["state"] == "up"
+
+
+def test_sessions_behind_the_router_survive_a_drained_and_a_killed_host(
+        tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
+    hosts: list[Wrapper | None] = [host(tmp_path, f"h{i}", s3, server_bin, demo_path) for i in range(3)]
+    sessions = [Session(f"agent-{i}") for i in range(6)]
+    try:
+        for each in hosts:
+            assert each is not None
+            each.wait_ready()
+        with Router(tmp_path, [h.url for h in hosts if h is not None], "consistent_hashing") as router:
+            first = [s.turn(router, hosts).host for s in sessions]
+            for session, was in zip(sessions, first, strict=True):  # a session stays where its KV is
+                turn = session.turn(router, hosts)
+                assert (turn.host, turn.source) == (was, "slot") or turn.source == "folder", session.turns
+                assert turn.reused >= 0.9, session.turns
+
+            # the busiest host is drained: /health says 503 at once, the router stops sending, then it stops
+            drained = max(range(3), key=first.count)
+            gone = hosts[drained]
+            assert gone is not None
+            status, _, raw = http("POST", f"{gone.url}/wrapper/drain", {"timeout": "30s"},
+                                  headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+            assert status == 200, raw
+            assert gone.health() == 503
+            wait_for(lambda: gone.url not in router.healthy(), 30, "the router to leave the drained host")
+            assert gone.stop() == 0
+            hosts[drained] = None
+            for session in sessions:
+                turn = session.turn(router, hosts)
+                assert turn.reused >= 0.9, (session.name, session.turns)
+                if first[sessions.index(session)] == drained:
+                    assert turn.source == "bucket", session.turns  # its KV came from the drained host's uploads
+
+            # one of the two left is SIGKILLed once its conversations are kept: nothing of theirs is lost
+            killed = next(i for i, h in enumerate(hosts) if h is not None and
+                          any(s.turns[-1].host == i for s in sessions))
+            victim = hosts[killed]
+            assert victim is not None
+            checkpoints = sum(1 for e in victim.events("conversations.saved") if e.get("why") == "checkpoint")
+            wait_for(lambda: kept(victim, checkpoints), 60, "the checkpoints to reach the bucket")
+            victim.signal_group(signal.SIGKILL)
+            victim.wait(30)
+            hosts[killed] = None
+            wait_for(lambda: victim.url not in router.healthy(), 30, "the router to leave the killed host")
+            moved = [s for s in sessions if s.turns[-1].host == killed]
+            for session in sessions:
+                turn = session.turn(router, hosts)
+                assert turn.reused >= 0.9, (session.name, session.turns)
+            assert moved and all(s.turns[-1].source in ("bucket", "folder") for s in moved), \
+                [s.turns for s in moved]
+            assert all(s.turns[-1].host not in (drained, killed) for s in sessions)
+    finally:
+        for each in hosts:
+            if each is not None:
+                each.kill()
+
+
+def test_a_request_without_a_model_is_refused_by_the_router_and_the_alias_is_the_id(
+        tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
+    """What a router asks of a host: the model by name (SMG refuses a body without `model`), and that name is
+    llama-server's `--alias` (without it, the GGUF's path)."""
+    wrapper = host(tmp_path, "h0", s3, server_bin, demo_path)
+    try:
+        wrapper.wait_ready()
+        with Router(tmp_path, [wrapper.url], "consistent_hashing") as router:
+            status, raw = router.chat("s", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert status == 400 and b"model" in raw, raw[:300]
+            status, _, raw = http("GET", f"{router.url}/v1/models")
+            assert status == 200 and b'"demo"' in raw, raw[:300]
+            status, raw = router.chat("s", {"model": "demo", "messages": [{"role": "user", "content": "Hi"}],
+                                            "max_tokens": 2})
+            assert status == 200, raw[:300]
+    finally:
+        wrapper.kill()

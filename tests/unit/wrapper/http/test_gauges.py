@@ -1,0 +1,47 @@
+"""The gauges a router reads: the exposition under the configured names, strictly valid, and the `router:` keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import promtext
+from wrapper import built_ins
+from wrapper.configuration.config import ConfigError
+from wrapper.configuration.sections import ROUTER, RouterGaugeSettings
+from wrapper.http.gauges import Load, exposition
+
+
+def test_the_defaults_are_the_names_the_endpoint_picker_reads() -> None:
+    families = promtext.parse(exposition(RouterGaugeSettings(), Load(waiting=3, running=2, held=1024,
+                                                                      context=4096)).decode())
+    assert {name: family.kind for name, family in families.items()} == {
+        "vllm:num_requests_waiting": "gauge", "vllm:num_requests_running": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge"}
+    assert promtext.value(families, "vllm:num_requests_waiting") == 3
+    assert promtext.value(families, "vllm:num_requests_running") == 2
+    assert promtext.value(families, "vllm:kv_cache_usage_perc") == 0.25
+
+
+@pytest.mark.parametrize(("held", "context", "shown"), [(None, 4096, None), (10, None, None), (10, 0, None),
+                                                         (0, 4096, 0.0), (9000, 4096, 1.0)])
+def test_a_kv_use_not_known_is_left_out_and_a_known_one_stays_within_0_and_1(
+        held: int | None, context: int | None, shown: float | None) -> None:
+    families = promtext.parse(exposition(RouterGaugeSettings(), Load(0, 0, held, context)).decode())
+    if shown is None:
+        assert "vllm:kv_cache_usage_perc" not in families
+    else:
+        assert promtext.value(families, "vllm:kv_cache_usage_perc") == shown
+
+
+def test_names_come_from_the_config_and_an_empty_one_leaves_its_gauge_out() -> None:
+    config = built_ins.parse("router: {waiting: 'llamacpp:requests_waiting', running: '', kv_usage: kv_use}\n")
+    names = ROUTER.of(config)
+    assert names == RouterGaugeSettings(waiting="llamacpp:requests_waiting", running="", kv_usage="kv_use")
+    families = promtext.parse(exposition(names, Load(1, 1, 100, 1000)).decode())
+    assert sorted(families) == ["kv_use", "llamacpp:requests_waiting"]
+    assert exposition(RouterGaugeSettings("", "", ""), Load(1, 1, 1, 1)) == b""
+
+
+def test_a_name_prometheus_refuses_is_refused_at_load_with_what_to_write() -> None:
+    with pytest.raises(ConfigError, match=r"router.waiting must be a Prometheus metric name .*'1-waiting'"):
+        built_ins.parse("router: {waiting: 1-waiting}\n")
