@@ -77,7 +77,7 @@ def main() -> None:
         median = statistics.median(t.seconds for t in later)
         base = base or median
         print(f"{policy:<20} {len(later):>12}: " + "  ".join(f"{where[s]:>7}" for s in SOURCES)
-              + f"   {statistics.mean(t.reused for t in later):>6.2f}   {median:>9.3f} s   ×{median / base:.2f}")
+              + f"   {statistics.mean(t.reused for t in later):>6.2f}   {median:>9.3f} s   x{median / base:.2f}")
     for policy, sessions in results.items():
         print(f"{policy}: " + "; ".join(s.name.rsplit("-", 1)[1] + " " + " ".join(
             f"h{t.host}:{t.source}" for t in s.turns) for s in sessions))
