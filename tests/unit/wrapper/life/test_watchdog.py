@@ -36,7 +36,10 @@ def pid(wrapper: Wrapper) -> int:
 
 def test_a_hung_server_is_noticed_killed_and_started_again_and_the_request_in_flight_answered(
         tmp_path: Path) -> None:
-    with running(tmp_path, child_argv(), FAST, timeout=30) as wrapper:
+    # The request must reach the wrapper before the hang is noticed, which FAST's looks (every 0.33 s) may do 0.67 s
+    # after the SIGSTOP: a busy machine took longer to send it (it was then held, not sent again). Here the hang
+    # is noticed 2 s after the SIGSTOP at the earliest.
+    with running(tmp_path, child_argv(), "watchdog: {health_timeout: 3s, stall: 6s}\n", timeout=30) as wrapper:
         hung_pid = pid(wrapper)
         os.kill(hung_pid, signal.SIGSTOP)  # a driver stall, a deadlock: nothing answers, nothing dies
         answers: list[tuple[int, bytes]] = []
