@@ -70,6 +70,7 @@ def test_each_llama_swap_config_runs_the_wrapper_with_budgets_that_cover_it(name
     restore = next(a for a in settings["hooks"]["on_startup"] if a.get("builtin") == "slots.restore")
     drain_s = parse_duration(settings.get("server", {}).get("drain_timeout", "5s"))
     assert model["unloadTimeout"] > drain_s + parse_duration(save["timeout"]) + stop_s
+    assert parse_duration(settings["server"]["stop_budget"]) == model["unloadTimeout"]  # its warning knows the grace
     ready_s = parse_duration(settings.get("server", {}).get("ready_timeout", "300s"))
     assert swap["healthCheckTimeout"] >= ready_s + parse_duration(restore.get("timeout", "30s"))
 

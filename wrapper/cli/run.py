@@ -140,7 +140,7 @@ def _resolved(config: Config) -> dict[str, Any]:
         "listen": config.listen.url if config.listen else "llama-server's --host/--port, else 127.0.0.1:8080",
         "server": {"argv": list(config.argv) or "(after --)", "ready_timeout": f"{config.ready_timeout:g}s",
                    "stop_timeout": f"{config.stop_timeout:g}s", "drain_timeout": f"{config.drain_timeout:g}s",
-                   "env": config.env},
+                   "stop_budget": f"{config.stop_budget:g}s", "env": config.env},
         "built-ins": [b.family for b in built_ins.uses(config)],
         **{section.name: section.shown(config) for section in built_ins.sections()},
         "preemption": dict(zip(("enabled", "why"), built_ins.preemption(config), strict=True)),

@@ -76,6 +76,7 @@ class Config:
     ready_timeout: float = 300.0
     stop_timeout: float = 10.0
     drain_timeout: float = 5.0
+    stop_budget: float = 10.0  # what the process manager gives a stop before its SIGKILL: warn when one comes close
     env: dict[str, str] = field(default_factory=dict)
     allow_slot_actions: bool = False
     reload_overlap: str = "auto"  # start the new llama-server before stopping the old one
@@ -168,11 +169,11 @@ def _read_root(r: Reader, root: yaml.Node, sections: Sequence[Section[Any]]) -> 
         values["listen"] = r.converted(top["listen"], "listen", lambda v: parse_listen(str(v)))
     if "server" in top:
         server = r.mapping(
-            top["server"], "server", ("argv", "ready_timeout", "stop_timeout", "drain_timeout", "env")
+            top["server"], "server", ("argv", "ready_timeout", "stop_timeout", "drain_timeout", "stop_budget", "env")
         )
         if "argv" in server:
             values["argv"] = r.string_list(server["argv"], "server.argv")
-        for key in ("ready_timeout", "stop_timeout", "drain_timeout"):
+        for key in ("ready_timeout", "stop_timeout", "drain_timeout", "stop_budget"):
             if key in server:
                 values[key] = r.converted(server[key], f"server.{key}", parse_duration)
         if "env" in server:

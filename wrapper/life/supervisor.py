@@ -43,7 +43,6 @@ from wrapper.serving import Serving
 log = structlog.get_logger()
 
 PROGRESS_EVERY_S = 2.0
-STOP_BUDGET = 10.0  # llama-swap's default unloadTimeout: warn when a stop comes close to it
 KEEPALIVE_S = 4.0
 SAME_SIGNAL_S = 0.1  # the same signal again within this is one delivered twice (make passes it on), not a second
 
@@ -154,10 +153,10 @@ class Supervisor:
         began = time.monotonic()
         gone = await self.life.stop(ended)
         told, exit_status = result(gone.finished, ended), _exit_status(gone.finished, ended, self._signals > 0)
-        stop_s = time.monotonic() - began
-        logger = log.warning if stop_s > 0.8 * STOP_BUDGET else log.info
+        stop_s, budget = time.monotonic() - began, self.serving.current.config.stop_budget
+        logger = log.warning if stop_s > 0.8 * budget else log.info
         logger("wrapper.stopped", result=told, exit_status=exit_status, stop_s=round(stop_s, 3),
-               budget_hint_s=STOP_BUDGET)
+               budget_hint_s=budget)
         return exit_status
 
     def _on_signal(self, sig: signal.Signals) -> None:

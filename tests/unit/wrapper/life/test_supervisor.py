@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
@@ -95,3 +96,14 @@ def test_long_work_says_how_far_it_is_in_status_and_the_log(tmp_path: Path) -> N
         logged = [e for e in wrapper.events("progress") if e["phase"] == "starting: on_startup (restoring slots)"]
         assert len(logged) >= 2 and logged[-1]["for_s"] >= 4  # every 2 s while it lasts
         assert wrapper.status()["progress"] is None
+
+
+@pytest.mark.parametrize(("config", "budget", "level"), [("", 10.0, "info"),
+                                                          ("server: {stop_budget: 1s}\n", 1.0, "warning")])
+def test_a_stop_close_to_the_budget_it_is_given_is_a_warning(tmp_path: Path, config: str, budget: float,
+                                                              level: str) -> None:
+    """llama-swap does not tell its `cmd` the grace a stop has (`unloadTimeout`): `server.stop_budget` does."""
+    with running(tmp_path, child_argv("--term-delay", "1"), config, timeout=30) as wrapper:
+        assert wrapper.stop() == 0
+        (stopped,) = wrapper.events("wrapper.stopped")
+        assert stopped["stop_s"] >= 1 and stopped["budget_hint_s"] == budget and stopped["level"] == level, stopped
