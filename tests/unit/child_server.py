@@ -11,7 +11,7 @@ It accepts the arguments the wrapper adds (`--host`, `--port`) plus switches tha
   --die-on-restore  abort (SIGABRT) on POST /slots/N?action=restore, as llama-server does on some damaged files
 Endpoints: /health, /echo (method, path, query, headers, body), /stream?n=N&delay=S[&gate=1] (SSE; with gate
 the events after the first wait for a GET /release), /props and /slots (one slot of 4096 cells), slot actions,
-anything else 200.
+anything else 200 (with ?hold, once a GET /release came).
 """
 
 from __future__ import annotations
@@ -114,6 +114,8 @@ def main() -> None:
                     time.sleep(delay)
                 self.wfile.write(b"0\r\n\r\n")
             else:
+                if "hold" in parse_qs(url.query):
+                    released.wait(30)  # answered after a GET /release: a request that keeps its slot
                 self._send(200, {"path": url.path, "headers": dict(self.headers.items()), "body": body.decode()})
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle

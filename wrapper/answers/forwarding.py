@@ -7,6 +7,7 @@ The listener (wrapper/http/listener.py) calls `forward_request` and keeps only t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from aiohttp import web
 from wrapper import built_ins, paths
 from wrapper.answers.answering import AnswerLoop
 from wrapper.answers.continuation import GOES_ON_NOT, cannot_go_on, cannot_pause
-from wrapper.answers.passes import Passes
+from wrapper.answers.passes import Passes, refused
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
 from wrapper.configuration import argv as args
@@ -26,6 +27,7 @@ from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.lifecycle import State
 from wrapper.paths import ANSWERED_ASLEEP
 from wrapper.queue import priority
+from wrapper.queue.gate import Admission
 from wrapper.queue.seats import BETWEEN, Seat, Why
 from wrapper.server.generation import Generation, Host
 from wrapper.serving import Serving
@@ -66,7 +68,9 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
     seat = _seat(serving, request, payload, path) if seated else None
     if payload is not None and priority.unsaid(payload):
         body = json.dumps(payload).encode()
-    async with _seated(serving, seat):
+    async with _seated(serving, seat) as seated:
+        if not seated:
+            return refused(serving, Admission.REFUSED)
         passes.seat = seat
         status: int | None = None
         try:
@@ -129,14 +133,31 @@ def _unpausable(out: Outgoing) -> Why | None:
 
 
 @contextlib.asynccontextmanager
-async def _seated(serving: Serving, seat: Seat | None) -> AsyncIterator[None]:
-    """Hold a seat while the request is served (none: not one that decodes)."""
+async def _seated(serving: Serving, seat: Seat | None) -> AsyncIterator[bool]:
+    """Hold a seat while the request is served (none: not one that decodes); False when a drain or a stop began
+    while it waited for one (it is refused now, not once a slot is free)."""
     if seat is None:
-        yield
+        yield True
         return
-    await serving.seats.take(seat)
+    if serving.gate.refusing:
+        yield False
+        return
+    taking = asyncio.ensure_future(serving.seats.take(seat))
+    refusing = asyncio.ensure_future(serving.gate.until_refusing())
     try:
-        yield
+        await asyncio.wait({taking, refusing}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refusing.cancel()
+        if not taking.done():
+            taking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await taking
+    if taking.cancelled():
+        yield False
+        return
+    taking.result()  # what went wrong in the queue, if anything did
+    try:
+        yield True
     finally:
         serving.seats.leave(seat)
 

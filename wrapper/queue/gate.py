@@ -48,6 +48,14 @@ class Gate:
         self._turned_away = asyncio.Event()  # a wake failed: those held for it are answered (a new one per wake)
         self.wake_failed = ""
 
+    @property
+    def refusing(self) -> bool:
+        """Draining or stopping: every new request is refused."""
+        return self._refusing.is_set()
+
+    async def until_refusing(self) -> None:
+        await self._refusing.wait()
+
     def follow(self, state: State) -> None:
         """Called on every state change: the state alone decides what happens to a request."""
         if state is State.READY:

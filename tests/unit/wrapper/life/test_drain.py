@@ -58,3 +58,30 @@ def test_a_drain_refuses_at_once_lets_streams_finish_saves_and_leaves_a_quick_st
         assert time.monotonic() - began < 1.0  # nothing left to drain or save
         assert saved.read_text() == "saved\n"  # on_will_stop ran once
         assert wrapper.events("wrapper.drained")
+
+
+def test_a_request_waiting_for_a_slot_when_a_drain_begins_is_refused_then_not_when_the_slot_frees(
+        tmp_path: Path) -> None:
+    """One slot, held by a request the child keeps until /release: a second one waits for it in the queue. A drain
+    refuses that one at once (503), while the first still holds the slot; the first then finishes."""
+    with running(tmp_path, child_argv(), None, timeout=30, env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+        answers: dict[str, int] = {}
+        holding = threading.Thread(target=lambda: answers.setdefault(
+            "first", http("POST", f"{wrapper.url}/completion?hold=1", {"prompt": "a"}, timeout=60)[0]))
+        holding.start()
+        wait_for(lambda: len(wrapper.status()["priority"]["running"]) == 1, 10, "the first to take the slot")
+        waiting = threading.Thread(target=lambda: answers.setdefault(
+            "second", http("POST", f"{wrapper.url}/completion", {"prompt": "b"}, timeout=60)[0]))
+        waiting.start()
+        wait_for(lambda: len(wrapper.status()["priority"]["waiting"]) == 1, 10, "the second to wait for it")
+        draining = threading.Thread(target=lambda: answers.setdefault("drain", http(
+            "POST", f"{wrapper.url}/wrapper/drain", {"timeout": "30s"}, headers=ADMIN, timeout=60)[0]))
+        draining.start()
+        waiting.join(30)
+        assert answers.get("second") == 503 and "first" not in answers  # refused while the slot is still held
+        assert not wrapper.status()["priority"]["waiting"]
+        server = wrapper.status()["server"]["url"]
+        assert http("GET", f"{server}/release")[0] == 200
+        for thread in (holding, draining):
+            thread.join(30)
+        assert answers == {"second": 503, "first": 200, "drain": 200}
