@@ -15,7 +15,7 @@ from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper.actions import BuiltinFn
 from wrapper.configuration.config import Config, load_config, parse_config
-from wrapper.configuration.sections import PRIORITY, ROUTER, SLEEP, WATCHDOG
+from wrapper.configuration.sections import PRIORITY, ROUTER, SLEEP, WATCHDOG, router_clashes
 from wrapper.configuration.settings import Section
 from wrapper.kept import Kept, Key
 from wrapper.launching.flags import supported_flags
@@ -47,7 +47,7 @@ def sections() -> tuple[Section[Any], ...]:
 
 
 def problems(config: Config) -> list[str]:
-    found = []
+    found = [f"{config.source or '<config>'}: {clash}" for clash in router_clashes(ROUTER.of(config))]
     for action in config.all_actions():
         if action.kind != "builtin":
             continue

@@ -116,11 +116,16 @@ SLEEP = Section("sleep", SleepSettings, "an idle model gives its memory back and
 
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_TAKEN = ("llama_wrapper_", "llamacpp:")  # the wrapper's families and llama-server's, served before the gauges
 
 
 def _metric_name(r: Reader, node: yaml.Node, what: str) -> str | None:
     """A Prometheus metric name, or '' (the gauge left out)."""
     value = r.scalar(node, what, (str,))
+    if isinstance(value, str) and value.startswith(_TAKEN):
+        r.error(node, f"{what}: {value!r} is in a family /metrics already serves ({', '.join(_TAKEN)}*): "
+                      "one name would then be two families, and a scraper refuses the whole text; choose another")
+        return None
     if value is None or value == "" or _METRIC_NAME.fullmatch(value):
         return value  # type: ignore[no-any-return]
     r.error(node, f"{what} must be a Prometheus metric name (letters, digits, _ and :, not first a digit), or '' to "
@@ -134,12 +139,25 @@ METRIC_NAME = Kind("metric name | ''", _metric_name, lambda v: v or "(left out)"
 @dataclass(frozen=True)
 class RouterGaugeSettings:
     waiting: str = setting("vllm:num_requests_waiting", METRIC_NAME, "the gauge of requests waiting for a slot (in "
-                           "the queue, or held while llama-server starts or reloads): the name a router's load-aware "
-                           "scorer reads (the endpoint picker's default)")
+                           "the queue, or held while llama-server starts, reloads or is restarted): the name a "
+                           "router's load-aware scorer reads (the endpoint picker's default)")
     running: str = setting("vllm:num_requests_running", METRIC_NAME, "the gauge of requests in a slot now")
     kv_usage: str = setting("vllm:kv_cache_usage_perc", METRIC_NAME, "the gauge of the KV cache's use, from 0 to 1: "
                             "the tokens the slots hold over the context llama-server runs (known with the slot "
-                            "built-ins, which track what each slot holds; left out without them)")
+                            "built-ins, which track what each slot holds; left out without them; 0 while asleep)")
 
 
 ROUTER = Section("router", RouterGaugeSettings, "the gauges a router in front reads from /metrics, by name")
+
+
+def router_clashes(names: RouterGaugeSettings) -> list[str]:
+    """The gauges given one name twice (a scraper refuses a family given twice)."""
+    given = {"waiting": names.waiting, "running": names.running, "kv_usage": names.kv_usage}
+    seen: dict[str, str] = {}
+    found = []
+    for key, name in given.items():
+        if name and name in seen:
+            found.append(f"router.{seen[name]} and router.{key} are both {name!r}: give each gauge its own name "
+                         "('' leaves one out)")
+        seen.setdefault(name, key)
+    return found

@@ -34,14 +34,24 @@ def test_a_kv_use_not_known_is_left_out_and_a_known_one_stays_within_0_and_1(
 
 
 def test_names_come_from_the_config_and_an_empty_one_leaves_its_gauge_out() -> None:
-    config = built_ins.parse("router: {waiting: 'llamacpp:requests_waiting', running: '', kv_usage: kv_use}\n")
+    config = built_ins.parse("router: {waiting: 'wrapper:requests_waiting', running: '', kv_usage: kv_use}\n")
     names = ROUTER.of(config)
-    assert names == RouterGaugeSettings(waiting="llamacpp:requests_waiting", running="", kv_usage="kv_use")
+    assert names == RouterGaugeSettings(waiting="wrapper:requests_waiting", running="", kv_usage="kv_use")
     families = promtext.parse(exposition(names, Load(1, 1, 100, 1000)).decode())
-    assert sorted(families) == ["kv_use", "llamacpp:requests_waiting"]
+    assert sorted(families) == ["kv_use", "wrapper:requests_waiting"]
     assert exposition(RouterGaugeSettings("", "", ""), Load(1, 1, 1, 1)) == b""
 
 
 def test_a_name_prometheus_refuses_is_refused_at_load_with_what_to_write() -> None:
     with pytest.raises(ConfigError, match=r"router.waiting must be a Prometheus metric name .*'1-waiting'"):
         built_ins.parse("router: {waiting: 1-waiting}\n")
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("router: {waiting: llama_wrapper_state}\n", r"router.waiting: 'llama_wrapper_state' is in a family /metrics"),
+    ("router: {kv_usage: 'llamacpp:kv'}\n", r"router.kv_usage: 'llamacpp:kv' is in a family"),
+    ("router: {running: q, kv_usage: q}\n", r"router.running and router.kv_usage are both 'q': give each gauge"),
+    ("router: {waiting: vllm:num_requests_running}\n", r"router.waiting and router.running are both")])
+def test_a_name_that_would_give_one_family_twice_is_refused(text: str, said: str) -> None:
+    with pytest.raises(ConfigError, match=said):
+        built_ins.parse(text)
