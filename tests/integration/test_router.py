@@ -50,6 +50,7 @@ def kept(wrapper: Wrapper, checkpoints: int) -> bool:
 def test_sessions_behind_the_router_survive_a_drained_and_a_killed_host(
         tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
     hosts: list[Wrapper | None] = [host(tmp_path, f"h{i}", s3, server_bin, demo_path) for i in range(3)]
+    every = list(hosts)
     sessions = [Session(f"agent-{i}") for i in range(6)]
     try:
         for each in hosts:
@@ -97,6 +98,12 @@ def test_sessions_behind_the_router_survive_a_drained_and_a_killed_host(
             assert moved and all(s.turns[-1].source in ("bucket", "folder") for s in moved), \
                 [s.turns for s in moved]
             assert all(s.turns[-1].host not in (drained, killed) for s in sessions)
+    except AssertionError:
+        for i, each in enumerate(every):  # what each host decided, kept, fetched and restored
+            assert each is not None
+            print(f"--- h{i}: " + "\n".join(str(e) for e in each.events() if str(e.get("event", "")).startswith(
+                ("conversations.", "store.", "slots.", "wrapper.drain", "state."))))
+        raise
     finally:
         for each in hosts:
             if each is not None:
