@@ -141,8 +141,9 @@ class Store(Protocol):
         ...
 
     async def fetch(self, entry: Entry) -> Entry:
-        """The entry brought into the local tier, so that `local` can hand it over (itself when it is there);
-        Unreadable when it cannot be fetched."""
+        """The entry brought into the local tier, so that `local` can hand it over (itself when it is there; a
+        longer state of its conversation when another host replaced it with that one meanwhile); Unreadable when it
+        cannot be fetched."""
         ...
 
     def local(self, entry: Entry) -> AbstractAsyncContextManager[Path]:

@@ -168,7 +168,10 @@ class TieredStore:
 
     # -- bringing an entry here ------------------------------------------------------------------------------
 
-    async def fetch(self, entry: Entry) -> Entry:
+    async def fetch(self, entry: Entry, going_on: bool = False) -> Entry:
+        """Bring the entry into the folder from the bucket (when the folder lacks it); the entry as the folder has
+        it. When the bucket no longer holds it because a longer state of its conversation replaced it there (the
+        manifests read before that), the longer one instead (`going_on`: that one already)."""
         known = self.remote.index.get(entry.key)
         here = self.folder.get(entry.key)
         if known is None or (here is not None and not self.remote.missing(self.folder.directory, here.record)):
@@ -181,6 +184,11 @@ class TieredStore:
             got = await asyncio.wait_for(threads.run(self.remote.fetch, self.folder.directory, known),
                                          timeout=deadline)
         except NotFound as exc:  # a manifest naming what the bucket lacks: that entry is damaged, not the bucket
+            longer = await self._went_on(entry) if not going_on else None
+            if longer is not None:  # or another host went on with it since the manifests were read: take that
+                log.info("store.went_on", entry=entry.key, tokens=entry.n_tokens, longer=longer.key,
+                         longer_tokens=longer.n_tokens)
+                return await self.fetch(longer, going_on=True)
             self.refused.add(entry.key)
             raise Unreadable(f"the store lacks part of it: {exc}") from exc
         except TimeoutError as exc:  # a trickling bucket: this turn is prefilled (the fetch goes on meanwhile)
@@ -221,6 +229,17 @@ class TieredStore:
 
     def problem(self, entry: Entry) -> str | None:
         return self.folder.problem(entry) if self.folder.get(entry.key) is not None else None
+
+    async def _went_on(self, entry: Entry) -> Entry | None:
+        """The longer state of the entry's conversation the bucket holds now, its manifests read again."""
+        try:
+            await self.look(force=True)
+            tokens = entry.tokens
+        except (BucketError, OSError, Unreadable):
+            return None
+        longer = [k for k in self.remote.index.values() if len(k.tokens) > len(tokens) and
+                  k.tokens[:len(tokens)] == tokens and k.key not in self.refused]
+        return max(longer, key=lambda k: len(k.tokens)).entry() if longer else None
 
     def fetch_seconds(self, entry: Entry) -> float:
         here = self.folder.get(entry.key)

@@ -199,6 +199,33 @@ async def test_a_shorter_state_is_not_sent_again_once_another_host_went_on_with_
     assert [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith(".json")] == names
 
 
+async def test_an_entry_the_bucket_replaced_with_a_longer_state_since_the_manifests_were_read_brings_that_one(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    """A host's manifests are at most `refresh_s` old: the conversation may have gone on on another host since, and
+    the shorter state left the bucket. The fetch takes the longer one, not a prefill."""
+    a = host(server, tmp_path / "a", prefix, "a")
+    save(a, TOKENS[:40])
+    await a.upload_pending()
+    c = host(server, tmp_path / "c", prefix, "c")
+    await c.look(force=True)
+    stale, shared = c.best(TOKENS[:60])
+    assert stale is not None and (stale.n_tokens, shared) == (40, 40)
+    b = host(server, tmp_path / "b", prefix, "b")  # the conversation goes on on b: its 40 leave the bucket
+    await b.look(force=True)
+    longer = save(b, TOKENS[:70])
+    await b.upload_pending()
+    fetched = await c.fetch(stale)
+    assert fetched.n_tokens == 70
+    async with c.local(fetched) as path:
+        assert path.read_bytes() == longer
+    gone = host(server, tmp_path / "d", prefix, "d")  # an entry that is just gone, no longer state: refused
+    await gone.look(force=True)
+    (entry,) = gone.entries()
+    server._client().delete_object(Bucket=server.bucket, Key=f"{prefix}/model/{entry.record['file']}")
+    with pytest.raises(Unreadable, match="lacks"):
+        await gone.fetch(entry)
+
+
 async def test_slots_ls_opens_the_store_as_the_wrapper_does_and_says_where(
         tmp_path: Path, server: S3Server, prefix: str) -> None:
     a, b = host(server, tmp_path / "a", prefix, "a"), host(server, tmp_path / "b", prefix, "b")
