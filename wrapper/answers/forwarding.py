@@ -68,8 +68,8 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
     seat = _seat(serving, request, payload, path) if seated else None
     if payload is not None and priority.unsaid(payload):
         body = json.dumps(payload).encode()
-    async with _seated(serving, seat) as seated:
-        if not seated:
+    async with _seated(serving, seat) as admitted:
+        if not admitted:
             return refused(serving, Admission.REFUSED)
         passes.seat = seat
         status: int | None = None
