@@ -58,7 +58,9 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
     if chosen is Way.SHOWN:
         return await _shown(passes, path, watched)
     if chosen is Way.THROUGH:  # a body streamed through cannot be sent again
-        async with _seated(serving, _seat(serving, request, None, path) if seated else None):
+        async with _seated(serving, _seat(serving, request, None, path) if seated else None) as admitted:
+            if not admitted:
+                return refused(serving, Admission.REFUSED)
             return await passes.through(lambda to: forward(request, to, path),
                                         watched and request.method in ("GET", "HEAD"))
     body = await _read_whole(request, BODY_LIMIT)
