@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import models
+from tests.s3server import S3Server, skip_without_weed
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +38,11 @@ def other_tiny_path(tmp_path_factory: pytest.TempPathFactory, server_bin: str) -
 @pytest.fixture
 def slots_dir(tmp_path: Path) -> Path:
     return tmp_path / "slots"
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) of the test's own, its bucket empty."""
+    skip_without_weed()
+    with S3Server(tmp_path / "s3") as server:
+        yield server

@@ -6,14 +6,13 @@ every session's next turn is answered and takes at least 90 % of the conversatio
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import Wrapper, http, wait_for
 from tests.router import Router, Session, skip_without_smg
-from tests.s3server import S3Server, skip_without_weed
+from tests.s3server import S3Server
 
 TOKEN = "router-drain-token"
 CONFIG = """
@@ -26,12 +25,9 @@ hooks:
 """
 
 
-@pytest.fixture
-def s3(tmp_path: Path) -> Iterator[S3Server]:
-    skip_without_weed()
+@pytest.fixture(autouse=True)
+def _smg() -> None:
     skip_without_smg()
-    with S3Server(tmp_path / "s3") as server:
-        yield server
 
 
 def host(tmp_path: Path, name: str, s3: S3Server, server_bin: str, demo_path: str) -> Wrapper:

@@ -9,15 +9,12 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.helpers import Wrapper, http, running, wait_for
 from tests.integration.test_conversations import Chat, argv
-from tests.s3server import S3Server, skip_without_weed
+from tests.s3server import S3Server
 
 CONFIG = """
 slots: {{dir: {dir}}}
@@ -26,13 +23,6 @@ hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
 """
-
-
-@pytest.fixture
-def s3(tmp_path: Path) -> Iterator[S3Server]:
-    skip_without_weed()
-    with S3Server(tmp_path / "s3") as server:
-        yield server
 
 
 def config(tmp_path: Path, name: str, s3: S3Server) -> str:
