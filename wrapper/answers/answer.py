@@ -3,8 +3,8 @@
 One request's answer may take several passes to llama-server — after a context overflow and a growth, after a cut
 (the server lost, or a reload handing the stream over), after a pause — and its client must see one answer. This
 is that answer: what the client was given (a stream's response and its held end, the answer's id and first
-event), its text a piece per token, and the request that goes on from it. Its shape (wrapper/answers/route.py)
-decides how a pass is read and how the answer ends:
+event), its text a piece per token, and the request that goes on from it; its API (wrapper/answers/apis/) says how
+each is read and made. Its shape (wrapper/answers/route.py) decides how a pass is read and how the answer ends:
 
 - STREAM: events passed on as they come; a part after the first goes on in the same stream (its echo cut off,
   its id and counts the whole answer's), and the held end is written last;
@@ -15,38 +15,41 @@ decides how a pass is read and how the answer ends:
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
 from aiohttp import web
 
-from wrapper import paths
-from wrapper.answers.continuation import SoFar, continued, cut_by_context, greedy, merged
-from wrapper.answers.gathered import Gathered, whole_answer
+from wrapper.answers.apis.api import Api, less
+from wrapper.answers.continuation import SoFar, greedy
+from wrapper.answers.events import Events
+from wrapper.answers.part import Carry, Had, Part
 from wrapper.answers.proxy import Outcome, Pass, broken_off, json_error, json_object
 from wrapper.answers.route import Shape
-from wrapper.answers.sse import Carry, Events, Had, as_answer
-from wrapper.answers.typed import Shown, TypedEvents
+
+SEED_LIMIT = 1 << 31  # a seed of the wrapper's own: below llama-server's "random" value (0xFFFFFFFF)
 
 
 class Answer:
-    def __init__(self, shape: Shape, path: str, body: bytes, prompt_tokens: int | None = None) -> None:
-        self.shape, self.path, self.chat = shape, path, path in paths.CHAT
+    def __init__(self, api: Api, shape: Shape, body: bytes, prompt_tokens: int | None = None) -> None:
+        self.api, self.shape = api, shape
         parsed = json_object(body)
         self.json = parsed is not None  # the body is a JSON object: a request that can be sent again changed
         self.original: dict[str, Any] = parsed or {}
+        if parsed is not None and shape is not Shape.WHOLE and _regenerable(api, parsed):
+            parsed["seed"] = secrets.randbelow(SEED_LIMIT)  # made again after a loss, it samples the same tokens
+            body = json.dumps(parsed).encode()
         self.request = self.original  # the request the next pass sends
         self.sent = as_stream(body) if shape is Shape.GATHERED else body  # ... as bytes
         self.prompt_tokens = prompt_tokens  # the request's own prompt, as the steps counted it
-        self.so_far = SoFar(path in paths.ASSISTANT_MESSAGE)  # the text the client has (STREAM) or will have
-        # (GATHERED), a chat's, a Responses' or a Messages' answer as a chat's message
-        self.shown = Shown() if path in (*paths.RESPONSES, *paths.MESSAGES) else None  # ... and their frame
+        self.so_far = SoFar(api)  # what the client has (STREAM) or will have (GATHERED)
+        self.frame = api.frame()  # what the client was shown of the answer's frame (Responses, Messages)
         self.response: web.StreamResponse | None = None  # the client's, once a stream began
         self.held = b""  # the last events of a stream, written when it cannot go on
-        self.skip, self.again = "", 0  # what the next part echoes first, and how many events it generates again
-        self.had: Had | None = None  # what else of a chat answer the client has: reasoning, tool calls
+        self.had: Had | None = None  # what the next part must not show again, once it goes on
         self.carry: Carry | None = None  # the earlier parts' id and counts, once it goes on
         self.id: str | None = None  # the answer's (its first part's) id
-        self.first: dict[str, Any] | None = None  # a gathered answer's first event: its id, created, model
+        self.first: dict[str, Any] | None = None  # its first event: a gathered answer's id, created, model
         self.last: Events | None = None  # the last part's events
         self.whole: dict[str, Any] | None = None  # a WHOLE answer's parts so far, merged
         self.interrupted: web.BaseRequest | None = None  # the client's request, once a pass was cut or paused
@@ -56,12 +59,10 @@ class Answer:
         if self.shape is Shape.WHOLE:
             return None
         if self.shape is Shape.GATHERED:
-            return Gathered(self.chat, skip=self.skip, again=self.again, had=self.had)
-        if self.shown is not None:
-            return TypedEvents(self.path, self.shown, skip=self.skip, continuing=self.response is not None,
-                               again=self.again, carry=self.carry, had=self.had)
-        return Events(self.chat, skip=self.skip, continuing=self.response is not None, holds=holds,
-                      again=self.again, carry=self.carry, had=self.had)
+            part = Part(self.had, continuing=self.had is not None)
+            return Events(self.api, part, holds=False, frame=self.frame, passes_on=False)
+        return Events(self.api, Part(self.had, continuing=self.response is not None), holds=holds,
+                      carry=self.carry, frame=self.frame)
 
     # -- what a pass came to ----------------------------------------------------------------------------------
 
@@ -74,10 +75,9 @@ class Answer:
         if self.shape is Shape.WHOLE:
             return  # sent again as it was: nothing of it reached the client
         if self.response is not None or self.shape is Shape.GATHERED or got.outcome is Outcome.PAUSED:
-            self.request, self.skip, self.again, self.had = self.so_far.going_on(self.path, self.original,
-                                                                                 greedy(self.original))
+            self.request, self.had = self.so_far.going_on(self.original, greedy(self.original))
             if self.shape is Shape.STREAM:  # the events it generates again are not the earlier parts' to count
-                self.carry = self._carry(self.again + (self.had.again_reasoning if self.had is not None else 0))
+                self.carry = self._carry(self.had.generated_again)
         self.sent = self._body(self.request)
 
     def resumed(self, body: bytes) -> None:
@@ -91,40 +91,39 @@ class Answer:
             self.response, self.held = got.response, got.events.release()
         self._took(got.events)
         if got.outcome is Outcome.CAUGHT:
-            self.whole = merged(self.path, self.whole, got.payload) if self.whole is not None else got.payload
+            self.whole = self.api.merged(self.whole, got.payload) if self.whole is not None else got.payload
 
     def _took(self, events: Events | None) -> None:
         if events is None:
             return
         self.last = events
-        self.so_far.took(events)
-        self.id = self.id or events.id
-        if isinstance(events, Gathered):
-            self.first = self.first or events.first
+        part = events.part
+        self.so_far.took(part)
+        self.id = self.id or part.id
+        self.first = self.first or part.first
 
     def cut_by_context(self, got: Pass, n_ctx: int) -> tuple[int, int] | None:
         """(tokens used, tokens still wanted) when the part just taken stopped at a full context."""
         if got.outcome is Outcome.CAUGHT:
             return self.part_cut(got.payload, n_ctx)
         final = self.last.final if self.last is not None else None
-        if final is None or self.path not in paths.CONTINUABLE:
+        if final is None or not self.api.growable:
             return None
         asked = self.original if self.carry is not None else self.request
-        return cut_by_context(self.path, asked, as_answer(self.chat, final), n_ctx)
+        return self.api.cut_by_context(asked, self.api.as_answer(final), n_ctx)
 
     def part_cut(self, payload: dict[str, Any], n_ctx: int) -> tuple[int, int] | None:
         """As `cut_by_context`, for a whole JSON answer to the request just sent."""
-        return cut_by_context(self.path, self.request, payload, n_ctx)
+        return self.api.cut_by_context(self.request, payload, n_ctx)
 
     def grown(self) -> None:
         """The context grew for an answer it cut: the request that goes on from all of it."""
         if self.shape is Shape.WHOLE:
             assert self.whole is not None
-            self.request = continued(self.path, self.original, self.whole)
+            text, reasoning, generated = self.api.said(self.whole)
+            self.request = less(self.api.going_on(self.original, text, reasoning), generated)
         else:
-            self.request = continued(self.path, self.original, self.so_far.shaped())
-            self.skip, self.again = (self.so_far.text if self.chat else ""), 0
-            self.had = Had("".join(self.so_far.reasoning)) if self.chat else None
+            self.request, self.had = self.so_far.grown(self.original)
             if self.shape is Shape.STREAM:
                 self.carry = self._carry(0)
         self.sent = self._body(self.request)
@@ -140,10 +139,10 @@ class Answer:
             await self.response.write_eof()
             return self.response
         if self.shape is Shape.GATHERED:
-            assert self.last is not None and isinstance(self.last, Gathered)
-            self.last.first = self.first
-            return web.json_response(whole_answer(self.chat, self.last, self.so_far, self.prompt_tokens,
-                                                  self.original))
+            assert self.last is not None
+            last = self.last.part
+            last.first = self.first
+            return web.json_response(self.api.gathered(last, self.so_far, self.prompt_tokens, self.original))
         assert self.whole is not None
         return web.json_response(self.whole)
 
@@ -179,7 +178,7 @@ class Answer:
 
     def _carry(self, again: int) -> Carry:
         """What the next part makes its counts and id from: the client's answer so far, the request's prompt."""
-        prompt = self.original.get("prompt") if not self.so_far.chat else None
+        prompt = self.original.get("prompt") if not self.api.message else None
         return Carry(self.id, self.so_far.tokens, again, self.prompt_tokens or None,
                      prompt if isinstance(prompt, str) else None)
 
@@ -188,8 +187,17 @@ class Answer:
         return as_stream(body) if self.shape is Shape.GATHERED else body
 
 
+def _regenerable(api: Api, request: dict[str, Any]) -> bool:
+    """Whether an answer to `request` may have to be generated again from the start after a loss (an API that cannot
+    go on from a prefix; a request that offers tools, whose call under way is made again) and its sampling is not
+    made repeatable already (a seed, or greedy)."""
+    if "seed" in request or greedy(request) or not api.seeded:
+        return False
+    return not api.exact or bool(request.get("tools"))
+
+
 def as_stream(body: bytes) -> bytes:
-    """A request body asking for its answer as a stream (wrapper/answers/gathered.py gathers it)."""
+    """A request body asking for its answer as a stream (a GATHERED answer is read from one)."""
     payload = json_object(body) or {}
     payload["stream"] = True
     payload.pop("stream_options", None)

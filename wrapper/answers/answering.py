@@ -25,12 +25,11 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
-from wrapper import paths
 from wrapper.answers.answer import Answer
-from wrapper.answers.continuation import LIMITS
+from wrapper.answers.apis.api import LIMITS, Api
+from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
-from wrapper.answers.sse import Events
 from wrapper.server.generation import Host
 from wrapper.serving import GONE_WHY, Loss
 from wrapper.steps import CannotGrow, Grown, Growth
@@ -63,16 +62,16 @@ class Passing(Protocol):
 
 
 class AnswerLoop:
-    def __init__(self, host: Host, growth: Growth | None, path: str, body: bytes, passes: Passing,
+    def __init__(self, host: Host, growth: Growth | None, api: Api, path: str, body: bytes, passes: Passing,
                  slot_context: Callable[[], int], shape: Shape, watched: bool = False,
                  prompt_tokens: int | None = None) -> None:
-        """`watched`: a lost server is looked for after a cut (the watchdog is on); `prompt_tokens`: the request's
-        own prompt, as the steps counted it."""
+        """`api`: the API the request speaks; `watched`: a lost server is looked for after a cut (the watchdog is
+        on); `prompt_tokens`: the request's own prompt, as the steps counted it."""
         self.host, self.growth, self.path, self.passes = host, growth, path, passes
         self.slot_context, self.watched = slot_context, watched
-        self.answer = Answer(shape, path, body, prompt_tokens)
+        self.answer = Answer(api, shape, body, prompt_tokens)
         self.continuing = growth is not None and growth.continues(host.current.config) \
-            and self.answer.json and path in paths.CONTINUABLE  # an answer a full context cut goes on
+            and self.answer.json and api.growable  # an answer a full context cut goes on
         self.losses = 0
         self.gone = False  # the server was lost and is not started again
 

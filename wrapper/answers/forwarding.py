@@ -17,8 +17,9 @@ import structlog
 from aiohttp import web
 
 from wrapper import built_ins, paths
+from wrapper.answers import apis
 from wrapper.answers.answering import AnswerLoop
-from wrapper.answers.continuation import GOES_ON_NOT, cannot_go_on, cannot_pause
+from wrapper.answers.apis.api import GOES_ON_NOT, Api
 from wrapper.answers.passes import Passes, refused
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
@@ -81,10 +82,11 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
             if refusal is not None:
                 status = refusal.status
                 return refusal
+            api = apis.of(path)
             if seat is not None and seat.klass is priority.Class.BACKGROUND:
-                seat.unpausable = _unpausable(first)
+                seat.unpausable = _unpausable(first, api)
             passes.pausable = seat is not None and serving.seats.why_not_paused(seat) in (None, BETWEEN)
-            goes_on = first.payload is not None and cannot_go_on(path, first.payload) is None
+            goes_on = first.payload is not None and api.cannot_go_on(first.payload) is None
             passes.resumable = watched and goes_on
             if growth is None and not watched and not passes.pausable:
                 response = await passes.through(lambda to: forward(request, to, path, first.body), False)
@@ -92,8 +94,8 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
                 continuing = growth is not None and growth.continues(generation.config) and goes_on
                 read_as = shape(first.payload, continuing, passes.resumable, passes.pausable)
                 prompt = seat.use.prompt if seat is not None and passes.pausable and seat.use.prompt else None
-                response = await AnswerLoop(host, growth, path, first.body, passes, lambda: _slot_ctx(serving.current),
-                                            read_as, watched, prompt).run()
+                response = await AnswerLoop(host, growth, api, path, first.body, passes,
+                                            lambda: _slot_ctx(serving.current), read_as, watched, prompt).run()
             status = response.status
             return response
         finally:  # also when the client hung up: a step's reservation must not outlive its request
@@ -118,14 +120,14 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
 _ODD_SEEN: set[str] = set()
 
 
-def _unpausable(out: Outgoing) -> Why | None:
-    """Why a background request cannot be paused and resumed (None: it can): its answer cannot go on exactly
-    (continuation.cannot_pause), no step keeps what its slot holds (the conversation cache is off), or it asked for
-    a JSON answer with token probabilities (a gathered stream has none)."""
+def _unpausable(out: Outgoing, api: Api) -> Why | None:
+    """Why a background request cannot be paused and resumed (None: it can): its answer cannot go on exactly (its
+    API's `cannot_pause`), no step keeps what its slot holds (the conversation cache is off), or it asked for a JSON
+    answer with token probabilities (a gathered stream has none)."""
     payload = out.payload
     if payload is None:
         return Why("api", "its body is not a JSON object")
-    if (code := cannot_pause(out.path, payload)) is not None:
+    if (code := api.cannot_pause(payload)) is not None:
         return Why(code, GOES_ON_NOT[code])
     if not out.keep:
         return Why("no_keep", "no built-in keeps what its slot holds (the conversation cache is off)")

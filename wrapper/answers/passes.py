@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from wrapper import built_ins
+from wrapper.answers.events import Events
 from wrapper.answers.proxy import (
     STARTED,
     Catching,
@@ -32,7 +33,6 @@ from wrapper.answers.proxy import (
     json_object,
 )
 from wrapper.answers.route import Shape
-from wrapper.answers.sse import Events
 from wrapper.metrics import METRICS
 from wrapper.queue.gate import Admission
 from wrapper.queue.seats import Seat

@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from wrapper.answers.sse import Events
+from wrapper.answers.events import Events
 from wrapper.steps import Observer, error_body
 
 log = structlog.get_logger()

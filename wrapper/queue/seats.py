@@ -38,7 +38,7 @@ BEGUN = Why("begun", "its answer began reasoning or a tool call, which no prefix
 
 
 class UnderWay(Protocol):
-    """How far the exchange a seat may be paused from got (wrapper/answers/sse.py's Events)."""
+    """How far the exchange a seat may be paused from got (wrapper/answers/events.py's Events)."""
 
     @property
     def tokens(self) -> int:

@@ -12,9 +12,10 @@ from typing import Any, cast
 from aiohttp import web
 
 from wrapper.answers.answering import MAX_GROWTHS, AnswerLoop
+from wrapper.answers.apis.chat import Chat
+from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
-from wrapper.answers.sse import Events
 from wrapper.server.generation import Host
 from wrapper.serving import GONE_WHY, Loss
 from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
@@ -102,7 +103,7 @@ def loop(script: Script, growing: Growing | None, body: dict[str, Any], continue
          losing: Losing | None = None) -> AnswerLoop:
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
     growth = Growth(growing.grow, lambda config: continues, lambda config: 64) if growing is not None else None
-    return AnswerLoop(host, growth, CHAT, json.dumps(body).encode(), Passes(script, losing), lambda: N_CTX,
+    return AnswerLoop(host, growth, Chat(), CHAT, json.dumps(body).encode(), Passes(script, losing), lambda: N_CTX,
                       Shape.WHOLE, watched=losing is not None)
 
 
@@ -294,7 +295,7 @@ class Streams:
 def streamed(streams: Streams, prompt: int | None = None) -> AnswerLoop:
     body = {**ASKED, "stream": True, "temperature": 0}
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
-    return AnswerLoop(host, None, CHAT, json.dumps(body).encode(), streams, lambda: N_CTX, Shape.STREAM,
+    return AnswerLoop(host, None, Chat(), CHAT, json.dumps(body).encode(), streams, lambda: N_CTX, Shape.STREAM,
                       watched=True, prompt_tokens=prompt)
 
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from wrapper.answers.continuation import SoFar, cannot_go_on, cannot_pause
-from wrapper.answers.sse import Events, Had
+from wrapper.answers import apis
+from wrapper.answers.apis.chat import Chat
+from wrapper.answers.continuation import SoFar
+from wrapper.answers.events import Events
+from wrapper.answers.part import Call, Had, Part
 
 CHAT = "/v1/chat/completions"
+END = "\": \"x\"}"
 ASKED: dict[str, Any] = {"messages": [{"role": "user", "content": "why?"}], "max_tokens": 100, "temperature": 0}
 
 
@@ -23,94 +27,107 @@ def delta(id: str = "chatcmpl-1", **fields: Any) -> dict[str, Any]:
             "object": "chat.completion.chunk"}
 
 
+def after(had: Had) -> Events:
+    return Events(Chat(), Part(had, continuing=True))
+
+
 def shown(events: Events, raw: bytes) -> list[dict[str, Any]]:
     out = events.feed(raw)
     return [json.loads(line[6:])["choices"][0]["delta"] for line in out.decode().split("\n\n") if line]
 
 
 def test_an_answer_within_its_reasoning_goes_on_within_it() -> None:
-    first = Events(chat=True)
+    first = Events(Chat())
     first.feed(sse(delta(role="assistant", content=None), delta(reasoning_content="\nThe"),
                    delta(reasoning_content=" sky"), delta(reasoning_content=" is"), delta(reasoning_content=" blue")))
-    so_far = SoFar(chat=True)
-    so_far.took(first)
-    body, skip, again, had = so_far.going_on(CHAT, ASKED, True)
+    so_far = SoFar(Chat())
+    so_far.took(first.part)
+    body, had = so_far.going_on(ASKED, True)
     assert body["messages"][-1] == {"role": "assistant", "content": "", "reasoning_content": "\nThe sky is"}
-    assert body["max_tokens"] == 97 and (skip, again) == ("", 0) and (had.reasoning, had.again_reasoning) == (
+    assert body["max_tokens"] == 97 and (had.text, had.again) == ("", 0) and (had.reasoning, had.again_reasoning) == (
         "\nThe sky is", 1)  # " blue" is made again, and not shown twice
-    after = Events(chat=True, continuing=True, had=had)
-    passed = shown(after, sse(delta("chatcmpl-2", role="assistant", content=None),
+    next_part = after(had)
+    passed = shown(next_part, sse(delta("chatcmpl-2", role="assistant", content=None),
                               delta("chatcmpl-2", reasoning_content="\nThe sky is"),  # the prefill, echoed
                               delta("chatcmpl-2", reasoning_content=" blue"),
                               delta("chatcmpl-2", reasoning_content=" because"),
                               delta("chatcmpl-2", content="Light")))
     assert passed == [{"reasoning_content": " because"}, {"content": "Light"}]
-    so_far.took(after)
+    so_far.took(next_part.part)
     assert "".join(so_far.reasoning) == "\nThe sky is blue because" and so_far.text == "Light"
 
 
-def test_a_tool_call_under_way_is_made_again_and_shown_only_what_its_client_lacks() -> None:
-    first = Events(chat=True)
+def test_a_tool_call_under_way_is_made_again_from_the_start_and_shown_only_what_its_client_lacks() -> None:
+    """A call cut in the middle: the request goes again as it came (a model given only the text before the call as
+    a prefix may not make it again: Llama 3.1's answered text), and the client is shown only the rest of the call,
+    under the id and name it has."""
+    first = Events(Chat())
     first.feed(sse(delta(role="assistant", content=None), delta(content="Reading"), delta(content=" it."),
                    delta(tool_calls=[{"index": 0, "id": "call-A", "type": "function",
                                       "function": {"name": "read_file", "arguments": "{"}}]),
                    delta(tool_calls=[{"index": 0, "function": {"arguments": "\"pa"}}])))
-    so_far = SoFar(chat=True)
-    so_far.took(first)
-    assert so_far.calls == {0: ["call-A", "read_file", "{\"pa"]} and so_far.tokens == 4
-    body, skip, again, had = so_far.going_on(CHAT, {**ASKED, "tools": [{"type": "function"}]}, True)
-    assert body["messages"][-1] == {"role": "assistant", "content": "Reading it."}  # no tool_calls: refused there
-    assert (skip, again) == ("Reading it.", 0) and had.calls == [("call-A", "read_file", "{\"pa")]
-    after = Events(chat=True, continuing=True, skip=skip, had=had)
-    passed = shown(after, sse(delta("chatcmpl-2", role="assistant", content=None),
-                              delta("chatcmpl-2", content="Reading it."),
-                              delta("chatcmpl-2", tool_calls=[{"index": 0, "id": "call-B", "type": "function",
-                                                               "function": {"name": "read_file", "arguments": "{"}}]),
-                              delta("chatcmpl-2", tool_calls=[{"index": 0, "function": {"arguments": "\"path"}}]),
-                              delta("chatcmpl-2", tool_calls=[{"index": 0, "function": {"arguments": "\": \"x\"}"}}])))
+    so_far = SoFar(Chat())
+    so_far.took(first.part)
+    assert so_far.calls == {0: Call("call-A", "read_file", "{\"pa")} and so_far.tokens == 4
+    asked = {**ASKED, "tools": [{"type": "function"}]}
+    body, had = so_far.going_on(asked, True)
+    assert body == asked  # the request as it came
+    assert (had.text, had.again, had.again_calls) == ("", 2, 2) and had.calls == [Call("call-A", "read_file", "{\"pa")]
+    next_part = after(had)
+    opened = {"index": 0, "id": "call-B", "type": "function", "function": {"name": "read_file", "arguments": "{"}}
+    passed = shown(next_part, sse(delta("chatcmpl-2", role="assistant", content=None),
+                                  delta("chatcmpl-2", content="Reading"), delta("chatcmpl-2", content=" it."),
+                                  delta("chatcmpl-2", tool_calls=[opened]),
+                                  delta("chatcmpl-2", tool_calls=[{"index": 0, "function": {"arguments": "\"path"}}]),
+                                  delta("chatcmpl-2", tool_calls=[{"index": 0, "function": {"arguments": END}}])))
     assert passed == [{"tool_calls": [{"index": 0, "function": {"arguments": "th"}}]},
                       {"tool_calls": [{"index": 0, "function": {"arguments": "\": \"x\"}"}}]}]  # no new id, no name
-    so_far.took(after)
-    assert so_far.calls == {0: ["call-A", "read_file", "{\"path\": \"x\"}"]}
-    json.loads(so_far.calls[0][2])  # whole, valid JSON
+    so_far.took(next_part.part)
+    assert so_far.calls == {0: Call("call-A", "read_file", "{\"path\": \"x\"}")} and so_far.text == "Reading it."
+    json.loads(so_far.calls[0].arguments)  # whole, valid JSON
 
 
 def test_a_second_call_the_client_had_not_seen_comes_whole() -> None:
-    had = Had(calls=[("call-A", "f", "{}")])
-    after = Events(chat=True, continuing=True, had=had)
-    passed = shown(after, sse(delta(tool_calls=[{"index": 0, "id": "x", "function": {"name": "f", "arguments": "{}"}}]),
-                              delta(tool_calls=[{"index": 1, "id": "call-2", "type": "function",
-                                                 "function": {"name": "g", "arguments": "{}"}}])))
+    next_part = after(Had(calls=[Call("call-A", "f", "{}")]))
+    again = {"index": 0, "id": "x", "function": {"name": "f", "arguments": "{}"}}
+    passed = shown(next_part, sse(delta(tool_calls=[again]),
+                                  delta(tool_calls=[{"index": 1, "id": "call-2", "type": "function",
+                                                     "function": {"name": "g", "arguments": "{}"}}])))
     assert passed == [{"tool_calls": [{"index": 1, "id": "call-2", "type": "function",
                                        "function": {"name": "g", "arguments": "{}"}}]}]
 
 
 def test_what_goes_on_after_a_loss_and_what_is_paused() -> None:
-    assert cannot_go_on(CHAT, {**ASKED, "tools": [{}]}) is None  # made again after a loss: whole
-    assert cannot_pause(CHAT, {**ASKED, "tools": [{}]}) == "tools"  # but not exactly: not paused
-    assert cannot_go_on("/v1/responses", ASKED) is None and cannot_go_on("/v1/messages", ASKED) is None  # goes on
-    assert cannot_pause("/v1/responses", ASKED) == cannot_pause("/v1/messages", ASKED) == "api"  # not pinned
-    assert cannot_go_on("/infill", ASKED) == "api"
-    assert cannot_go_on(CHAT, {**ASKED, "n": 2}) == "choices"
-    assert cannot_pause("/completion", {"prompt": "x"}) is None
+    chat = apis.of(CHAT)
+    assert chat.cannot_go_on({**ASKED, "tools": [{}]}) is None  # made again after a loss: whole
+    assert chat.cannot_pause({**ASKED, "tools": [{}]}) == "tools"  # but not exactly: not paused
+    assert apis.of("/v1/responses").cannot_go_on(ASKED) is None and apis.of("/v1/messages").cannot_go_on(ASKED) is None
+    assert apis.of("/v1/responses").cannot_pause(ASKED) == apis.of("/v1/messages").cannot_pause(ASKED) == "api"
+    for path in ("/completion", "/completions", "/v1/completions", "/infill"):  # every generating endpoint goes on
+        assert apis.of(path).cannot_go_on({"prompt": "x", "input_prefix": "", "input_suffix": ""}) is None, path
+    assert apis.of("/infill").cannot_pause({"input_prefix": "", "input_suffix": ""}) == "api"  # made again instead
+    assert apis.of("/v1/embeddings").cannot_go_on({"input": "x"}) == "api"
+    assert chat.cannot_go_on({**ASKED, "n": 2}) == "choices"
+    assert apis.of("/v1/completions").cannot_go_on({"prompt": ["a", "b"]}) == "choices"  # two prompts
+    assert apis.of("/completion").cannot_go_on({"prompt": [1, 2, "x"]}) is None  # one mixed prompt
+    assert apis.of("/completion").cannot_pause({"prompt": "x"}) is None
 
 
 def test_an_answer_lost_before_a_word_began_is_made_again_from_the_start() -> None:
     """Its first token "\\n", read back as a prefix after the template's own newline, is "\\n\\n": the answer went
     on as "#\\n\\n##..." (a fresh pair of eyes, every time). With no word begun, the request goes again as it came
     and the events the client has are not shown twice."""
-    first = Events(chat=True)
+    first = Events(Chat())
     first.feed(sse(delta(role="assistant", content=None), delta(content="\n")))
-    so_far = SoFar(chat=True)
-    so_far.took(first)
-    body, skip, again, had = so_far.going_on(CHAT, ASKED, True)
-    assert body == ASKED and body is not ASKED and (skip, again, had.reasoning) == ("", 1, "")
-    thinking = Events(chat=True)
+    so_far = SoFar(Chat())
+    so_far.took(first.part)
+    body, had = so_far.going_on(ASKED, True)
+    assert body == ASKED and body is not ASKED and (had.text, had.again, had.reasoning) == ("", 1, "")
+    thinking = Events(Chat())
     thinking.feed(sse(delta(role="assistant", content=None), delta(reasoning_content="Okay")))
-    so_far = SoFar(chat=True)
-    so_far.took(thinking)
-    body, skip, again, had = so_far.going_on(CHAT, ASKED, True)
-    assert body == ASKED and (skip, again, had.reasoning, had.again_reasoning) == ("", 0, "", 1)
-    after = Events(chat=True, continuing=True, again=again, had=had)
-    assert shown(after, sse(delta(reasoning_content="Okay"), delta(reasoning_content=", so"))) == [
+    so_far = SoFar(Chat())
+    so_far.took(thinking.part)
+    body, had = so_far.going_on(ASKED, True)
+    assert body == ASKED and (had.text, had.again, had.reasoning, had.again_reasoning) == ("", 0, "", 1)
+    assert shown(after(had), sse(delta(reasoning_content="Okay"), delta(reasoning_content=", so"))) == [
         {"reasoning_content": ", so"}]

@@ -11,11 +11,13 @@ from typing import Any, cast
 from aiohttp import web
 
 from wrapper.answers.answering import AnswerLoop
+from wrapper.answers.apis.chat import Chat
+from wrapper.answers.apis.completion import Completion
 from wrapper.answers.continuation import RESUME_LOOKBACK, SoFar, greedy, resume_point
-from wrapper.answers.gathered import Gathered, whole_answer
+from wrapper.answers.events import Events
+from wrapper.answers.part import Carry, Had, Part
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
-from wrapper.answers.sse import Carry, Events
 from wrapper.server.generation import Host
 from wrapper.serving import Loss
 
@@ -39,33 +41,33 @@ def test_only_a_greedy_request_generates_again() -> None:
 
 def test_the_request_that_goes_on_and_the_text_it_gives_first() -> None:
     asked = {"messages": [{"role": "user", "content": "tell"}], "max_tokens": 10, "temperature": 0}
-    so_far = SoFar(chat=True)
-    assert so_far.going_on(CHAT, asked, True)[:3] == (asked, "", 0)  # nothing yet: the request as it was
-    so_far.add(["Once", " upon", " a", " time", "."])
-    body, echo, again, _ = so_far.going_on(CHAT, asked, True)
+    so_far = SoFar(Chat())
+    assert so_far.going_on(asked, True) == (asked, Had())  # nothing yet: the request as it was
+    so_far.pieces += ["Once", " upon", " a", " time", "."]
+    body, had = so_far.going_on(asked, True)
     assert body["messages"][-1] == {"role": "assistant", "content": "Once upon a"}
-    assert body["max_tokens"] == 7 and (echo, again) == ("Once upon a", 2)  # the echo, then 2 generated again
-    body, echo, again, _ = so_far.going_on(CHAT, asked, False)
-    assert body["messages"][-1]["content"] == "Once upon a time." and body["max_tokens"] == 5 and again == 0
-    completion = SoFar(chat=False, pieces=["Once", " upon", " a", " time"])
-    body, echo, again, _ = completion.going_on("/completion", {"prompt": "Tell: ", "n_predict": 8}, True)
-    assert body["prompt"] == "Tell: Once upon a" and body["n_predict"] == 5 and (echo, again) == ("", 1)
+    assert body["max_tokens"] == 7 and (had.text, had.again) == ("Once upon a", 2)  # the echo, 2 generated again
+    body, had = so_far.going_on(asked, False)
+    assert body["messages"][-1]["content"] == "Once upon a time." and body["max_tokens"] == 5 and had.again == 0
+    completion = SoFar(Completion(), pieces=["Once", " upon", " a", " time"])
+    body, had = completion.going_on({"prompt": "Tell: ", "n_predict": 8}, True)
+    assert body["prompt"] == "Tell: Once upon a" and body["n_predict"] == 5 and (had.text, had.again) == ("", 1)
 
 
 def test_what_a_resume_generates_again_is_not_shown_even_when_it_differs() -> None:
-    same = Events(chat=True, skip="Once upon a", continuing=True, again=2)
+    same = Events(Chat(), Part(Had("Once upon a", 2), continuing=True))
     shown = same.feed(sse(delta(None, role="assistant"), delta("Once upon a"), delta(" time"), delta("."),
                           delta(" There")))
-    assert same.content == [" There"] and b"There" in shown and b"time" not in shown
-    other = Events(chat=True, skip="Once upon a", continuing=True, again=2)
+    assert same.part.content == [" There"] and b"There" in shown and b"time" not in shown
+    other = Events(Chat(), Part(Had("Once upon a", 2), continuing=True))
     other.feed(sse(delta("Once upon a"), delta(" day"), delta("!"), delta(" It")))
-    assert other.content == [" It"]  # the client's "time." stands; no "day!" after it
-    merged = Events(chat=True, skip="Once upon a", continuing=True, again=1)
+    assert other.part.content == [" It"]  # the client's "time." stands; no "day!" after it
+    merged = Events(Chat(), Part(Had("Once upon a", 1), continuing=True))
     merged.feed(sse(delta("Once upon a time"), delta(".")))  # the echo and a token in one event
-    assert merged.content == ["."]
-    completion = Events(chat=False, continuing=True, again=1)
+    assert merged.part.content == ["."]
+    completion = Events(Completion(), Part(Had(again=1), continuing=True))
     completion.feed(sse({"content": " time", "stop": False}, {"content": ".", "stop": False}))
-    assert completion.content == ["."] and completion.tokens == 1
+    assert completion.part.content == ["."] and completion.tokens == 1
 
 
 def sse(*payloads: dict[str, Any]) -> bytes:
@@ -85,7 +87,7 @@ def final(reason: str = "stop", cache_n: int = 40, prompt_n: int = 2, predicted_
 
 def test_a_resumed_part_carries_the_whole_answers_id_and_counts() -> None:
     carry = Carry("chatcmpl-first", shown=100, again=2, prompt_tokens=40)
-    events = Events(chat=True, skip="", continuing=True, holds=False, carry=carry)
+    events = Events(Chat(), Part(continuing=True), holds=False, carry=carry)
     shown = events.feed(sse(delta("x") | {"id": "chatcmpl-second"},
                             final() | {"usage": {"completion_tokens": 52, "prompt_tokens": 138, "total_tokens": 190}}))
     passed = [json.loads(line[5:]) for line in shown.decode().split("\n\n") if line.startswith("data:")]
@@ -93,23 +95,23 @@ def test_a_resumed_part_carries_the_whole_answers_id_and_counts() -> None:
     assert passed[-1]["usage"] == {"completion_tokens": 150, "prompt_tokens": 40, "total_tokens": 190}
     unknown = Carry(None, shown=100, again=2)  # no prompt count: the part's prompt less what it went on from
     usage = {"usage": {"completion_tokens": 52, "prompt_tokens": 138}}
-    assert unknown.carries(usage) and usage["usage"]["prompt_tokens"] == 40
+    assert Chat().carried(usage, unknown) and usage["usage"]["prompt_tokens"] == 40
     last = {"stop": True, "tokens_predicted": 52, "tokens_evaluated": 139, "prompt": "Tell: Once upon"}
-    assert Carry(None, 100, 2, 41, "Tell: ").carries(last)
+    assert Completion().carried(last, Carry(None, 100, 2, 41, "Tell: "))
     assert last == {"stop": True, "tokens_predicted": 150, "tokens_evaluated": 41, "prompt": "Tell: "}
 
 
 def test_a_gathered_stream_is_llama_servers_json_answer() -> None:
-    events = Gathered(chat=True)
+    events = Events(Chat(), passes_on=False)
     events.feed(sse(delta(None, role="assistant"), delta(reasoning_content="think"), delta("Hi"), delta(" you")))
     events.feed(sse(delta(tool_calls=[{"index": 0, "id": "c1", "type": "function",
                                        "function": {"name": "f", "arguments": "{\"a\""}}]),
                     delta(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]), final("tool_calls")))
     events.feed(b"data: [DONE]\n\n")
     assert not events.plain
-    so_far = SoFar(chat=True)
-    so_far.took(events)
-    answer = whole_answer(True, events, so_far, 42, {})
+    so_far = SoFar(Chat())
+    so_far.took(events.part)
+    answer = Chat().gathered(events.part, so_far, 42, {})
     assert answer["choices"] == [{"finish_reason": "tool_calls", "index": 0, "message": {
         "role": "assistant", "content": "Hi you", "reasoning_content": "think",
         "tool_calls": [{"type": "function", "id": "c1", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]
@@ -119,10 +121,10 @@ def test_a_gathered_stream_is_llama_servers_json_answer() -> None:
 
 
 def test_a_gathered_completion_is_its_last_event_with_the_whole_text() -> None:
-    events = Gathered(chat=False)
+    events = Events(Completion(), passes_on=False)
     events.feed(sse({"content": " a", "stop": False}, {"content": "", "stop": True, "tokens_predicted": 1,
                                                           "prompt": "Tell: Once", "timings": {"predicted_n": 1}}))
-    answer = whole_answer(False, events, SoFar(chat=False, pieces=["Once", " a"]), None, {"prompt": "Tell: "})
+    answer = Completion().gathered(events.part, SoFar(Completion(), pieces=["Once", " a"]), None, {"prompt": "Tell: "})
     assert answer["content"] == "Once a" and answer["tokens_predicted"] == 2 and answer["prompt"] == "Tell: "
 
 
@@ -137,7 +139,7 @@ class Passes:
 
     async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
-        assert shape is Shape.GATHERED and isinstance(events, Gathered) and going_on is None
+        assert shape is Shape.GATHERED and events is not None and going_on is None
         self.sent.append(json.loads(body))
         stream, pause_after = self.streams.pop(0)
         if pause_after is None:
@@ -164,8 +166,8 @@ async def test_a_json_answer_paused_twice_is_one_answer() -> None:
         final(cache_n=36, prompt_n=1, predicted_n=3))))
     passes = Passes([(first, 5), (second, 5), (third, None)])
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
-    response = await AnswerLoop(host, None, CHAT, json.dumps(asked).encode(), passes, lambda: 4096, Shape.GATHERED,
-                                prompt_tokens=30).run()
+    response = await AnswerLoop(host, None, Chat(), CHAT, json.dumps(asked).encode(), passes, lambda: 4096,
+                                Shape.GATHERED, prompt_tokens=30).run()
     assert isinstance(response, web.Response) and response.body is not None
     answer = json.loads(cast(bytes, response.body))
     assert answer["choices"][0]["message"]["content"] == "Once upon a time, there was"

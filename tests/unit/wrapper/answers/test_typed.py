@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from wrapper.answers import apis
+from wrapper.answers.apis.typed import Shown
 from wrapper.answers.continuation import SoFar
-from wrapper.answers.sse import Carry
-from wrapper.answers.typed import Shown, TypedEvents
+from wrapper.answers.events import Events
+from wrapper.answers.part import Call, Carry, Part
 
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
@@ -61,22 +63,26 @@ def completed(resp: str, output: list[dict[str, Any]], generated: int, prompt: i
         "usage": {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated}}}
 
 
-def next_part(path: str, first: TypedEvents, shown: Shown, asked: dict[str, Any]) -> tuple[TypedEvents, dict[str, Any]]:
+def first_part(path: str, shown: Shown) -> Events:
+    return Events(apis.of(path), frame=shown, holds=False)
+
+
+def next_part(path: str, first: Events, shown: Shown, asked: dict[str, Any]) -> tuple[Events, dict[str, Any]]:
     """The part after a loss, as the answer makes it: what the client has, the request that goes on from it."""
-    so_far = SoFar(chat=True)
-    so_far.took(first)
-    body, skip, again, had = so_far.going_on(path, asked, False)
-    carry = Carry(None, so_far.tokens, again, None)
-    return TypedEvents(path, shown, skip=skip, continuing=True, again=again, carry=carry, had=had), body
+    so_far = SoFar(apis.of(path))
+    so_far.took(first.part)
+    body, had = so_far.going_on(asked, False)
+    carry = Carry(None, so_far.tokens, had.generated_again, None)
+    return Events(apis.of(path), Part(had, continuing=True), holds=False, carry=carry, frame=shown), body
 
 
 def test_a_responses_text_cut_goes_on_under_the_clients_ids_without_its_echo() -> None:
     shown = Shown()
-    first = TypedEvents(RESPONSES, shown)
+    first = first_part(RESPONSES, shown)
     out = first.feed(sse(*opened("resp_A"), item("message", "msg_A", role="assistant", content=[]),
                          {"type": "response.content_part.added", "item_id": "msg_A", "part": {"type": "output_text"}},
                          text("msg_A", "The"), text("msg_A", " sky"), text("msg_A", " is")))
-    assert len(read(out)) == 7 and first.content == ["The", " sky", " is"]  # read when asked: here, the loss
+    assert len(read(out)) == 7 and first.part.content == ["The", " sky", " is"]  # read when asked: here, the loss
     assert shown.id == "resp_A" and shown.kinds == {"text": "msg_A"}
     asked = {"input": "why?", "max_output_tokens": 100, "stream": True}
     second, body = next_part(RESPONSES, first, shown, asked)
@@ -100,12 +106,12 @@ def test_a_responses_text_cut_goes_on_under_the_clients_ids_without_its_echo() -
     done = events[-1]["response"]
     assert done["id"] == "resp_A" and done["output"][0]["id"] == "msg_A"
     assert done["usage"] == {"input_tokens": 37, "output_tokens": 6, "total_tokens": 43}  # 3 the client had
-    assert second.content == [" blue", "."] and second.final is not None
+    assert second.part.content == [" blue", "."] and second.final is not None
 
 
 def test_a_responses_answer_cut_in_its_reasoning_goes_on_within_it() -> None:
     shown = Shown()
-    first = TypedEvents(RESPONSES, shown)
+    first = first_part(RESPONSES, shown)
     first.feed(sse(*opened("resp_A"), item("reasoning", "rs_A", summary=[]), thought("rs_A", "Light"),
                    thought("rs_A", " scatters")))
     asked = {"input": [{"type": "message", "role": "user", "content": "why?"}], "stream": True}
@@ -126,15 +132,16 @@ def test_a_responses_answer_cut_in_its_reasoning_goes_on_within_it() -> None:
 
 def test_a_responses_call_under_way_is_made_again_and_shown_only_what_its_client_lacks() -> None:
     shown = Shown()
-    first = TypedEvents(RESPONSES, shown)
+    first = first_part(RESPONSES, shown)
     first.feed(sse(*opened("resp_A"), item("message", "msg_A", role="assistant", content=[]),
                    text("msg_A", "Reading."),
                    item("function_call", "fc_A", call_id="call_A", name="read_file", arguments=""),
                    arguments("fc_A", '{"path": '), arguments("fc_A", '"READ')))
-    assert first.calls == {0: ("call_A", "read_file", '{"path": "READ')} and shown.calls == [("fc_A", "call_A")]
+    assert first.part.calls == {0: Call("call_A", "read_file", '{"path": "READ')}
+    assert shown.calls == [("fc_A", "call_A")]
     asked = {"input": "read it", "tools": [{"type": "function", "name": "read_file"}], "stream": True}
     second, body = next_part(RESPONSES, first, shown, asked)
-    assert body["input"][-1]["content"] == [{"type": "output_text", "text": "Reading."}]  # goes on before the call
+    assert body == asked  # made again from the start
     events = read(second.feed(sse(
         *opened("resp_B"), item("message", "msg_B", role="assistant", content=[]), text("msg_B", "Reading."),
         item("function_call", "fc_B", call_id="call_B", name="read_file", arguments=""),
@@ -151,7 +158,8 @@ def test_a_responses_call_under_way_is_made_again_and_shown_only_what_its_client
     assert events[0]["item_id"] == events[1]["item_id"] == "fc_A"
     assert (events[2]["item"]["id"], events[2]["item"]["call_id"]) == ("fc_A", "call_A")  # one call, its ids
     assert events[3]["item"]["id"] == "fc_C" and shown.calls == [("fc_A", "call_A"), ("fc_C", "call_C")]
-    assert second.calls[0] == ("call_A", "read_file", 'ME.md"}') and second.calls[1] == ("call_C", "read_file", "{}")
+    assert second.part.calls[0] == Call("call_A", "read_file", 'ME.md"}')
+    assert second.part.calls[1] == Call("call_C", "read_file", "{}")
 
 
 # -- Messages ----------------------------------------------------------------------------------------------------
@@ -171,20 +179,21 @@ def piece(index: int, kind: str, key: str, value: str) -> dict[str, Any]:
 
 
 def test_a_messages_answer_cut_goes_on_in_the_clients_blocks() -> None:
+    """Cut in a tool_use block: the answer is made again from the start, and shown in the client's blocks only what
+    it lacks — the rest of the call, then a call it never saw under the next index."""
     shown = Shown()
-    first = TypedEvents(MESSAGES, shown)
+    first = first_part(MESSAGES, shown)
     first.feed(sse(started("msg_A"), block(0, "thinking", thinking=""),
                    piece(0, "thinking_delta", "thinking", "Light scatters."),
                    block(1, "text", text=""), piece(1, "text_delta", "text", "The sky"),
                    block(2, "tool_use", id="toolu_A", name="look", input={}),
                    piece(2, "input_json_delta", "partial_json", '{"at": "u')))
-    assert (first.content, first.reasoning) == (["The sky"], ["Light scatters."])
+    assert (first.part.content, first.part.reasoning) == (["The sky"], ["Light scatters."])
     assert (shown.id, shown.kinds, shown.calls, shown.blocks) == ("msg_A", {"reasoning": 0, "text": 1}, [2], 3)
     asked = {"messages": [{"role": "user", "content": "why?"}, {"role": "assistant", "content": "The"}],
              "max_tokens": 50, "stream": True}
     second, body = next_part(MESSAGES, first, shown, asked)
-    assert body["messages"] == [{"role": "user", "content": "why?"}, {"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "Light scatters.", "signature": ""}, {"type": "text", "text": "The sky"}]}]
+    assert body == asked
     events = read(second.feed(sse(
         started("msg_B"), block(0, "thinking", thinking=""), piece(0, "thinking_delta", "thinking", "Light scatters."),
         block(1, "text", text=""), piece(1, "text_delta", "text", "The sky"),
@@ -199,12 +208,12 @@ def test_a_messages_answer_cut_goes_on_in_the_clients_blocks() -> None:
         ("content_block_delta", 2), ("content_block_start", 3), ("content_block_delta", 3),
         ("content_block_stop", 0), ("content_block_stop", 3), ("message_delta", None), ("message_stop", None)]
     assert events[0]["delta"]["partial_json"] == 'p"}' and events[1]["content_block"]["id"] == "toolu_C"
-    assert events[5]["usage"]["output_tokens"] == 4 + 3  # the client had a thought, a word, a call's part
+    assert events[5]["usage"]["output_tokens"] == 4  # made again whole: its own count is the whole answer's
 
 
 def test_a_messages_block_the_client_never_saw_takes_the_next_index() -> None:
     shown = Shown()
-    first = TypedEvents(MESSAGES, shown)
+    first = first_part(MESSAGES, shown)
     first.feed(sse(started("msg_A"), block(0, "text", text=""), piece(0, "text_delta", "text", "Let me look.")))
     second, _ = next_part(MESSAGES, first, shown, {"messages": [{"role": "user", "content": "go"}], "stream": True})
     events = read(second.feed(sse(
