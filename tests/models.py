@@ -107,6 +107,37 @@ def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, 
     return str(out)
 
 
+FIM_TOKENS = {"fim_pre": "<jupyter_start>", "fim_suf": "<jupyter_text>", "fim_mid": "<jupyter_code>"}
+
+
+def demo_with_fim(demo_path: str, out: Path) -> str:
+    """Write (once) the demo model with fill-in-the-middle tokens named, for /infill: the same weights and vocabulary,
+    three of its special tokens (FIM_TOKENS, unused in chat) given as the prefix, suffix and middle tokens. SmolLM2
+    names none, and llama-server refuses /infill without them (501); the editor plugins' models (Qwen2.5-Coder,
+    StarCoder) are not on the package index."""
+    if out.exists():
+        return str(out)
+    model = gguf.GGUFReader(demo_path)
+    tokens = [bytes(model.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in model.fields["tokenizer.ggml.tokens"].data]
+    architecture = bytes(model.fields["general.architecture"].parts[-1]).decode()
+    temporary = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(temporary), architecture)
+    for field in model.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            _copy_field(writer, field)
+    for key, token in FIM_TOKENS.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(token))
+    for tensor in model.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)  # quantized: its bytes' shape
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    temporary.replace(out)
+    return str(out)
+
+
 def _copy_field(writer: gguf.GGUFWriter, field: gguf.ReaderField) -> None:
     kind = field.types[0]
     if kind == gguf.GGUFValueType.ARRAY:

@@ -65,7 +65,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if slot is None:
         return out
     reserved = _Reserved(slot, messages)
-    out.after.append(lambda status: _release(host, generation, conv, reserved, tokens, status))
+    out.after.append(lambda status: _release(generation, conv, reserved, tokens, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
         out.use.tokens, out.use.slot = len(tokens), slot
@@ -156,7 +156,7 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
     book.pinned()
     conv.continued += 1
     reserved = _Reserved(slot, messages, continued=True)
-    out.after.append(lambda status: _release(host, generation, conv, reserved, None, status))
+    out.after.append(lambda status: _release(generation, conv, reserved, None, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
         out.use.tokens, out.use.slot = book.count(slot), slot
@@ -233,22 +233,22 @@ class _Reserved:
     released: bool = False
 
 
-def _release(host: Host, first: Generation, conv: Conversations, reserved: _Reserved, tokens: list[int] | None,
+def _release(generation: Generation, conv: Conversations, reserved: _Reserved, tokens: list[int] | None,
              status: int | None) -> None:
-    """The request is answered (or cut). It ran on the generation it began on, and on the current one when a
-    growth's reload sent it again there: the slot of each holds something new."""
+    """The request is answered (or cut) on the server it was stepped on: that slot holds something new. (A request
+    that goes on on another server — after a crash, a reload's hand-over, a growth — runs the steps again there, and
+    that run tells its own server's book: wrapper/answers/passes.py.)"""
     if reserved.released:
         return  # paused: what the slot holds was kept, and the book says what it is
     answered = status is not None and status < 400
     chain = reserved.messages.chain() if reserved.messages is not None and answered else None
-    for generation in {id(g): g for g in (first, host.current)}.values():
-        book = book_of(generation)
-        if not reserved.continued:
-            book.served(reserved.slot, tokens if answered else None, chain)
-        elif chain is not None:  # each server's book knows whether the answer came from it (the last pass went to
-            book.continued(reserved.slot, chain)  # a server started again after a crash): unknown if it did not
-        else:  # no answer: unknown
-            book.served(reserved.slot, None)
+    book = book_of(generation)
+    if not reserved.continued:
+        book.served(reserved.slot, tokens if answered else None, chain)
+    elif chain is not None:  # it went on from what the slot held: the answer says how much of it the server kept
+        book.continued(reserved.slot, chain)
+    else:  # no answer: unknown
+        book.served(reserved.slot, None)
     _let_go(conv, reserved)
 
 

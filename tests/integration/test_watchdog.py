@@ -18,6 +18,7 @@ import pytest
 
 from tests import models
 from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
+from tests.killing import deltas, server_pid, streamed
 
 CONFIG = """
 slots: {{dir: {dir}}}
@@ -39,12 +40,6 @@ def config(tmp_path: Path, health: str = "5s") -> str:
 
 def argv(server_bin: str, demo_path: str, parallel: int = 2) -> list[str]:
     return [server_bin, "-m", demo_path, "-c", "8192", "-np", str(parallel)]
-
-
-def server_pid(wrapper: Wrapper) -> int:
-    found: int = wrapper.status()["server"]["pid"]
-    return found
-
 
 
 def reused(answer: dict[str, Any]) -> int:
@@ -309,43 +304,10 @@ def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
         assert wrapper.stop() == 0
 
 
-def _streamed(wrapper: Wrapper, body: dict[str, Any], kill_when: Any = None,
-              path: str = "/v1/chat/completions") -> list[dict[str, Any]]:
-    """A streamed answer read event by event (a Responses or Messages event's payload gets its `event:` name as
-    `event`); SIGKILL to llama-server once `kill_when(events)` is true."""
-    host, port = wrapper.url.removeprefix("http://").split(":")
-    connection = HTTPConnection(host, int(port), timeout=600)
-    connection.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    reply = connection.getresponse()
-    assert reply.status == 200
-    events: list[dict[str, Any]] = []
-    name, killed, pid = None, False, server_pid(wrapper)
-    for raw in reply:
-        line = raw.decode().strip()
-        if line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            data = line[5:].strip()
-            events.append({"done": True} if data == "[DONE]" else json.loads(data))
-            if name is not None:
-                events[-1]["event"] = name
-                assert events[-1].get("type") == name, events[-1]  # the name and the type agree
-            if kill_when is not None and not killed and kill_when(events):
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-    connection.close()
-    assert kill_when is None or killed
-    return events
-
-
-def _deltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [e["choices"][0]["delta"] for e in events if e.get("choices")]
-
-
 def _whole_and_once(events: list[dict[str, Any]]) -> None:
     """One answer: one role chunk, one final event, one [DONE], no error, one id."""
     assert not any("error" in e for e in events), events[-3:]
-    assert sum(1 for d in _deltas(events) if d.get("role")) == 1
+    assert sum(1 for d in deltas(events) if d.get("role")) == 1
     assert sum(1 for e in events if e.get("choices") and e["choices"][0].get("finish_reason")) == 1
     assert events[-1] == {"done": True} and sum("done" in e for e in events) == 1
     assert len({e["id"] for e in events if "id" in e}) == 1
@@ -361,12 +323,12 @@ def test_a_reasoning_stream_survives_a_sigkill_with_its_reasoning_once(tmp_path:
             "temperature": 0}
     with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
                  config(tmp_path)) as wrapper:
-        alone = "".join(d.get("reasoning_content") or "" for d in _deltas(_streamed(wrapper, body)))
-        events = _streamed(wrapper, body, lambda seen: sum(bool(d.get("reasoning_content"))
-                                                           for d in _deltas(seen)) >= 30)
+        alone = "".join(d.get("reasoning_content") or "" for d in deltas(streamed(wrapper, body)))
+        events = streamed(wrapper, body, lambda seen: sum(bool(d.get("reasoning_content"))
+                                                           for d in deltas(seen)) >= 30)
         _whole_and_once(events)
-        reasoning = "".join(d.get("reasoning_content") or "" for d in _deltas(events))
-        kept = "".join(d.get("reasoning_content") or "" for d in _deltas(events)[:31])
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas(events))
+        kept = "".join(d.get("reasoning_content") or "" for d in deltas(events)[:31])
         assert reasoning.startswith(kept) and reasoning.count(kept) == 1  # what the client had, once
         assert 0.8 * len(alone) <= len(reasoning) <= 1.2 * len(alone), (len(reasoning), len(alone))
         assert wrapper.events("wrapper.stream_resumed") and wrapper.stop() == 0
@@ -387,13 +349,13 @@ def test_a_tool_call_under_way_survives_a_sigkill_as_one_call(tmp_path: Path, se
             "temperature": 0, "tools": [tool], "tool_choice": "required"}
 
     def calls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [c for d in _deltas(events) for c in d.get("tool_calls") or []]
+        return [c for d in deltas(events) for c in d.get("tool_calls") or []]
 
     with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
                  config(tmp_path)) as wrapper:
-        alone = _streamed(wrapper, body)
+        alone = streamed(wrapper, body)
         assert calls(alone), "the demo model made no call: the template or the prompt changed"
-        events = _streamed(wrapper, body, lambda seen: len(calls(seen)) >= 4)
+        events = streamed(wrapper, body, lambda seen: len(calls(seen)) >= 4)
         _whole_and_once(events)
         parts = calls(events)
         assert len({c["id"] for c in parts if "id" in c}) == 1  # one id, the first
@@ -410,7 +372,7 @@ def test_a_tool_call_under_way_survives_a_sigkill_as_one_call(tmp_path: Path, se
 
 def _typed(wrapper: Wrapper, path: str, body: dict[str, Any], kill_when: Any = None) -> list[dict[str, Any]]:
     """A streamed Responses or Messages answer (`event:` and `data:` lines), as _streamed reads it."""
-    return _streamed(wrapper, body, kill_when, path)
+    return streamed(wrapper, body, kill_when, path)
 
 
 def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -529,19 +491,19 @@ def test_a_messages_tool_use_under_way_survives_a_sigkill_as_one_block(tmp_path:
     body = {"messages": [{"role": "user", "content": "Read the file README.md please."}], "max_tokens": 120,
             "temperature": 0, "tools": [tool], "tool_choice": {"type": "any"}}
 
-    def json_deltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def jsondeltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [e for e in _of(events, "content_block_delta") if e["delta"]["type"] == "input_json_delta"]
 
     with running(tmp_path, [*argv(server_bin, demo_path, 1), "--jinja", "--chat-template-file", template],
                  config(tmp_path)) as wrapper:
-        alone = json_deltas(_typed(wrapper, "/v1/messages", body))
+        alone = jsondeltas(_typed(wrapper, "/v1/messages", body))
         assert alone, "the demo model made no call: the template or the prompt changed"
-        events = _typed(wrapper, "/v1/messages", body, lambda seen: len(json_deltas(seen)) >= 3)
+        events = _typed(wrapper, "/v1/messages", body, lambda seen: len(jsondeltas(seen)) >= 3)
         _one_message(events)
         uses = [e for e in _of(events, "content_block_start") if e["content_block"]["type"] == "tool_use"]
-        assert len(uses) == 1 and {e["index"] for e in json_deltas(events)} == {uses[0]["index"]}
-        arguments = "".join(e["delta"]["partial_json"] for e in json_deltas(events))
-        cut = "".join(e["delta"]["partial_json"] for e in json_deltas(events)[:3])
+        assert len(uses) == 1 and {e["index"] for e in jsondeltas(events)} == {uses[0]["index"]}
+        arguments = "".join(e["delta"]["partial_json"] for e in jsondeltas(events))
+        cut = "".join(e["delta"]["partial_json"] for e in jsondeltas(events)[:3])
         assert arguments.startswith(cut) and "".join(e["delta"]["partial_json"] for e in alone).startswith(cut)
         assert set(json.loads(arguments)) == {"path", "content"}
         assert _of(events, "message_delta")[0]["delta"]["stop_reason"] == "tool_use"

@@ -4,11 +4,17 @@ A pass waits at the gate (held while the server starts, reloads, restarts or sle
 serves then, counted in flight until it leaves; it comes to one `Pass` (wrapper/answers/proxy.py). A pass of a
 background request that may be paused races its seat's pause (wrapper/queue/seats.py); one a reload hands over is cut
 to go on on the next server. After a cut, `lost` says whether the server was lost under it; after a pause, `resume`
-keeps what the slot holds, waits for a seat again and runs the steps again for the request that goes on."""
+keeps what the slot holds, waits for a seat again and runs the steps again for the request that goes on.
+
+The steps run on the server they talk to: a pass that would go to another server than the one its steps ran on (a
+crash's restart, a reload's hand-over, a growth) runs them again there first, for the request it sends — so that
+what a built-in learns of a slot (the conversation cache's book: its tokens, its conversation) is what that server's
+slot holds, whichever way the answer went on."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +64,9 @@ class Passes:
         self.active = True  # it keeps the server awake (sleep.after); not what clients poll
         self.resumable = False  # its streams go on after a cut: a reload may hand them over (wrapper/queue/gate.py)
         self.pausable = False  # a background request whose passes its seat may pause
+        self.stepped_on: Generation | None = None  # the generation the last run of the steps talked to
         self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
+        self._asked_slot: Any = None  # the `id_slot` the client asked for itself (a later run may choose another)
 
     # -- the steps ------------------------------------------------------------------------------------------------
 
@@ -66,6 +74,8 @@ class Passes:
         """Run the steps on `out` (it becomes what they make of it); a refusal or a step's Reply, else None. The
         steps talk to llama-server: only once the gate lets requests through (not counted in flight: a step may
         wait for a slot that a growth's drain would otherwise wait for in turn)."""
+        if not self.runs and out.payload is not None:
+            self._asked_slot = out.payload.get("id_slot")
         self.runs.append(out)
         if not self.steps:
             return None
@@ -78,7 +88,40 @@ class Passes:
                 return web.json_response(stepped.body, status=stepped.status, headers=dict(stepped.headers))
             out.body, out.payload = stepped.body, stepped.payload
             out.after, out.keep = stepped.after, stepped.keep
+        self.stepped_on = self.serving.current
         return None
+
+    def again(self, request_now: dict[str, Any]) -> Outgoing:
+        """The request that goes on, for the steps to run on again: pinned only where the client pinned it (the
+        earlier run's slot was the steps' choice on an earlier server, or before a pause)."""
+        payload = dict(request_now)
+        if self._asked_slot is None:
+            payload.pop("id_slot", None)
+        else:
+            payload["id_slot"] = self._asked_slot
+        return Outgoing("POST", self.path, json.dumps(payload).encode(), payload,
+                        use=self.seat.use if self.seat is not None else None)
+
+    def _moved(self) -> bool:
+        """The steps ran on a server that no longer serves."""
+        return bool(self.steps) and self.stepped_on is not None and self.serving.current is not self.stepped_on
+
+    async def _stepped_again(self, body: bytes) -> bytes | web.Response:
+        """The steps again, on the server that serves now, for the request the next pass sends (`body`): what they
+        make of it, or their refusal. The earlier runs are over (their slots let go on the server they ran on)."""
+        payload = json_object(body)
+        if payload is None:
+            self.stepped_on = self.serving.current
+            return body
+        self.done(None)
+        out = self.again(payload)
+        refusal = await self.stepped(out)
+        if refusal is not None:
+            return refusal
+        use = out.use
+        log.info("wrapper.stepped_again", path=self.path, slot=use.slot if use is not None else None,
+                 tokens=use.tokens if use is not None else None)
+        return out.body
 
     def done(self, status: int | None) -> None:
         """The request is answered (`status`), or cut (None): each run's `after` is told."""
@@ -94,16 +137,20 @@ class Passes:
         """The answer loop's pass, in `shape`: a whole answer `catching` caught, an event stream through `events`
         (gathered, never passed on, in the GATHERED shape)."""
         request, path = self.request, self.path
-        if shape is Shape.GATHERED:
-            assert events is not None
-
-            def sender(to: Upstream) -> Awaitable[Pass]:
-                return collect(request, to, catching, path, body, events)
-        else:
-            def sender(to: Upstream) -> Awaitable[Pass]:
-                return catch(request, to, catching, path, body, events, going_on)
         resumable = None if events is None else (lambda: events.plain and events.final is None)
-        return await self._sent(sender, events if self.pausable else None, resumable)
+        while True:
+            if shape is Shape.GATHERED:
+                assert events is not None
+                sender = functools.partial(_collected, request, catching, path, body, events)
+            else:
+                sender = functools.partial(_caught, request, catching, path, body, events, going_on)
+            got = await self._sent(sender, events if self.pausable else None, resumable, restep=True)
+            if got is not None:
+                return got
+            again = await self._stepped_again(body)
+            if isinstance(again, web.Response):
+                return answered(request, again)
+            body = again
 
     async def through(self, send: Callable[[Upstream], Awaitable[Pass]], again: bool) -> web.StreamResponse:
         """One pass answered as it comes (see `once`); a cut the request does not go on from is told to its client."""
@@ -115,11 +162,14 @@ class Passes:
         before its answer began. A cut pass learns whether its server was lost, which says what its client is
         told."""
         got = await self._sent(send)
+        assert got is not None
         if got.outcome is not Outcome.CUT or await self.lost() is not Loss.BACK or not again \
                 or got.response is not None:
             return got
         log.warning("wrapper.request_again", path=self.path, started=False)
-        return await self._sent(send)
+        got = await self._sent(send)
+        assert got is not None
+        return got
 
     async def lost(self) -> Loss:
         """After a cut pass: whether its server was lost, and whether another will serve (the next pass waits at
@@ -131,14 +181,18 @@ class Passes:
         return loss
 
     async def _sent(self, send: Callable[[Upstream], Awaitable[Pass]], under_way: Events | None = None,
-                    resumable: Callable[[], bool] | None = None) -> Pass:
+                    resumable: Callable[[], bool] | None = None, restep: bool = False) -> Pass | None:
         """One pass through the gate to what serves now: `send` there, counted in flight, cut by the stop's drain
         deadline; PAUSED when its seat is asked to pause while `under_way` (the pass's events: how far it got);
-        CUT and handed over when a reload hands a `resumable` pass over to the next server."""
+        CUT and handed over when a reload hands a `resumable` pass over to the next server. None, sending nothing,
+        when `restep` and the steps ran on another server than the one that serves now (they run again first)."""
         serving, request, seat = self.serving, self.request, self.seat
         admission = await serving.gate.enter(active=self.active)
         if admission is not Admission.ADMITTED:
             return answered(request, refused(serving, admission))
+        if restep and self._moved():
+            serving.gate.leave()
+            return None
         self.generation = serving.current
         to = Upstream(serving.current.launch.url, serving.session, built_ins.observer(serving.current),
                       serving.heard)
@@ -214,7 +268,7 @@ class Passes:
             serving.seats.gone += 1
             log.info("priority.gone", path=path, pauses=seat.pauses, pause_s=round(time.monotonic() - paused_at, 3))
             raise
-        out = Outgoing("POST", path, json.dumps(request_now).encode(), request_now, use=seat.use)
+        out = self.again(request_now)
         refusal = await self.stepped(out)
         pause_s = round(time.monotonic() - paused_at, 3)
         if refusal is not None:
@@ -227,6 +281,16 @@ class Passes:
         log.info("priority.resumed", path=path, session=seat.use.session, slot=seat.use.slot, tokens=seat.use.tokens,
                  pause_s=pause_s)
         return out.body
+
+
+def _collected(request: web.Request, catching: Catching, path: str, body: bytes, events: Events,
+               to: Upstream) -> Awaitable[Pass]:
+    return collect(request, to, catching, path, body, events)
+
+
+def _caught(request: web.Request, catching: Catching, path: str, body: bytes, events: Events | None,
+            going_on: web.StreamResponse | None, to: Upstream) -> Awaitable[Pass]:
+    return catch(request, to, catching, path, body, events, going_on)
 
 
 def refused(serving: Serving, admission: Admission) -> web.Response:

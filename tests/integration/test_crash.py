@@ -1,0 +1,245 @@
+"""A crash costs nothing on the configs users run: the README's `examples/chat.yaml` as it is (only its folder
+changed), the demo model at `-np` 1, 2 and 4, a long conversation and a short one, a warm slot, llama-server
+SIGKILLed in the middle of a stream — the stream goes on whole and the next turn reuses the conversation; a tool
+call killed at every delta of its arguments ends as one whole call; every generating endpoint (/v1/completions,
+/completion, /infill, streamed or not) survives a SIGKILL as one whole answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import models
+from tests.helpers import ROOT, Wrapper, chat, http, running, wait_for
+from tests.killing import Events, content, contents, deltas, server_pid, streamed
+
+STORY = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
+LONG = [{"role": "user", "content": "A long story, to be retold: " + STORY * 100 + "\nTell it again in your words."}]
+SHORT = [{"role": "user", "content": "Name three colours."}]
+QUESTION = "Tell me a long story about the keeper of a lighthouse."
+
+
+def chat_yaml(tmp_path: Path, more: str = "") -> str:
+    """The README's llama-swap model config, as it is but for its folder (and what a test adds)."""
+    text = (ROOT / "examples" / "chat.yaml").read_text()
+    assert "~/.cache/llama-wrapper/slots" in text
+    return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots")) + more
+
+
+def argv(server_bin: str, model: str, parallel: int, *more: str) -> list[str]:
+    return [server_bin, "-m", model, "-c", "8192", "-np", str(parallel), *more]
+
+
+def prompt_tokens(wrapper: Wrapper, messages: list[dict[str, Any]]) -> int:
+    template = json.loads(http("POST", f"{wrapper.url}/apply-template", {"messages": messages})[2])["prompt"]
+    tokens = json.loads(http("POST", f"{wrapper.url}/tokenize", {"content": template, "add_special": True,
+                                                                  "parse_special": True})[2])["tokens"]
+    return len(tokens)
+
+
+def one_answer(events: Events) -> None:
+    """One chat answer: one role chunk, one final event, one [DONE], no error, one id."""
+    assert not any("error" in e for e in events), events[-3:]
+    assert sum(1 for d in deltas(events) if d.get("role")) == 1
+    assert sum(1 for e in events if e.get("choices") and e["choices"][0].get("finish_reason")) == 1
+    assert events[-1] == {"done": True} and sum("done" in e for e in events) == 1
+    assert len({e["id"] for e in events if "id" in e}) == 1
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 4])
+@pytest.mark.parametrize("size", ["long", "short"])
+def test_the_next_turn_after_a_crash_mid_stream_reuses_the_conversation(
+        tmp_path: Path, server_bin: str, demo_path: str, parallel: int, size: str) -> None:
+    """The issue's run: a first turn, a question asked twice (its slot warm), then streamed and llama-server
+    SIGKILLed 20 text events in. The stream goes on whole; the next turn (the history, the whole answer, "And
+    then?") goes on in the slot that holds it. It reused 0 of 2,144 tokens at -np 2: the continued stream wrote
+    a slot of the new server that its book learnt nothing of, and the next turn went to another slot."""
+    first = LONG if size == "long" else SHORT
+    with running(tmp_path, argv(server_bin, demo_path, parallel), chat_yaml(tmp_path)) as wrapper:
+        answer = chat(wrapper.url, first, max_tokens=32)
+        turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": QUESTION}]
+        for _ in range(2):
+            chat(wrapper.url, turn, max_tokens=64)
+        body = {"messages": turn, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+        events = streamed(wrapper, body, lambda seen: contents(seen) >= 20)
+        one_answer(events)
+        assert wrapper.events("wrapper.stream_resumed")
+        text = content(events)
+        history = prompt_tokens(wrapper, turn) + contents(events)
+        following = chat(wrapper.url, [*turn, {"role": "assistant", "content": text},
+                                       {"role": "user", "content": "And then?"}], max_tokens=8)
+        reused = following["timings"]["cache_n"]
+        where = [(e["event"], e.get("slot"), e.get("tokens")) for e in wrapper.events()
+                 if e.get("event") in ("slots.restored", "conversations.decision", "conversations.saved",
+                                       "wrapper.stepped_again")]
+        print(f"-np {parallel}, {size}: the next turn reused {reused} of {history}")
+        assert reused >= 0.9 * history, (reused, history, where)
+        assert wrapper.stop() == 0
+
+
+# -- a tool call killed at every delta ---------------------------------------------------------------------------
+
+READ_FILE = {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def _weather_turns() -> list[dict[str, Any]]:
+    """An agent's history with calls before (tools on every turn): the Hermes / Qwen 2.5 format's `<tool_call>`."""
+    turns: list[dict[str, Any]] = []
+    for n, (city, said) in enumerate((("London", "Rain, 12 C"), ("Berlin", "Sun, 20 C")), 1):
+        call = {"id": f"call_{n}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+        turns += [{"role": "user", "content": f"What is the weather in {city}?"},
+                  {"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": f"call_{n}", "content": said},
+                  {"role": "assistant", "content": f"In {city}: {said}."}]
+    return [*turns, {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+CALLS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Llama 3.1's JSON calls, a line of text before the call
+    "llama-3.1": ("meta-llama-Llama-3.1-8B-Instruct",
+                  {"messages": [{"role": "user", "content": "Read the file README.md please."}], "tools": [READ_FILE]}),
+    # the Hermes 2 Pro template: Qwen 2.5's <tool_call> format
+    "qwen-style": ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+                   {"messages": _weather_turns(), "tools": [WEATHER]}),
+}
+RESTARTS = "watchdog: {restarts: 40, window: 10m}\n"  # a kill at every delta: more restarts than the default 3
+
+
+def _calls(events: Events) -> list[dict[str, Any]]:
+    return [c for d in deltas(events) for c in d.get("tool_calls") or []]
+
+
+def _arguments(parts: list[dict[str, Any]]) -> str:
+    return "".join((c.get("function") or {}).get("arguments") or "" for c in parts)
+
+
+@pytest.mark.parametrize("case", sorted(CALLS))
+def test_a_tool_call_killed_at_every_delta_ends_as_one_whole_call(tmp_path: Path, server_bin: str, demo_path: str,
+                                                                  case: str) -> None:
+    """tool_choice required, temperature 0, -np 1. Killed after each of the call's argument deltas in turn, the
+    client gets one call — one id, its name once, whole valid JSON arguments, finish_reason tool_calls — and the
+    text before it once. It got `{\\n    "` and then 243 deltas of plain text: the server started again was given
+    the text before the call as a prefix, and answered text."""
+    template, request = CALLS[case]
+    body = {**request, "tool_choice": "required", "max_tokens": 200, "temperature": 0}
+    with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file",
+                                models.template(server_bin, template)), chat_yaml(tmp_path, RESTARTS)) as wrapper:
+        alone = streamed(wrapper, body)
+        whole = _arguments(_calls(alone))
+        n_deltas = sum(1 for c in _calls(alone) if (c.get("function") or {}).get("arguments"))
+        assert n_deltas >= 3 and json.loads(whole), f"the demo model made no call: {content(alone)[:200]!r}"
+        for k in range(1, n_deltas + 1):
+            def at_delta(seen: Events, k: int = k) -> bool:
+                return sum(1 for c in _calls(seen) if (c.get("function") or {}).get("arguments")) >= k
+
+            events = streamed(wrapper, body, at_delta)
+            one_answer(events)
+            parts = _calls(events)
+            assert len({c["id"] for c in parts if "id" in c}) == 1, (k, parts)  # one id, the first
+            assert sum(1 for c in parts if (c.get("function") or {}).get("name")) == 1, (k, parts)  # its name once
+            assert _arguments(parts) == whole, (k, _arguments(parts), whole)  # whole: the same call, valid JSON
+            assert content(events) == content(alone), k  # the text before it once
+            final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
+            assert final["choices"][0]["finish_reason"] == "tool_calls", (k, final)
+        print(f"{case}: killed at each of {n_deltas} argument deltas, one whole call each time")
+        assert len(wrapper.events("wrapper.server_lost")) == n_deltas
+        assert wrapper.stop() == 0
+
+
+# -- every generating endpoint -----------------------------------------------------------------------------------
+
+PROMPT = "Once upon a time, in a lighthouse by the northern sea,"
+INFILL = {"input_prefix": "def story():\n    \"\"\"A long story about a lighthouse keeper.\"\"\"\n    text = \"",
+          "input_suffix": "\"\n    return text\n", "prompt": ""}
+
+
+def _text(path: str, events: Events) -> str:
+    if path == "/v1/completions":
+        return "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices"))
+    return "".join(e.get("content") or "" for e in events if "content" in e)
+
+
+def _ends(path: str, events: Events) -> int:
+    if path == "/v1/completions":
+        return sum(1 for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
+    return sum(1 for e in events if e.get("stop") is True)
+
+
+def _pieces(path: str, events: Events) -> int:
+    if path == "/v1/completions":
+        return sum(1 for e in events if e.get("choices") and e["choices"][0].get("text"))
+    return sum(1 for e in events if e.get("content") and not e.get("stop"))
+
+
+ENDPOINTS = {
+    "/v1/completions": {"prompt": PROMPT, "max_tokens": 120},
+    "/completion": {"prompt": PROMPT, "n_predict": 120},
+    "/infill": {**INFILL, "n_predict": 120},
+}
+
+
+@pytest.fixture(scope="module")
+def fim_path(tmp_path_factory: pytest.TempPathFactory, demo_path: str) -> str:
+    return models.demo_with_fim(demo_path, tmp_path_factory.mktemp("models") / "demo-fim.gguf")
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_every_generating_endpoint_survives_a_sigkill_as_one_whole_answer(tmp_path: Path, server_bin: str,
+                                                                          fim_path: str, path: str) -> None:
+    """Streamed, killed 20 pieces in: one stream, one end, the lone run's text (temperature 0) with nothing
+    repeated; then, asked for one JSON answer and killed while it is generated, that answer whole. Both were cut
+    (left out until now). /infill cannot go on from a prefix: it is generated again and shown only what its
+    client lacks."""
+    body = {**ENDPOINTS[path], "temperature": 0, "ignore_eos": True}
+    with running(tmp_path, argv(server_bin, fim_path, 2), chat_yaml(tmp_path)) as wrapper:
+        alone = streamed(wrapper, body, path=path)
+        events = streamed(wrapper, body, lambda seen: _pieces(path, seen) >= 20, path=path)
+        assert not any("error" in e for e in events), events[-3:]
+        assert _ends(path, events) == 1 and (path != "/v1/completions" or events[-1] == {"done": True})
+        assert _text(path, events) == _text(path, alone), (_text(path, events)[:300], _text(path, alone)[:300])
+        assert wrapper.events("wrapper.stream_resumed")
+        answers: list[tuple[int, bytes]] = []
+        whole = {k: v for k, v in body.items() if k != "stream"}
+        def ask() -> None:
+            status, _, raw = http("POST", f"{wrapper.url}{path}", whole, timeout=600)
+            answers.append((status, raw))
+
+        asking = threading.Thread(target=ask)
+        pid = server_pid(wrapper)
+        asking.start()
+        wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
+                 60, "the answer under way")
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        asking.join(300)
+        ((status, raw),) = answers
+        assert status == 200, raw[:300]
+        answer = json.loads(raw)
+        text = answer["choices"][0]["text"] if path == "/v1/completions" else answer["content"]
+        assert text == _text(path, alone), (text[:300], _text(path, alone)[:300])
+        assert server_pid(wrapper) != pid and len(wrapper.events("wrapper.server_lost")) == 2
+        assert wrapper.stop() == 0
+
+
+def test_an_infill_that_samples_is_made_again_the_same(tmp_path: Path, server_bin: str, fim_path: str) -> None:
+    """llama.vim samples (top_k 40, temperature > 0): after a loss the infill is generated again, and with the seed
+    the request carries — the client's, or one the wrapper gave it — it samples the same tokens."""
+    body = {**INFILL, "n_predict": 100, "temperature": 0.8, "top_k": 40, "seed": 1234, "ignore_eos": True}
+    with running(tmp_path, argv(server_bin, fim_path, 1), chat_yaml(tmp_path)) as wrapper:
+        alone = _text("/infill", streamed(wrapper, body, path="/infill"))
+        events = streamed(wrapper, body, lambda seen: _pieces("/infill", seen) >= 15, path="/infill")
+        assert _ends("/infill", events) == 1 and _text("/infill", events) == alone
+        assert wrapper.stop() == 0
