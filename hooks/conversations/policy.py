@@ -1,12 +1,15 @@
-"""The conversation cache's two choices, as pure functions: which slot a request goes to, and whether the
-cached conversation sharing the longest prefix with it is restored there or llama-server prefills."""
+"""The conversation cache's choices, as pure functions: whether a chat request goes on in the slot that holds its
+conversation without a lookup, which slot a looked-up request goes to, and whether the cached conversation sharing
+the longest prefix with it is restored there or llama-server prefills."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+from hooks.conversations.chain import Chain, Messages
 from hooks.conversations.rates import Rates
+from hooks.slots.book import SlotBook
 from hooks.store.interface import common_prefix
 
 ASSUMED_RESTORE_BPS = 1e9  # until a restore is measured
@@ -21,6 +24,24 @@ def dropped(known: list[int], count: int, tokens: list[int]) -> int:
     shared = common_prefix(known, tokens)
     kept = count if known and shared == len(known) and len(tokens) >= count else shared
     return max(0, count - kept)
+
+
+def goes_on_in(book: SlotBook, busy: Collection[int], asked: int | None, messages: Messages, min_tokens: int,
+               longer_kept: Callable[[list[int], int], bool]) -> int | None:
+    """The free slot holding the conversation a chat request goes on from (the longest, when two do): the slot whose
+    last request's messages begin this one's. None when no slot does, or when the store may hold more of it than
+    that slot — `longer_kept(known, n)`: an entry of at least `n` tokens that begins with the `known` ones (then the
+    whole lookup decides, and a slot whose tokens the book does not know at all cannot be told from any other)."""
+    held = [(chain.count, slot) for slot in range(book.total)
+            if slot not in busy and (asked is None or slot == asked)
+            and isinstance(chain := book.chain_of(slot), Chain) and messages.continues(chain)]
+    if not held:
+        return None
+    slot = max(held)[1]
+    known = book.holds(slot)
+    if longer_kept(known, len(known) + min_tokens):
+        return None
+    return slot
 
 
 def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int],

@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from hooks.conversations.chain import Chain, Messages, messages_of
-from hooks.conversations.policy import Candidate, Rule, choose_slot, decide, dropped
+from hooks.conversations.chain import Messages, messages_of
+from hooks.conversations.policy import Candidate, Rule, choose_slot, decide, dropped, goes_on_in
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.slots.book import PINNED, book_of
@@ -113,24 +113,20 @@ def _pinned(out: Outgoing, slot: int) -> Outgoing:
 
 def continuing(generation: Generation, conv: Conversations, store: Store, messages: Messages,
                asked: int | None) -> int | None:
-    """The free slot holding the conversation this chat request goes on from (the longest, when two do), reserved
-    for it; None when no slot does, or when the store may hold more of it than that slot (then the whole lookup
-    decides). The slot then shares with the request at least what the book knows it holds, no entry can win
-    `cache.min_tokens` over it, and nothing leaves it: no template, tokens or lookup are needed."""
-    book = book_of(generation)
+    """The free slot holding the conversation this chat request goes on from (policy.goes_on_in), reserved for it;
+    None when no slot does, or when the store may hold more of it than that slot (then the whole lookup decides). The
+    slot then shares with the request at least what the book knows it holds, no entry can win `cache.min_tokens`
+    over it, and nothing leaves it: no template, tokens or lookup are needed."""
     if _shifts(generation.launch.argv):
         return None  # its cache_n counts chunks reused out of place: not what the slot holds first
-    held = [(c.count, s) for s in range(book.total)
-            if s not in conv.busy and (asked is None or s == asked)
-            and isinstance(c := book.chain_of(s), Chain) and messages.continues(c)]
-    if not held:
-        return None
-    slot = max(held)[1]
-    known = book.holds(slot)
-    longer = len(known) + CACHE.of(generation.config).min_tokens
-    if any(_begins_with(entry, known) for entry in store.entries() if entry.n_tokens >= longer):
-        return None  # a longer state of it (another host's, another slot's): the lookup weighs a restore
-    conv.busy.add(slot)
+
+    def longer_kept(known: list[int], tokens: int) -> bool:
+        return any(_begins_with(entry, known) for entry in store.entries() if entry.n_tokens >= tokens)
+
+    slot = goes_on_in(book_of(generation), conv.busy, asked, messages, CACHE.of(generation.config).min_tokens,
+                      longer_kept)
+    if slot is not None:
+        conv.busy.add(slot)
     return slot
 
 

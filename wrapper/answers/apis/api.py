@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Protocol
 from wrapper.answers.part import Carry, Part
 
 GOES_ON_NOT = {
-    "api": "its API's answers are not paused (chat completions', /completion's and /v1/completions' are; the others "
-           "go on after a loss of the server)",
+    "api": "its API's answers are not paused (chat completions' and /completion's are; the others go on after a "
+           "loss of the server)",
     "tools": "its request offers tools: after a pause it would not go on exactly (a tool call is made again)",
     "choices": "it asks for several choices",
 }

@@ -80,7 +80,6 @@ class TextCompletion(Api):
 
     name = "text completion"
     paths = ("/v1/completions",)
-    pausable = True
     seeded = True
 
     def reader(self, part: Part, frame: object | None) -> _TextReader:
