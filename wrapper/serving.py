@@ -30,6 +30,7 @@ from wrapper.server.generation import Generation
 from wrapper.server.llama import LlamaClient
 
 LOSS_SEEN_S = 2.0  # a cut exchange: how long its server's end may take to be seen
+MOVED_ON_S = 120.0  # a dead server: how long the life may take to notice (bounded: a stuck life is not waited for)
 
 
 class Loss(Enum):
@@ -108,10 +109,13 @@ class Serving:
         `cut`); whether none is left."""
         return await self.gate.drain(timeout, force, cut)
 
-    async def lost_under(self, generation: Generation, within: float = LOSS_SEEN_S) -> Loss:
+    async def lost_under(self, generation: Generation, within: float = LOSS_SEEN_S,
+                         moving_on: float = MOVED_ON_S) -> Loss:
         """After an exchange with `generation` was cut: whether its server was lost, and if so whether the watchdog
         starts another (the caller's next pass waits at the gate for it). Its end may be seen a moment after the
-        cut. Counted in `cut_by_loss` meanwhile."""
+        cut (`within`); once it is dead, the wrapper no longer serving with it may take longer (`moving_on`): a busy
+        machine runs the watch late, and a pass sent on meanwhile would go to the dead server, a second loss that
+        gives the request up. Counted in `cut_by_loss` meanwhile."""
         child = generation.child
         if child is None:
             return Loss.NONE
@@ -119,12 +123,13 @@ class Serving:
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(child.wait(), within)
-            if child.alive and self.lifecycle.state is not State.RESTARTING:
+            dead = not child.alive or child.exited_now()
+            if not dead and self.lifecycle.state is not State.RESTARTING:
                 return Loss.NONE  # it is well: the cut was another failure
             if not WATCHDOG.of(generation.config).enabled:
                 return Loss.GONE
             with contextlib.suppress(TimeoutError):  # the life holds the gate before the next pass reaches it
-                await asyncio.wait_for(self.moved_on(generation), within)
+                await asyncio.wait_for(self.moved_on(generation), moving_on if dead else within)
             serving_again = (State.READY, State.RESTARTING, State.RELOADING)
             return Loss.BACK if self.lifecycle.state in serving_again else Loss.GONE  # given up: it stops
         finally:

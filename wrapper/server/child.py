@@ -130,6 +130,18 @@ def _reported_status(loop: asyncio.AbstractEventLoop, fd: int) -> asyncio.Future
     return reported
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` has ended: gone, or a zombie not yet reaped (its state in /proc/PID/stat is Z or X);
+    False without /proc (not Linux)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # the name may hold ") "
+    except FileNotFoundError:
+        return Path("/proc/self").exists()
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
 def cpu_seconds(pid: int) -> float | None:
     """The CPU time process `pid` has used, user and system, all its threads together (utime + stime of
     /proc/PID/stat, in steps of 1/CLOCK_TICKS s); None without /proc (not Linux) or without that process."""
@@ -189,6 +201,11 @@ class Child:
     @property
     def alive(self) -> bool:
         return not self._exit.done()
+
+    def exited_now(self) -> bool:
+        """Whether the process has ended, as the kernel says now (a zombie, or gone), before the wrapper's loop has
+        reaped it: a busy machine may run that late."""
+        return self.alive and exited(self.pid)
 
     def cpu_time(self) -> float | None:
         """The CPU seconds it has used so far (cpu_seconds); None once it ended, or where that is not known."""
