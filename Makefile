@@ -7,7 +7,8 @@ CONFIG ?= examples/hooks.yaml
 ARGS ?=
 S3_PORT ?= 8333
 
-.PHONY: demo demo-media demo-spec demo-store demo-pool s3 docs test unit integration bench lint server old-server model clean
+.PHONY: demo demo-media demo-spec demo-store demo-pool demo-swap s3 docs test unit integration bench lint server old-server \
+  llama-swap model clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +21,9 @@ server:  ## build (or find in the cache) the pinned llama-server and print its p
 
 old-server:  ## build (or find in the cache) the older llama-server the upgrade tests save under, and print its path
 	@LLAMA_CPP_VERSION=$$(cat llama.cpp/OLD_VERSION) llama.cpp/build-server
+
+llama-swap:  ## find or build the pinned llama-swap (llama-swap/VERSION) and print its path
+	@llama-swap/build-llama-swap
 
 model: $(VENV)/.installed  ## print the default model's path, assembling it on first use
 	@llama.cpp/get-model
