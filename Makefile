@@ -51,17 +51,21 @@ demo-pool: $(VENV)/.installed  ## two wrappers of the demo model sharing one poo
 	@server=$$(llama.cpp/build-server) && model=$$(llama.cpp/get-model) && \
 	exec $(PY) -m tests.demo pool "$$server" "$$model" $(LISTEN)
 
+demo-swap: $(VENV)/.installed  ## the real llama-swap (make llama-swap) with examples/llama-swap.yaml on the demo
+	@server=$$(llama.cpp/build-server) && swap=$$(llama-swap/build-llama-swap) && \
+	exec $(PY) -m tests.demo swap "$$swap" "$$server" $(LISTEN)
+
 docs: $(VENV)/.installed  ## write docs/configuration.md's reference from the declared sections
 	$(PY) -m wrapper.cli.reference docs/configuration.md
 
 test: $(VENV)/.installed
-	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q tests/unit tests/integration
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q -rs tests/unit tests/integration
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit
 
 integration: $(VENV)/.installed  ## the integration tests alone, against the pinned llama-server (TESTS=FILE for one file)
-	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q $(or $(TESTS),tests/integration)
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) -m pytest -q -rs $(or $(TESTS),tests/integration)
 
 bench: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_proxy.py

@@ -5,6 +5,8 @@
     python -m tests.demo long                  print a chat request of ~2.2k tokens (the pool's long request)
     python -m tests.demo s3 [PORT]             run a local S3 server (SeaweedFS) until Ctrl-C, and say how to reach it
     python -m tests.demo pool SERVER MODEL HOST:PORT   two wrappers of MODEL on one pool (PORT and PORT+1)
+    python -m tests.demo swap LLAMA_SWAP SERVER HOST:PORT  llama-swap on HOST:PORT with examples/llama-swap.yaml:
+                                               chat (the demo model) and task (Gemma 3 270M) through the wrapper
 
 The projector is tests/media.py's: its weights are random, so it shows the mechanism (held, loaded, every
 conversation kept, dropped when idle), not vision: what the model says about the image is noise.
@@ -20,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests import media, pooled, s3server
+import yaml
+
+from tests import media, models, pooled, s3server, swap
 from wrapper.launching.gguf_meta import read_metadata
 
 S3_PORT = 8333
@@ -96,6 +100,21 @@ def run_pool(server: str, model: Path, listen: str) -> None:
             wrapper.wait()
 
 
+def run_swap(llama_swap: str, server: str, listen: str) -> None:
+    """The real llama-swap with the recipe's config (examples/llama-swap.yaml), its macros pointed at the clone's
+    llama-wrapper, examples/chat.yaml, the pinned llama-server, the demo model (chat) and Gemma 3 270M (task);
+    the models' wrappers on the next ports (startPort: PORT+1), their slots in ~/.cache/llama-wrapper/slots."""
+    port = int(listen.rsplit(":", 1)[1])
+    settings = {**swap.config(server, models.demo(), models.gemma()), "startPort": port + 1}
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-wrapper-demo-swap-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    config = folder / "llama-swap.yaml"
+    config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    print(f"llama-swap on http://{listen} with {config} (examples/llama-swap.yaml, its macros set): models chat "
+          f"and task, their wrappers on ports {port + 1} and {port + 2} once loaded; Ctrl-C stops it", flush=True)
+    os.execv(llama_swap, [llama_swap, "-config", str(config), "-listen", listen])
+
+
 def _wait_for_a_signal(children: list[subprocess.Popen[bytes]] | None = None) -> None:
     got: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -116,6 +135,8 @@ def main(argv: list[str]) -> None:
             run_s3(int(port[0]) if port else S3_PORT)
         case ["pool", server, model, listen]:
             run_pool(server, Path(model), listen)
+        case ["swap", llama_swap, server, listen]:
+            run_swap(llama_swap, server, listen)
         case _:
             raise SystemExit(__doc__)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import models
+from tests import models, swap
 from tests.s3server import S3Server, skip_without_weed
 
 
@@ -22,6 +22,12 @@ def demo_path() -> str:
 @pytest.fixture(scope="session")
 def gemma_path() -> str:
     return models.gemma()
+
+
+@pytest.fixture(scope="session")
+def llama_swap_bin() -> str:
+    """The pinned llama-swap (llama-swap/build-llama-swap); skipped, saying why, only without a Go toolchain."""
+    return swap.binary()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests import docs
+from tests.swap import expand, recipe_block
 from tests.unit.degrade.test_plan_cli import gemma3_27b
 from wrapper.configuration.units import parse_duration
 
@@ -52,12 +53,19 @@ def test_each_wrapper_config_passes_check_without_a_warning(name: str, tmp_path:
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize(("name", "config"), [("llama-swap.yaml", "chat.yaml"),
-                                              ("llama-swap-27b.yaml", "gemma-27b.yaml")])
-def test_each_llama_swap_config_runs_the_wrapper_with_budgets_that_cover_it(name: str, config: str) -> None:
+def _cmd(swap: dict[str, Any], model: str) -> str:
+    """A model's cmd with the config's macros replaced, as llama-swap replaces them."""
+    return expand(swap["models"][model]["cmd"], swap.get("macros") or {})
+
+
+@pytest.mark.parametrize(("name", "config", "model_id"), [("llama-swap.yaml", "chat.yaml", "chat"),
+                                                       ("llama-swap.yaml", "chat.yaml", "task"),
+                                                       ("llama-swap-27b.yaml", "gemma-27b.yaml", "gemma-27b")])
+def test_each_llama_swap_config_runs_the_wrapper_with_budgets_that_cover_it(name: str, config: str,
+                                                                            model_id: str) -> None:
     swap = yaml.safe_load((EXAMPLES / name).read_text())
-    model = next(iter(swap["models"].values()))
-    wrapper, server = _wrapper_argv(model["cmd"])
+    model = swap["models"][model_id]
+    wrapper, server = _wrapper_argv(_cmd(swap, model_id))
     assert wrapper[0].endswith("llama-wrapper") and wrapper[1] == "run"
     assert wrapper[wrapper.index("--listen") + 1] == "127.0.0.1:${PORT}"
     assert Path(wrapper[wrapper.index("--config") + 1]).name == config
@@ -85,7 +93,24 @@ def test_the_readme_shows_the_examples_as_they_are() -> None:
     example = yaml.safe_load((EXAMPLES / "llama-swap.yaml").read_text())
     assert quick["healthCheckTimeout"] == example["healthCheckTimeout"]
     assert quick["models"]["chat"]["unloadTimeout"] == example["models"]["chat"]["unloadTimeout"]
-    assert _wrapper_argv(quick["models"]["chat"]["cmd"])[0] == _wrapper_argv(example["models"]["chat"]["cmd"])[0]
+    assert _wrapper_argv(quick["models"]["chat"]["cmd"])[0] == _wrapper_argv(_cmd(example, "chat"))[0]
+
+
+def test_the_recipe_shows_the_config_the_tests_run_and_its_additions_fit_it(tmp_path: Path) -> None:
+    """docs/recipes/llama-swap.md shows examples/llama-swap.yaml as it is (the integration tests under llama-swap
+    run that file); its group names the example's models, and its pool block makes a wrapper config that passes
+    `check` once added to examples/chat.yaml, as the test under llama-swap adds it."""
+    example = yaml.safe_load((EXAMPLES / "llama-swap.yaml").read_text())
+    assert _readme_block("# examples/llama-swap.yaml") == example
+    together = recipe_block("# both at once")
+    (group,) = together["groups"].values()
+    assert group["swap"] is False and set(group["members"]) == set(example["models"])
+    pooled = tmp_path / "chat-pool.yaml"
+    pooled.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "chat.yaml").read_text()),
+                                      **recipe_block("# one pool for both")}))
+    done = _cli("check", str(pooled), home=tmp_path)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    assert "pool" in done.stdout, done.stdout
 
 
 def test_the_recipe_fits_the_card_as_the_readme_says(tmp_path: Path) -> None:
