@@ -202,6 +202,27 @@ def test_a_pool_of_two_try_as_written(tmp_path: Path, demo_path: str) -> None:
         assert demo.stop(), demo.path.read_text()[-3000:]
 
 
+def test_the_llama_swap_demo_as_written(tmp_path: Path, demo_path: str, llama_swap_bin: str) -> None:
+    """`make demo-swap` (the real llama-swap with examples/llama-swap.yaml) and the recipe's commands: chat swapped
+    out by a turn on task, then back with its conversation."""
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    while not (_port_free(port + 1) and _port_free(port + 2)):  # the models' wrappers: startPort is PORT+1
+        port = free_port()
+    demo = _Try("demo-swap", {**env, "LLAMA_SWAP": llama_swap_bin, "TMPDIR": str(tmp_path)}, port,
+                tmp_path / "demo.log")
+    try:
+        demo.wait_ready(port)
+        done = _sh(_block('print("reused"'), env, port)
+        assert done.returncode == 0, done.stderr
+        running, reused = done.stdout.splitlines()
+        assert running == "['task']", done.stdout
+        words = reused.split()
+        assert words[0] == "reused" and int(words[1]) >= 0.9 * int(words[3]), done.stdout
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]
+    assert '"event": "wrapper.stopped"' in demo.path.read_text()  # llama-swap's Ctrl-C stopped chat, saved
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as probe:
         try:
