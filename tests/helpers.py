@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,16 @@ def chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 8, **extra:
     assert status == 200, raw[:400]
     answer: dict[str, Any] = json.loads(raw)
     return answer
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on `port` of loopback now."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def pid_alive(pid: int) -> bool:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from http.client import HTTPConnection
 from typing import Any
 
-from tests.helpers import Wrapper
+from tests.helpers import Wrapper, http, wait_for
 
 Events = list[dict[str, Any]]
 
@@ -62,3 +64,24 @@ def content(events: Events) -> str:
 def contents(events: Events) -> int:
     """A chat stream's text events."""
     return sum(1 for d in deltas(events) if d.get("content"))
+
+
+def killed_while_answering(wrapper: Wrapper, path: str, body: dict[str, Any], into_s: float = 0.5) -> tuple[int, bytes]:
+    """A request that asked for one JSON answer, llama-server SIGKILLed `into_s` after a slot began working on it
+    (its prompt or its answer): the status and body the client got."""
+    got: list[tuple[int, bytes]] = []
+
+    def ask() -> None:
+        status, _, raw = http("POST", f"{wrapper.url}{path}", body, timeout=600)
+        got.append((status, raw))
+
+    asking = threading.Thread(target=ask)
+    pid = server_pid(wrapper)
+    asking.start()
+    wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
+             60, "the answer under way")
+    time.sleep(into_s)  # into the work: not a timing the test asserts
+    os.kill(pid, signal.SIGKILL)
+    asking.join(600)
+    assert got, "no answer"
+    return got[0]

@@ -99,12 +99,7 @@ def tiny_llama(out: Path, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, 
         tensor(f"blk.{layer}.ffn_gate.weight", n_ff, n_embd)
         tensor(f"blk.{layer}.ffn_up.weight", n_ff, n_embd)
         tensor(f"blk.{layer}.ffn_down.weight", n_embd, n_ff)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    temporary.replace(out)
-    return str(out)
+    return _written(writer, temporary, out)
 
 
 FIM_TOKENS = {"fim_pre": "<jupyter_start>", "fim_suf": "<jupyter_text>", "fim_mid": "<jupyter_code>"}
@@ -130,6 +125,11 @@ def demo_with_fim(demo_path: str, out: Path) -> str:
         writer.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(token))
     for tensor in model.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)  # quantized: its bytes' shape
+    return _written(writer, temporary, out)
+
+
+def _written(writer: gguf.GGUFWriter, temporary: Path, out: Path) -> str:
+    """The model written whole under a temporary name, then renamed: a test stopped halfway leaves no model."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import ROOT, free_port, http, pid_alive, wait_for
+from tests.helpers import ROOT, free_port, http, pid_alive, port_free, wait_for
 from wrapper.server.child import TRAMPOLINE
 
 BUILD = ROOT / "llama-swap" / "build-llama-swap"
@@ -91,17 +90,8 @@ def free_ports(count: int) -> int:
     and checks none)."""
     while True:
         first = free_port()
-        if all(_free(first + i) for i in range(1, count)):
+        if all(port_free(first + i) for i in range(1, count)):
             return first
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def descendants(pid: int) -> set[int]:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 from tests import docs, s3server
 from tests.demo import long_request as demo_long
-from tests.helpers import free_port, http, running, wait_for
+from tests.helpers import free_port, http, port_free, running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 README = docs.text()  # the README, then docs/
@@ -186,7 +185,7 @@ def test_the_draft_only_while_alone_try_as_written(tmp_path: Path, demo_path: st
 
 def test_a_pool_of_two_try_as_written(tmp_path: Path, demo_path: str) -> None:
     env, port = _try_env(tmp_path, demo_path), free_port()
-    while not _port_free(port + 1):
+    while not port_free(port + 1):
         port = free_port()
     demo = _Try("demo-pool", {**env, "TMPDIR": str(tmp_path)}, port, tmp_path / "demo.log")
     try:
@@ -206,7 +205,7 @@ def test_the_llama_swap_demo_as_written(tmp_path: Path, demo_path: str, llama_sw
     """`make demo-swap` (the real llama-swap with examples/llama-swap.yaml) and the recipe's commands: chat swapped
     out by a turn on task, then back with its conversation."""
     env, port = _try_env(tmp_path, demo_path), free_port()
-    while not (_port_free(port + 1) and _port_free(port + 2)):  # the models' wrappers: startPort is PORT+1
+    while not (port_free(port + 1) and port_free(port + 2)):  # the models' wrappers: startPort is PORT+1
         port = free_port()
     demo = _Try("demo-swap", {**env, "LLAMA_SWAP": llama_swap_bin, "TMPDIR": str(tmp_path)}, port,
                 tmp_path / "demo.log")
@@ -221,15 +220,6 @@ def test_the_llama_swap_demo_as_written(tmp_path: Path, demo_path: str, llama_sw
     finally:
         assert demo.stop(), demo.path.read_text()[-3000:]
     assert '"event": "wrapper.stopped"' in demo.path.read_text()  # llama-swap's Ctrl-C stopped chat, saved
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_the_object_store_try_as_written(tmp_path: Path, demo_path: str) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from tests import models
 from tests.helpers import Wrapper, chat, http, pid_alive, running, wait_for
-from tests.killing import deltas, server_pid, streamed
+from tests.killing import deltas, killed_while_answering, server_pid, streamed
 
 CONFIG = """
 slots: {{dir: {dir}}}
@@ -184,18 +184,12 @@ def test_a_stream_killed_at_its_first_token_is_not_degraded(tmp_path: Path, serv
 
 def test_a_whole_answer_survives_a_sigkill(tmp_path: Path, server_bin: str, demo_path: str) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
-        answers: list[dict[str, Any]] = []
-        asking = threading.Thread(target=lambda: answers.append(chat(wrapper.url, [
-            {"role": "user", "content": QUESTION}], max_tokens=200)))
         pid = server_pid(wrapper)
-        asking.start()
-        wait_for(lambda: any(s.get("is_processing") for s in json.loads(http("GET", f"{wrapper.url}/slots")[2])),
-                 60, "the answer under way")
-        time.sleep(0.5)
-        os.kill(pid, signal.SIGKILL)
-        asking.join(300)
-        assert answers and answers[0]["choices"][0]["message"]["content"], answers
-        assert answers[0]["usage"]["completion_tokens"] > 0
+        status, raw = killed_while_answering(wrapper, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 200, "temperature": 0})
+        assert status == 200, raw[:300]
+        answer = json.loads(raw)
+        assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] > 0, answer
         assert wrapper.events("wrapper.request_again") and server_pid(wrapper) != pid
         assert wrapper.stop() == 0
 

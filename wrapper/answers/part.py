@@ -72,6 +72,16 @@ class Carry:
             return True
         return False
 
+    def openai(self, payload: dict[str, Any]) -> bool:
+        """An OpenAI-shaped event (chat, text completion): its id and `usage` made the whole answer's."""
+        changed = self.id_of(payload)
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            prompt, completion = self.counts(int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
+            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            changed = True
+        return changed
+
 
 class Part:
     """What one pass's events gave the client (read by the API's reader, field by field), and what of them the client

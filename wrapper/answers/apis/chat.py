@@ -28,13 +28,7 @@ class Chat(Api):
         return _Reader(part)
 
     def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
-        changed = carry.id_of(payload)
-        usage = payload.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            prompt, completion = carry.counts(int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
-            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-            changed = True
-        return changed
+        return carry.openai(payload)
 
     def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
         body = copy.deepcopy(request)
@@ -116,28 +110,14 @@ class _Reader:
         part, changed = self.part, False
         thought = delta.get("reasoning_content")
         if isinstance(thought, str) and thought:
-            kept = part.thought(thought) or ""
-            if kept != thought:
-                changed = True
-                if kept:
-                    delta["reasoning_content"] = kept
-                else:
-                    del delta["reasoning_content"]
+            changed |= _shown(delta, "reasoning_content", thought, part.thought(thought) or "")
         calls = delta.get("tool_calls")
         if isinstance(calls, list) and calls:
             shown = [piece for call in calls if isinstance(call, dict) and (piece := self._call(call)) is not None]
-            if shown != calls:
-                changed = True
-                if shown:
-                    delta["tool_calls"] = shown
-                else:
-                    del delta["tool_calls"]
+            changed |= _shown(delta, "tool_calls", calls, shown)
         content = delta.get("content")
         if isinstance(content, str) and content:
-            kept = part.text(content) or ""
-            if kept != content:
-                changed = True
-                delta["content"] = kept or None
+            changed |= _shown(delta, "content", content, part.text(content) or "", gone=None)
         if not changed:
             if part.continuing and "role" in delta and not content and not thought and not calls:
                 return Verdict.DROPPED  # the continuation's own role chunk: the client has one
@@ -165,3 +145,20 @@ class _Reader:
         if not part.reopened(k):
             return piece
         return {"index": k, "function": {"arguments": kept}} if kept else None
+
+
+_REMOVED = object()
+
+
+def _shown(delta: dict[str, Any], key: str, given: object, kept: object, gone: object = _REMOVED) -> bool:
+    """`delta[key]` as the client is shown it: what it lacks of `given`, or (nothing left) `gone` — the key removed
+    by default; whether it changed."""
+    if kept == given:
+        return False
+    if kept:
+        delta[key] = kept
+    elif gone is _REMOVED:
+        del delta[key]
+    else:
+        delta[key] = gone
+    return True

@@ -42,9 +42,7 @@ class Completion(Api):
         return True
 
     def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
-        body = copy.deepcopy(request)
-        body["prompt"] = prompt_going_on(body.get("prompt", ""), text)
-        return body
+        return with_prompt_going_on(request, text)
 
     def gathered(self, last: Part, said: Said, prompt_tokens: int | None, asked: dict[str, Any]) -> dict[str, Any]:
         answer = copy.deepcopy(last.final or {})
@@ -86,18 +84,10 @@ class TextCompletion(Api):
         return _TextReader(part)
 
     def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
-        changed = carry.id_of(payload)
-        usage = payload.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            prompt, completion = carry.counts(int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
-            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-            changed = True
-        return changed
+        return carry.openai(payload)
 
     def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
-        body = copy.deepcopy(request)
-        body["prompt"] = prompt_going_on(body.get("prompt", ""), text)
-        return body
+        return with_prompt_going_on(request, text)
 
     def gathered(self, last: Part, said: Said, prompt_tokens: int | None, asked: dict[str, Any]) -> dict[str, Any]:
         final = last.final or {}
@@ -117,6 +107,13 @@ class TextCompletion(Api):
 
     def cannot_go_on(self, request: dict[str, Any]) -> str | None:
         return super().cannot_go_on(request) or ("choices" if _prompts(request.get("prompt")) > 1 else None)
+
+
+def with_prompt_going_on(request: dict[str, Any], text: str) -> dict[str, Any]:
+    """`request` (a copy) whose prompt goes on with `text`."""
+    body = copy.deepcopy(request)
+    body["prompt"] = prompt_going_on(body.get("prompt", ""), text)
+    return body
 
 
 def prompt_going_on(prompt: Any, text: str) -> Any:

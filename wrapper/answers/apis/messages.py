@@ -11,45 +11,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from wrapper.answers.apis.api import Api, Verdict
-from wrapper.answers.apis.typed import Shown, TypedReader, named
+from wrapper.answers.apis.api import Verdict
+from wrapper.answers.apis.typed import Shown, TypedApi, TypedReader
 from wrapper.answers.part import Carry, Part
-
-
-class Messages(Api):
-    name = "messages"
-    paths = ("/v1/messages",)
-    message = True
-
-    def frame(self) -> Shown:
-        return Shown()
-
-    def reader(self, part: Part, frame: object | None) -> _Reader:
-        assert isinstance(frame, Shown)
-        return _Reader(part, frame)
-
-    def event(self, payload: dict[str, Any]) -> bytes:
-        return named(payload)
-
-    def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
-        usage = payload.get("usage") if payload.get("type") == "message_delta" else None
-        if not isinstance(usage, dict) or not isinstance(usage.get("output_tokens"), int):
-            return False
-        usage["output_tokens"] = carry.counts(0, usage["output_tokens"])[1]
-        return True
-
-    def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
-        body = copy.deepcopy(request)
-        messages: list[Any] = list(body.get("messages") or [])
-        if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-            messages.pop()  # a prefill: the answer, as llama-server streamed it, holds it
-        blocks: list[dict[str, Any]] = []
-        if reasoning:
-            blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-        if text or not reasoning:
-            blocks.append({"type": "text", "text": text})
-        body["messages"] = [*messages, {"role": "assistant", "content": blocks}]
-        return body
 
 
 class _Reader(TypedReader):
@@ -114,3 +78,29 @@ class _Reader(TypedReader):
             opened = payload.get("message") or {}
             if isinstance(opened.get("id"), str) and self.shown.id is not None:
                 self.ids[opened["id"]] = self.shown.id
+
+
+class Messages(TypedApi):
+    name = "messages"
+    paths = ("/v1/messages",)
+    reading = _Reader
+
+    def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
+        usage = payload.get("usage") if payload.get("type") == "message_delta" else None
+        if not isinstance(usage, dict) or not isinstance(usage.get("output_tokens"), int):
+            return False
+        usage["output_tokens"] = carry.counts(0, usage["output_tokens"])[1]
+        return True
+
+    def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
+        body = copy.deepcopy(request)
+        messages: list[Any] = list(body.get("messages") or [])
+        if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+            messages.pop()  # a prefill: the answer, as llama-server streamed it, holds it
+        blocks: list[dict[str, Any]] = []
+        if reasoning:
+            blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        if text or not reasoning:
+            blocks.append({"type": "text", "text": text})
+        body["messages"] = [*messages, {"role": "assistant", "content": blocks}]
+        return body

@@ -13,56 +13,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from wrapper.answers.apis.api import Api, Verdict
-from wrapper.answers.apis.typed import Shown, TypedReader, named
+from wrapper.answers.apis.api import Verdict
+from wrapper.answers.apis.typed import Shown, TypedApi, TypedReader
 from wrapper.answers.part import Carry, Part
-
-
-class Responses(Api):
-    name = "responses"
-    paths = ("/v1/responses", "/responses")
-    message = True
-    seeded = True
-
-    def frame(self) -> Shown:
-        return Shown()
-
-    def reader(self, part: Part, frame: object | None) -> _Reader:
-        assert isinstance(frame, Shown)
-        return _Reader(part, frame)
-
-    def event(self, payload: dict[str, Any]) -> bytes:
-        return named(payload)
-
-    def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
-        response = payload.get("response") if payload.get("type") == "response.completed" else None
-        usage = response.get("usage") if isinstance(response, dict) else None
-        if not isinstance(usage, dict):
-            return False
-        prompt, generated = carry.counts(int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0))
-        usage.update(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated)
-        return True
-
-    def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
-        body = copy.deepcopy(request)
-        body["input"] = _input(body.get("input"), text, reasoning)
-        return body
-
-
-def _input(given: Any, text: str, reasoning: str) -> list[Any]:
-    """A request's `input` that goes on from an answer's text and reasoning: its items, then the answer as a
-    reasoning item and an assistant message. An assistant message or reasoning the input ended with (a prefill) is
-    the answer's start: the answer, as llama-server streamed it, holds it."""
-    items: list[Any] = [{"role": "user", "content": given}] if isinstance(given, str) else list(given or [])
-    while items and isinstance(items[-1], dict) and (items[-1].get("type") == "reasoning" or (
-            items[-1].get("type") == "message" and items[-1].get("role") == "assistant")):
-        items.pop()
-    if reasoning:
-        items.append({"type": "reasoning", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": reasoning}]})
-    if text or not reasoning:
-        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
-    return items
 
 
 class _Reader(TypedReader):
@@ -131,3 +84,40 @@ class _Reader(TypedReader):
         had = self.shown.kinds.get("reasoning" if kind == "reasoning" else "text")
         if isinstance(had, str):
             self.ids[given] = had
+
+
+class Responses(TypedApi):
+    name = "responses"
+    paths = ("/v1/responses", "/responses")
+    reading = _Reader
+    seeded = True
+
+    def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
+        response = payload.get("response") if payload.get("type") == "response.completed" else None
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if not isinstance(usage, dict):
+            return False
+        prompt, generated = carry.counts(int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0))
+        usage.update(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated)
+        return True
+
+    def going_on(self, request: dict[str, Any], text: str, reasoning: str) -> dict[str, Any]:
+        body = copy.deepcopy(request)
+        body["input"] = _input(body.get("input"), text, reasoning)
+        return body
+
+
+def _input(given: Any, text: str, reasoning: str) -> list[Any]:
+    """A request's `input` that goes on from an answer's text and reasoning: its items, then the answer as a
+    reasoning item and an assistant message. An assistant message or reasoning the input ended with (a prefill) is
+    the answer's start: the answer, as llama-server streamed it, holds it."""
+    items: list[Any] = [{"role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+    while items and isinstance(items[-1], dict) and (items[-1].get("type") == "reasoning" or (
+            items[-1].get("type") == "message" and items[-1].get("role") == "assistant")):
+        items.pop()
+    if reasoning:
+        items.append({"type": "reasoning", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": reasoning}]})
+    if text or not reasoning:
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
+    return items

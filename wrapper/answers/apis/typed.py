@@ -13,10 +13,11 @@ answer's counts.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from wrapper.answers.apis.api import Verdict
+from wrapper.answers.apis.api import Api, Verdict
 from wrapper.answers.part import Part
 
 
@@ -35,6 +36,23 @@ class Shown:
 def named(payload: dict[str, Any]) -> bytes:
     """An event framed as these APIs frame theirs: its type in an `event:` line, then its data."""
     return f"event: {payload.get('type')}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+class TypedApi(Api):
+    """An API of named events and a frame of ids (Responses, Messages): its reader is a TypedReader of its own."""
+
+    message = True
+    reading: type[TypedReader]
+
+    def frame(self) -> Shown:
+        return Shown()
+
+    def reader(self, part: Part, frame: object | None) -> TypedReader:
+        assert isinstance(frame, Shown)
+        return self.reading(part, frame)
+
+    def event(self, payload: dict[str, Any]) -> bytes:
+        return named(payload)
 
 
 class TypedReader:
@@ -70,40 +88,15 @@ class TypedReader:
     # -- what a delta carries -------------------------------------------------------------------------------------
 
     def text(self, holder: dict[str, Any], key: str) -> Verdict:
-        given = holder.get(key)
-        if not isinstance(given, str) or not given:
-            return Verdict.AS_IT_CAME
-        kept = self.part.text(given)
-        if not kept:
-            return Verdict.DROPPED
-        if kept == given:
-            return Verdict.AS_IT_CAME
-        holder[key] = kept
-        return Verdict.CHANGED
+        return _kept(holder, key, self.part.text)
 
     def thought(self, holder: dict[str, Any], key: str) -> Verdict:
-        given = holder.get(key)
-        if not isinstance(given, str) or not given:
-            return Verdict.AS_IT_CAME
-        kept = self.part.thought(given)
-        if not kept:
-            return Verdict.DROPPED
-        if kept == given:
-            return Verdict.AS_IT_CAME
-        holder[key] = kept
-        return Verdict.CHANGED
+        return _kept(holder, key, self.part.thought)
 
     def arguments(self, k: int | None, holder: dict[str, Any], key: str) -> Verdict:
-        given = holder.get(key)
-        if k is None or not isinstance(given, str):
+        if k is None or not isinstance(holder.get(key), str):
             return Verdict.AS_IT_CAME
-        kept = self.part.arguments(k, given)
-        if not kept:
-            return Verdict.DROPPED
-        if kept == given:
-            return Verdict.AS_IT_CAME
-        holder[key] = kept
-        return Verdict.CHANGED
+        return _kept(holder, key, lambda piece: self.part.arguments(k, piece), empty_too=True)
 
     def call_opens(self, call_id: str | None, name: str) -> tuple[int, bool]:
         """The next call of this part opens: its index among the answer's calls, and whether it is new to the client
@@ -111,6 +104,20 @@ class TypedReader:
         k = self.opened
         self.opened += 1
         return k, self.part.opened(k, call_id, name)
+
+
+def _kept(holder: dict[str, Any], key: str, cut: Callable[[str], str | None], empty_too: bool = False) -> Verdict:
+    """A delta's piece (`holder[key]`) as the part cuts it: what the client lacks of it."""
+    given = holder.get(key)
+    if not isinstance(given, str) or (not given and not empty_too):
+        return Verdict.AS_IT_CAME
+    kept = cut(given)
+    if not kept:
+        return Verdict.DROPPED
+    if kept == given:
+        return Verdict.AS_IT_CAME
+    holder[key] = kept
+    return Verdict.CHANGED
 
 
 def _mapped(value: Any, ids: dict[str, str]) -> Any:
