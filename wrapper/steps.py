@@ -32,6 +32,7 @@ class SlotUse:
     counted: bool = False  # a step counted its prompt (or chose not to: then `prompt` stays 0)
     pauses: int = 0  # how often it was paused: more than 0, the request goes on from its own kept state
     session: str | None = None  # the session an agent says it belongs to (X-Session-Id, prompt_cache_key, ...)
+    background: bool = False  # its class (wrapper/queue/priority.py): an agent's, not a person's
 
 
 @dataclass

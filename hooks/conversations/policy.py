@@ -45,17 +45,27 @@ def goes_on_in(book: SlotBook, busy: Collection[int], asked: int | None, message
 
 
 def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int],
-                last_used: Mapping[int, float], min_tokens: int) -> int:
+                last_used: Mapping[int, float], min_tokens: int, unknown: Collection[int] = (),
+                ours: Collection[int] | None = None) -> int:
     """The slot sharing the longest prefix with the request, whatever share of what it holds that is
     (llama-server reuses any common prefix: a regenerate shares its question, not the answer that followed),
     as long as the prefix is more than a chat template's first tokens: at least `min_tokens`, or half of what
-    the slot holds. Else an empty slot, else the one whose conversation is cheapest to move out (the
-    shortest, then the least recently used)."""
+    the slot holds — the half only on a slot that last served a request of the same class (`ours`; None: any), or
+    when the request goes on from all the slot holds: a person's short question and an agent's task share a chat
+    template's system prompt, and that alone must not move one into the other's slot. Else an empty slot, else the
+    one whose conversation is cheapest to move out (the shortest, then the least recently used), a slot holding what
+    the book does not know (`unknown`: a request the server placed itself ran there, and it is saved before it is
+    taken) last."""
     shared = {s: common_prefix(held.get(s, []), tokens) for s in free}
-    continuing = [s for s in free if shared[s] and (shared[s] >= min_tokens or 2 * shared[s] >= len(held.get(s, [])))]
+
+    def half(s: int) -> bool:
+        kept = len(held.get(s, []))
+        return 2 * shared[s] >= kept and (ours is None or s in ours or shared[s] == kept)
+
+    continuing = [s for s in free if shared[s] and (shared[s] >= min_tokens or half(s))]
     if continuing:
         return max(continuing, key=lambda s: shared[s])
-    return min(free, key=lambda s: (len(held.get(s, [])), last_used.get(s, 0.0)))
+    return min(free, key=lambda s: (s in unknown, len(held.get(s, [])), last_used.get(s, 0.0)))
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,8 @@ import re
 from typing import Any
 
 from hooks.conversations.state import enabled, state
-from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store.settings import STORE
-from wrapper import paths
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation
 from wrapper.steps import Observer
@@ -26,8 +24,6 @@ def observer(generation: Generation) -> Observer | None:
     kept = conv.rates_of(generation)
 
     def seen(path: str, status: int, tail: bytes) -> None:
-        if path in paths.SLOT_USERS_UNPINNED:
-            book_of(generation).forgotten()  # it ran in some slot the wrapper did not choose
         if status != 200:
             return
         tokens, ms = _PROMPT_N.findall(tail), _PROMPT_MS.findall(tail)

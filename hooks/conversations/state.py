@@ -23,6 +23,9 @@ class Conversations:
     kept: KeptRates | None = None  # loaded at the first use (the model id is known then)
     busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
     unpinned: int = 0  # requests in flight in a slot the server chose (Responses, Messages, infill, embeddings)
+    background: dict[int, bool] = field(default_factory=dict)  # slot -> whether its last request was an agent's
+    placed: dict[int, object] = field(default_factory=dict)  # the slots such requests were seen in, while they run
+    finding: set[asyncio.Task[None]] = field(default_factory=set)  # the polls that look for them
     last_used: dict[int, float] = field(default_factory=dict)
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
     decisions: Decisions = field(default_factory=Decisions)

@@ -61,7 +61,9 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     asked = out.payload.get("id_slot")
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself
-    slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None)
+    background = out.use is not None and out.use.background
+    slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None,
+                          background)
     if slot is None:
         return out
     reserved = _Reserved(slot, messages)
@@ -84,23 +86,66 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
 
 async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     """A request the server puts in a slot of its own choosing: while it runs, a pinned one is kept off that slot
-    (the server would queue it there, behind it)."""
+    (the server would queue it there, behind it); the slot it ran in is learnt from the server's `/slots` while it
+    runs, and when it ends only that slot holds something the book does not know (every slot, when that was not
+    learnt: two such requests at once, or one too short to be seen)."""
     generation = host.current
     if not enabled(generation):
         return out
     conv = state(generation)
     conv.unpinned += 1
-    done = False
+    placed = _Placed()
+    finding = asyncio.create_task(_find_place(generation, conv, placed))
+    conv.finding.add(finding)
+    finding.add_done_callback(conv.finding.discard)
 
     def ended(status: int | None) -> None:
-        nonlocal done
-        if not done:
-            done = True
-            conv.unpinned -= 1
-            conv.freed.set()
+        if placed.done:
+            return
+        placed.done = True
+        finding.cancel()
+        conv.unpinned -= 1
+        book = book_of(generation)
+        if placed.slot is not None:
+            conv.placed.pop(placed.slot, None)
+            conv.background.pop(placed.slot, None)
+            book.served(placed.slot, None)  # it holds what that request left: saved before a conversation takes it
+        else:
+            book.forgotten()
+        conv.freed.set()
 
     out.after.append(ended)
     return out
+
+
+@dataclass
+class _Placed:
+    """Where the server put a request of its own choosing, once seen."""
+
+    slot: int | None = None
+    done: bool = False
+
+
+PLACE_POLL_S = 0.1
+PLACE_TRIES = 100  # about 10 s of polls: a request still unseen then is left unknown (its end forgets every slot)
+
+
+async def _find_place(generation: Generation, conv: Conversations, placed: _Placed) -> None:
+    """Poll the server's `/slots` until one slot processes that no request of ours is pinned to and no other such
+    request was seen in: that is where this one runs. Given up when two such slots are there at once (which is
+    whose cannot be told)."""
+    for _ in range(PLACE_TRIES):
+        await asyncio.sleep(PLACE_POLL_S)
+        if placed.done:
+            return
+        others = set(conv.placed) | conv.busy
+        new = {slot for slot in await _processing(generation) if slot not in others}
+        if len(new) == 1 and not placed.done:
+            (placed.slot,) = new
+            conv.placed[placed.slot] = placed
+            return
+        if len(new) > 1:
+            return
 
 
 def _pinned(out: Outgoing, slot: int) -> Outgoing:
@@ -190,7 +235,8 @@ async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
     return [int(t) for t in tokenized["tokens"]]
 
 
-async def _reserve(generation: Generation, conv: Conversations, tokens: list[int], asked: int | None) -> int | None:
+async def _reserve(generation: Generation, conv: Conversations, tokens: list[int], asked: int | None,
+                   background: bool) -> int | None:
     """The slot for this request, reserved until it is answered; waits while every slot serves one of ours (the
     server would queue it the same way, and then put it in a slot whose conversation nobody saved)."""
     book = book_of(generation)
@@ -206,8 +252,11 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
         conv.freed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
-    slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens)
+    slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens,
+                       {s for s in free if book.partial(s)},
+                       {s for s in free if conv.background.get(s) == background})
     conv.busy.add(slot)
+    conv.background[slot] = background
     return slot
 
 

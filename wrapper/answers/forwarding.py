@@ -114,6 +114,7 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
                         hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
     seat = Seat(klass, path)
     seat.use.session = priority.session_of(request.headers, payload)
+    seat.use.background = klass is priority.Class.BACKGROUND
     return seat
 
 

@@ -80,3 +80,24 @@ def test_among_empty_or_equal_slots_the_least_recently_used() -> None:
 def test_what_a_request_that_takes_a_slot_drops(known: list[int], count: int, tokens: list[int],
                                                 dropped_n: int) -> None:
     assert dropped(known, count, tokens) == dropped_n
+
+
+def test_a_slot_a_server_placed_request_ran_in_is_taken_last() -> None:
+    """Its tokens are not known (it looks empty) but it holds something, saved before a conversation takes it."""
+    held = {1: A}
+    assert choose_slot([0, 1], held, [5] * 400, {}, 256, unknown={0}) == 1
+    assert choose_slot([0, 1], held, [5] * 400, {}, 256) == 0  # as an empty slot otherwise
+    assert choose_slot([0, 1], {}, [5] * 400, {0: 1.0, 1: 2.0}, 256, unknown={0, 1}) == 0
+
+
+def test_a_chat_templates_first_tokens_do_not_move_an_agent_into_a_persons_slot() -> None:
+    """A person's short question and an agent's task share the template's system prompt: more than half of the
+    question's slot, but it counts only on a slot of the agent's own class (or when the agent goes on from all of
+    it); a long shared prefix counts anywhere."""
+    question, task = [*range(30), 900, 901, 902], [*range(30), 700, 701, 702, 703]
+    held = {0: question}
+    assert choose_slot([0, 1], held, task, {}, 256) == 0  # the class not told: as before
+    assert choose_slot([0, 1], held, task, {}, 256, ours={1}) == 1  # slot 0 last served a person
+    assert choose_slot([0, 1], held, task, {}, 256, ours={0}) == 0
+    assert choose_slot([0, 1], held, [*question, 5], {}, 256, ours={1}) == 0  # it goes on from all of it
+    assert choose_slot([0, 1], {0: list(range(300))}, [*range(300), 1], {}, 256, ours=set()) == 0
