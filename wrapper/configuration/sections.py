@@ -62,7 +62,59 @@ def _preempt(r: Reader, node: yaml.Node, what: str) -> bool | None:
     return None
 
 
+CLASSES = ("background", "interactive")
+ANY_VALUE = "*"
+# priority.headers as read: (header, ((value, class), ...)), in the config's order; names and values lower case
+HeaderMarks = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+
+def _header_marks(r: Reader, node: yaml.Node, what: str) -> HeaderMarks | None:
+    """header -> {value -> background | interactive}, `*` for any value; names and values as written (not YAML's
+    booleans or numbers), case and spaces aside."""
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return ()
+    example = 'x-my-batch-job: {"*": background}'
+    if not isinstance(node, yaml.MappingNode):
+        r.error(node, f"{what} must be a mapping of header -> {{value: background | interactive}}, e.g. {{{example}}}")
+        return None
+    marks: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    ok = True
+    for name_node, values_node in node.value:
+        name = name_node.value.strip().lower() if isinstance(name_node, yaml.ScalarNode) else ""
+        if not name:
+            r.error(name_node, f"{what}: a header's name must be a non-empty string")
+            ok = False
+            continue
+        if any(name == seen for seen, _ in marks):
+            r.error(name_node, f"{what}: header {name!r} given twice (names are read in any case)")
+            ok = False
+            continue
+        if not isinstance(values_node, yaml.MappingNode):
+            r.error(values_node, f"{what}.{name} must be a mapping of value -> background | interactive "
+                                 f"(\"*\": any value), e.g. {example}")
+            ok = False
+            continue
+        values: list[tuple[str, str]] = []
+        for value_node, class_node in values_node.value:
+            value = value_node.value.strip().lower() if isinstance(value_node, yaml.ScalarNode) else ""
+            word = class_node.value.strip().lower() if isinstance(class_node, yaml.ScalarNode) else ""
+            if not value or any(value == seen for seen, _ in values):
+                r.error(value_node, f"{what}.{name}: each value must be a non-empty string, given once "
+                                    "(\"*\": any value)")
+                ok = False
+            elif word not in CLASSES:
+                r.error(class_node, f"{what}.{name}.{value} must be {' or '.join(CLASSES)}, not "
+                                    f"{r.value(class_node)!r}")
+                ok = False
+            else:
+                values.append((value, word))
+        marks.append((name, tuple(values)))
+    return tuple(marks) if ok else None
+
+
 KEYS = Kind("list of API keys (secret)", _keys, lambda v: f"({len(v)} set)" if v else "none")
+HEADER_MARKS = Kind("mapping: header → {value → background | interactive}", _header_marks,
+                    lambda v: {name: dict(values) for name, values in v} if v else "none")
 PREEMPT = Kind("true | false | auto", _preempt, lambda v: "auto" if v is None else v)
 AUTO_BOOL = PREEMPT  # the same three words for any switch whose default the wrapper decides
 
@@ -77,6 +129,11 @@ class PrioritySettings:
     background_keys: tuple[str, ...] = setting((), KEYS, "API keys (`Authorization: Bearer KEY` or `X-Api-Key: "
                                                "KEY`) whose requests are background: give an agent its own key and "
                                                "it needs no change; never shown")
+    headers: HeaderMarks = setting((), HEADER_MARKS, "headers that say a request's class, beside the agents' own "
+                                   "(docs/priority.md): `\"*\"` for any non-empty value (a value named wins), e.g. "
+                                   "`x-my-batch-job: {\"*\": background}`; a header named here replaces the built-in "
+                                   "entry for it whole; read after X-Priority and service_tier, before the key; names "
+                                   "and values in any case")
     lane: bool | None = setting(None, AUTO_BOOL, "keep one slot for interactive requests: llama-server runs one slot "
                                 "more than -np, and background requests take at most -np of them, so a person's "
                                 "request is answered beside an agent's at once, not after it or after its pause "

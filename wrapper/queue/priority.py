@@ -2,22 +2,25 @@
 of the config that says how background ones are told apart and whether they yield their slot (`priority:`).
 
 A request is background when its header says `X-Priority: background`, its body `"service_tier": "flex"` (the
-OpenAI API's word for slower, cheaper work), or its API key is one of `priority.background_keys`; the header
-`X-Priority: interactive` and `"service_tier": "priority"` say interactive, and so does everything else (the first
-of these that says a class decides; case and spaces aside; what the wrapper does not know says nothing). Neither
-the header nor `service_tier` goes on to llama-server.
+OpenAI API's word for slower, cheaper work), an agent's own header says it is a subagent's or a side task's
+(`AGENT_MARKS`, and those `priority.headers` adds or replaces), or its API key is one of `priority.background_keys`;
+the header `X-Priority: interactive` and `"service_tier": "priority"` say interactive, and so does everything else
+(the first of these that says a class decides, in this order; case and spaces aside; what the wrapper does not know
+says nothing). Neither X-Priority nor `service_tier` goes on to llama-server; the agents' headers do.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 from collections.abc import Mapping
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 from wrapper.configuration import argv as args
-from wrapper.configuration.sections import PrioritySettings
+from wrapper.configuration.sections import ANY_VALUE, HeaderMarks, PrioritySettings
 
 HEADER = "X-Priority"
 TIER = "service_tier"
@@ -28,8 +31,23 @@ class Class(Enum):
     BACKGROUND = "background"
 
 
+# The agents' own marks: header -> {value -> class} (ANY_VALUE: any non-empty value); a value not here says nothing
+# (agents add values over time: not logged). docs/priority.md's table says the same, with each agent's session header.
+_BACKGROUND = Class.BACKGROUND
+AGENT_MARKS: Mapping[str, Mapping[str, Class]] = MappingProxyType({
+    # Claude Code (with CLAUDE_CODE_GATEWAY_HINT_HEADERS=1): main, its own loop, says nothing
+    "x-claude-code-request-class": MappingProxyType(
+        {"subagent": _BACKGROUND, "workflow": _BACKGROUND, "compaction": _BACKGROUND, "auxiliary": _BACKGROUND}),
+    # Codex: review, compact, memory_consolidation, collab_spawn
+    "x-openai-subagent": MappingProxyType({ANY_VALUE: _BACKGROUND}),
+    # opencode: a subagent's request names its parent's session
+    "x-parent-session-id": MappingProxyType({ANY_VALUE: _BACKGROUND}),
+})
+
+
 def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, settings: PrioritySettings) -> Class:
-    """The class a request asks for (the header first, then `service_tier`, then its API key)."""
+    """The class a request asks for (X-Priority first, then `service_tier`, then the agents' headers, then its API
+    key). `headers` are the request's (aiohttp's: any case)."""
     said = headers.get(HEADER, "").strip().lower()
     if said in (Class.BACKGROUND.value, Class.INTERACTIVE.value):
         return Class(said)
@@ -38,10 +56,22 @@ def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, setting
         return Class.BACKGROUND
     if tier == "priority":
         return Class.INTERACTIVE
+    for name, values in header_marks(settings.headers):
+        if (value := headers.get(name, "").strip().lower()) and (klass := values.get(value, values.get(ANY_VALUE))):
+            return klass
     key = _api_key(headers)
     if key and any(hmac.compare_digest(key.encode(), k.encode()) for k in settings.background_keys):
         return Class.BACKGROUND
     return Class.INTERACTIVE
+
+
+@functools.lru_cache(maxsize=8)
+def header_marks(configured: HeaderMarks) -> tuple[tuple[str, Mapping[str, Class]], ...]:
+    """The header marks read, in order: the config's (`priority.headers`), then the built-in ones it does not name
+    (a header named there replaces the built-in entry whole)."""
+    named = {name for name, _ in configured}
+    own = tuple((name, MappingProxyType({value: Class(word) for value, word in values})) for name, values in configured)
+    return own + tuple((name, values) for name, values in AGENT_MARKS.items() if name not in named)
 
 
 def _tier(payload: dict[str, Any] | None) -> Any:
@@ -80,7 +110,9 @@ def unsaid(payload: dict[str, Any]) -> bool:
     return True
 
 
-SESSION_HEADERS = ("X-Session-Id", "x-session-affinity", "session_id")  # opencode's, opencode's, Codex's
+# opencode's, opencode's, Codex's, Claude Code's, OpenHands' (LiteLLM's): the first present
+SESSION_HEADERS = ("X-Session-Id", "x-session-affinity", "session_id", "x-claude-code-session-id",
+                   "x-litellm-session-id")
 SESSION_FIELDS = ("prompt_cache_key", "session_id")  # Codex's Responses body, and others'
 
 

@@ -1,15 +1,20 @@
-"""Which class a request is (its header, its body's service_tier, its API key), and the `priority:` section."""
+"""Which class a request is (its header, its body's service_tier, the agents' own headers, its API key), and the
+`priority:` section."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from multidict import CIMultiDict
+
+from tests.helpers import ROOT
 from wrapper import built_ins
 from wrapper.configuration import argv as args
 from wrapper.configuration.config import ConfigError
 from wrapper.configuration.sections import PRIORITY, PrioritySettings
 from wrapper.queue import priority
-from wrapper.queue.priority import Class, classify, odd_marks, unsaid
+from wrapper.queue.priority import AGENT_MARKS, SESSION_HEADERS, Class, classify, odd_marks, unsaid
 
 KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
 
@@ -108,6 +113,99 @@ def test_check_warns_when_preemption_is_asked_for_and_cannot_be() -> None:
     assert not any("priority" in w for w in built_ins.warnings(built_ins.parse("")))
 
 
+CLAUDE, CODEX, OPENCODE = "x-claude-code-request-class", "x-openai-subagent", "x-parent-session-id"
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({CLAUDE: "subagent"}, Class.BACKGROUND),
+    ({CLAUDE: "workflow"}, Class.BACKGROUND),
+    ({CLAUDE: "compaction"}, Class.BACKGROUND),
+    ({CLAUDE: "auxiliary"}, Class.BACKGROUND),
+    ({"X-Claude-Code-Request-Class": " SubAgent "}, Class.BACKGROUND),  # names and values in any case
+    ({CLAUDE: "main"}, Class.INTERACTIVE),  # its own loop: says nothing, and nothing else says
+    ({CLAUDE: "main", "Authorization": "Bearer agent-key"}, Class.BACKGROUND),  # ... so its key decides
+    ({CLAUDE: "weird"}, Class.INTERACTIVE),  # a value it does not know says nothing
+    ({CLAUDE: ""}, Class.INTERACTIVE),
+    ({CODEX: "review"}, Class.BACKGROUND),
+    ({CODEX: "compact"}, Class.BACKGROUND),
+    ({CODEX: "memory_consolidation"}, Class.BACKGROUND),
+    ({CODEX: "collab_spawn"}, Class.BACKGROUND),
+    ({"X-OpenAI-Subagent": "a-new-one"}, Class.BACKGROUND),  # any value
+    ({CODEX: " "}, Class.INTERACTIVE),  # not an empty one
+    ({OPENCODE: "ses_parent"}, Class.BACKGROUND),  # a subagent's request
+    ({"x-session-affinity": "ses_1"}, Class.INTERACTIVE),  # opencode's own session: says nothing
+    ({"x-litellm-session-id": "s", "x-claude-code-session-id": "s"}, Class.INTERACTIVE),
+])
+def test_the_agents_own_headers(headers: dict[str, str], expected: Class) -> None:
+    assert classify(CIMultiDict(headers), {}, KEYS) is expected  # aiohttp's headers, any case
+    assert odd_marks(CIMultiDict(headers), {}) == []  # never logged: agents add values over time
+
+
+@pytest.mark.parametrize(("headers", "payload", "expected"), [
+    ({"X-Priority": "interactive", CLAUDE: "subagent"}, {}, Class.INTERACTIVE),  # X-Priority first
+    ({"X-Priority": "background", CLAUDE: "main"}, {}, Class.BACKGROUND),
+    ({CODEX: "review"}, {"service_tier": "priority"}, Class.INTERACTIVE),  # then service_tier
+    ({"X-Priority": "urgent", CODEX: "review"}, {"service_tier": "auto"}, Class.BACKGROUND),  # neither says
+    ({OPENCODE: "ses_parent", "Authorization": "Bearer someone-else"}, {}, Class.BACKGROUND),  # before the key
+])
+def test_explicit_marks_come_before_the_agents(headers: dict[str, str], payload: dict[str, object],
+                                              expected: Class) -> None:
+    assert classify(CIMultiDict(headers), payload, KEYS) is expected
+
+
+def _with_headers(written: str) -> PrioritySettings:
+    settings = PRIORITY.of(built_ins.parse(f"priority:\n  background_keys: [agent-key]\n  headers:\n{written}"))
+    assert settings.background_keys == ("agent-key",)
+    return settings
+
+
+def test_priority_headers_add_marks_and_replace_the_built_in_ones() -> None:
+    settings = _with_headers("    X-Claude-Code-Request-Class: {Main: interactive, subagent: background}\n"
+                             "    x-my-batch-job: {\"*\": background, urgent: interactive}\n"
+                             "    x-openai-subagent: {review: interactive}\n"
+                             "    x-tier: {on: background, 1: background}\n")
+
+    def said(headers: dict[str, str]) -> Class:
+        return classify(CIMultiDict(headers), {}, settings)
+    assert said({CLAUDE: "main", "Authorization": "Bearer agent-key"}) is Class.INTERACTIVE  # before the key now
+    assert said({CLAUDE: "subagent"}) is Class.BACKGROUND
+    assert said({CLAUDE: "compaction"}) is Class.INTERACTIVE  # the built-in entry is replaced whole
+    assert said({"x-my-batch-job": "nightly"}) is Class.BACKGROUND  # "*": any value
+    assert said({"x-my-batch-job": " Urgent"}) is Class.INTERACTIVE  # a value named wins over "*"
+    assert said({"x-my-batch-job": ""}) is Class.INTERACTIVE
+    assert said({CODEX: "review"}) is Class.INTERACTIVE and said({CODEX: "compact"}) is Class.INTERACTIVE
+    assert said({OPENCODE: "ses_parent"}) is Class.BACKGROUND  # a built-in not named stays
+    assert said({"x-tier": "on"}) is Class.BACKGROUND and said({"x-tier": "1"}) is Class.BACKGROUND  # as written
+    assert said({"X-Priority": "interactive", "x-my-batch-job": "x"}) is Class.INTERACTIVE
+    shown = PRIORITY.shown(built_ins.parse("priority: {headers: {x-my-batch-job: {'*': background}}}\n"))
+    assert shown["headers"] == {"x-my-batch-job": {"*": "background"}}
+    assert PRIORITY.shown(built_ins.parse(""))["headers"] == "none" and PrioritySettings().headers == ()
+
+
+@pytest.mark.parametrize(("written", "says"), [
+    ("    x-job: {'*': low}\n", "priority.headers.x-job.* must be background or interactive, not 'low'"),
+    ("    x-job: {main: true}\n", "priority.headers.x-job.main must be background or interactive, not True"),
+    ("    x-job: background\n", "priority.headers.x-job must be a mapping of value -> background | interactive"),
+    ("    - x-job\n", "priority.headers must be a mapping of header -> {value: background | interactive}"),
+    ("    x-job: {'': background}\n", "priority.headers.x-job: each value must be a non-empty string"),
+    ("    x-job: {a: background}\n    X-Job: {b: background}\n", "header 'x-job' given twice"),
+])
+def test_a_bad_header_mark_says_what_to_write(written: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _with_headers(written)
+    assert says in str(caught.value)
+
+
+def test_the_docs_table_names_every_agent_header() -> None:
+    text = (Path(ROOT) / "docs" / "priority.md").read_text()
+    table = text[text.index("The agents' own marks"):]
+    table = table[:table.index("\n\n", table.index("| agent |"))]
+    for name, values in AGENT_MARKS.items():
+        assert f"`{name}`" in table and all(f"`{value}`" in table for value in values if value != "*")
+    for name in SESSION_HEADERS:
+        assert f"`{name}`" in table
+
+
 @pytest.mark.parametrize(("lane", "argv", "slots_kvu", "on", "slots", "kvu"), [
     (None, ["-np", "1"], True, True, "2", True),  # the slot built-ins make one KV: a slot more is free
     (None, ["-np", "2", "-kvu"], False, True, "3", True),
@@ -136,6 +234,8 @@ def test_the_lane_a_server_keeps_for_interactive_requests(lane: bool | str | Non
     ({"X-Session-Id": "ses_1"}, None, "ses_1"),  # opencode
     ({"x-session-affinity": "ses_2"}, {"prompt_cache_key": "k"}, "ses_2"),  # the header first
     ({"session_id": "0199-abc"}, None, "0199-abc"),  # Codex's header
+    ({"x-claude-code-session-id": "cc-1"}, None, "cc-1"),  # Claude Code's
+    ({"x-litellm-session-id": "oh-1"}, {"prompt_cache_key": "k"}, "oh-1"),  # OpenHands'
     ({}, {"prompt_cache_key": "019a-thread"}, "019a-thread"),  # Codex's Responses body
     ({}, {"session_id": "s"}, "s"),
     ({"X-Session-Id": "  "}, {"prompt_cache_key": 7}, None),  # empty, or not a string: none
