@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 import aiohttp
+import structlog
 
 from wrapper import built_ins
 from wrapper.configuration import argv as args
@@ -30,6 +31,8 @@ from wrapper.server.generation import Generation
 from wrapper.server.llama import LlamaClient
 
 LOSS_SEEN_S = 2.0  # a cut exchange: how long its server's end may take to be seen
+log = structlog.get_logger()
+
 MOVED_ON_S = 120.0  # a dead server: how long the life may take to notice (bounded: a stuck life is not waited for)
 
 
@@ -67,6 +70,7 @@ class Serving:
         self.cut_by_loss = 0  # requests whose exchange was cut, waiting to learn whether their server was lost
         self.seats = Seats()  # the slots' queue (wrapper/queue/seats.py), for the wrapper's life
         self.remembered: dict[str, Remembered] = {}  # the GETs clients poll, as llama-server last answered them
+        self._lane_told: Generation | None = None  # the generation whose lane (or its absence) the log said
 
     def heard(self) -> None:
         """A request in flight sent to llama-server, or a byte of an answer came back (the watchdog's stall)."""
@@ -92,6 +96,10 @@ class Serving:
         self.seats.resize(slot_count(generation))
         on, self.seats.lane_why = built_ins.lane_of(generation.launch)
         self.seats.lane = 1 if on and self.seats.total > 1 else 0
+        if self._lane_told is not generation:
+            self._lane_told = generation
+            if not on and settings.lane is None:  # `auto` said no: a person may wait behind an agent
+                log.warning("priority.no_lane", why=self.seats.lane_why)
         self.seats.max_pauses = settings.max_pauses
         self.seats.preempt, why = built_ins.preemption(generation.config)
         self.seats.preempt_off = Why("preempt_off", why)
@@ -103,6 +111,7 @@ class Serving:
     def install(self, generation: Generation) -> None:
         """Make a new generation the current one: requests released from now on go to it (the life's to do)."""
         self.current = generation
+        self.queue()  # its slots, and whether a lane is kept (said in the log once)
 
     async def drain(self, timeout: float, force: asyncio.Event, cut: bool = True) -> bool:
         """Let the requests in flight finish within `timeout` (`force` set: at once), cut the rest (unless not

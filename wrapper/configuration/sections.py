@@ -137,8 +137,8 @@ class PrioritySettings:
     lane: bool | None = setting(None, AUTO_BOOL, "keep one slot for interactive requests: llama-server runs one slot "
                                 "more than -np, and background requests take at most -np of them, so a person's "
                                 "request is answered beside an agent's at once, not after it or after its pause "
-                                "(`auto`: on with `background_keys` when the slots share one KV, as they do with the "
-                                "slot built-ins: the slot then costs no KV memory)")
+                                "(`auto`: on whenever the slots share one KV, as they do with the slot built-ins: the "
+                                "slot then costs no KV memory; off where the slots have a KV each, said in the log)")
 
 
 PRIORITY = Section("priority", PrioritySettings, "interactive requests first: background ones yield their slot")

@@ -138,22 +138,19 @@ LANE_WHY = "one slot more, kept for interactive requests (priority.lane)"
 
 
 def lane(settings: PrioritySettings, argv: list[str], slots_fit_kvu: bool) -> tuple[bool, str]:
-    """Whether one slot is kept for interactive requests, and why: `priority.lane` true, or `auto` when the config
-    says agents share the server (`priority.background_keys`) and one KV serves all slots (the argv's, or the -kvu the
-    slot built-ins' fit adds: `slots_fit_kvu`), where a slot more costs no KV memory (without it, a slot more would
-    take its share of -c)."""
+    """Whether one slot is kept for interactive requests, and why: `priority.lane` true, or `auto` whenever one KV
+    serves all slots (the argv's, or the -kvu the slot built-ins' fit adds: `slots_fit_kvu`), where a slot more costs
+    no KV memory, whatever marks the config uses; `auto` is off where the slots have a KV each (a slot more would
+    take its share of -c), and the why says what to set."""
     if settings.lane is False:
         return False, "priority.lane is false"
     unified = args.unified_kv(argv) or (slots_fit_kvu and args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED)
                                         is None)
     split = args.last_of(argv, args.KV_UNIFIED, args.NO_KV_UNIFIED) is False  # the argv says -no-kvu itself
-    if settings.lane is None:
-        if not settings.background_keys:
-            return False, "no priority.background_keys: nothing says agents share this server (priority.lane: true)"
-        if not unified:
-            return False, (f"the slots have a KV each ({'-no-kvu' if split else '-np without -kvu'}): a slot more "
-                           f"would take its share of -c (priority.lane: true "
-                           f"{'keeps -no-kvu' if split else 'adds -kvu'})")
+    if settings.lane is None and not unified:
+        return False, (f"the slots have a KV each ({'-no-kvu' if split else '-np without -kvu'}): a slot more "
+                       f"would take its share of -c; {'drop -no-kvu, or ' if split else 'add -kvu, or '}set "
+                       f"priority.lane: true ({'keeps -no-kvu' if split else 'adds -kvu'}) to keep a slot for people")
     if unified:
         return True, LANE_WHY + " on one KV: it costs no KV memory"
     return True, LANE_WHY + (", -no-kvu kept as given: its slot takes a share of -c" if split else ", with -kvu added")

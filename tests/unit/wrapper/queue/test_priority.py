@@ -212,7 +212,7 @@ def test_the_docs_table_names_every_agent_header() -> None:
     (None, [], False, True, None, False),  # automatic slots share one KV: one of them is kept, nothing added
     (None, ["-np", "2"], False, False, "2", False),  # a KV each: a slot more takes its share of -c
     (None, ["-np", "2", "-no-kvu"], True, False, "2", False),  # asked for a KV each
-    ("no keys", ["-np", "1"], True, False, "1", False),  # auto, and nothing says agents share it
+    ("no keys", ["-np", "1"], True, True, "2", True),  # auto, whatever marks the config uses
     (True, ["-np", "2"], False, True, "3", True),  # asked for: one KV too
     (True, ["-np", "2", "-no-kvu"], True, True, "3", False),  # asked for, and a KV each kept as given (its why says)
     (False, ["-np", "1"], True, False, "1", False),
@@ -224,6 +224,7 @@ def test_the_lane_a_server_keeps_for_interactive_requests(lane: bool | str | Non
     full = ["llama-server", *argv]
     kept, why = priority.lane(settings, full, slots_kvu)
     assert kept is on and why
+    assert on or lane is False or "priority.lane: true" in why  # off by auto: it says what to set
     assert ("-no-kvu" in why) is ("-no-kvu" in argv)  # what it says of the KV is what the argv has
     assert "-kvu added" not in why or priority.with_lane(full, kvu=True)[1][-1]["change"] == "-kvu"
     after = priority.with_lane(full, kvu=True)[0] if kept else full
