@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from http.client import HTTPConnection
 from typing import Any
 
@@ -148,3 +149,39 @@ def agent(url: str, max_tokens: int, stream: bool = True, headers: dict[str, str
 def person(url: str, question: str = QUESTION, max_tokens: int = 24) -> Asked:
     return Asked(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": question}],
                                                "max_tokens": max_tokens, "temperature": 0, "stream": True})
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+BACKGROUND = {"X-Priority": "background"}  # the README's header mark
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of agent people run, marked as the README shows: what it sends and the chat template the server runs
+    (llama.cpp's own, in the build's templates/; None: the model's)."""
+
+    name: str
+    template: str | None
+    path: str
+    extra: dict[str, Any]
+    headers: dict[str, str]
+
+    def ask(self, url: str, max_tokens: int) -> Asked:
+        return agent(url, max_tokens, headers=self.headers, path=self.path, **self.extra)
+
+
+LLAMA_31 = "meta-llama-Llama-3.1-8B-Instruct"
+KINDS = [
+    Kind("plain", None, "/v1/chat/completions", {"service_tier": "flex"}, {}),  # the README's body mark
+    Kind("tools", LLAMA_31, "/v1/chat/completions", {"tools": TOOLS, "tool_choice": "auto"}, BACKGROUND),
+    Kind("reasoning", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "/v1/chat/completions", {}, BACKGROUND),
+    Kind("responses", LLAMA_31, "/v1/responses", {}, BACKGROUND),  # Codex
+    Kind("messages", LLAMA_31, "/v1/messages", {"model": "demo"}, BACKGROUND),  # Claude Code
+]
+
+
+def prompt_n(asked: Asked) -> int | None:
+    """The prompt tokens llama-server read for a streamed chat answer (its last `timings`), None when not told."""
+    told = [e["timings"]["prompt_n"] for e in asked.events if isinstance(e.get("timings"), dict)]
+    return int(told[-1]) if told else None

@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = str(ROOT / "tests" / "unit" / "child_server.py")
 
 
+def chat_yaml(tmp_path: Path, more: str = "") -> str:
+    """The README's llama-swap model config (`examples/chat.yaml`), as it is but for its folder (and what a test
+    adds)."""
+    text = (ROOT / "examples" / "chat.yaml").read_text()
+    assert "~/.cache/llama-wrapper/slots" in text
+    return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots")) + more
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `condition` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ CONFIG = """
 slots: {{dir: {dir}}}
 cache: {{{extra}}}
 store: {{{store}}}
+priority: {{lane: false}}  # one slot per -np: these tests count what moves in and out of it
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]

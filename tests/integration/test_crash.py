@@ -13,20 +13,13 @@ from typing import Any
 import pytest
 
 from tests import models
-from tests.helpers import ROOT, Wrapper, chat, http, running, wait_for
+from tests.helpers import Wrapper, chat, chat_yaml, http, running, wait_for
 from tests.killing import Events, content, contents, deltas, killed_while_answering, server_pid, streamed
 
 STORY = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
 LONG = [{"role": "user", "content": "A long story, to be retold: " + STORY * 100 + "\nTell it again in your words."}]
 SHORT = [{"role": "user", "content": "Name three colours."}]
 QUESTION = "Tell me a long story about the keeper of a lighthouse."
-
-
-def chat_yaml(tmp_path: Path, more: str = "") -> str:
-    """The README's llama-swap model config, as it is but for its folder (and what a test adds)."""
-    text = (ROOT / "examples" / "chat.yaml").read_text()
-    assert "~/.cache/llama-wrapper/slots" in text
-    return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots")) + more
 
 
 def argv(server_bin: str, model: str, parallel: int, *more: str) -> list[str]:
