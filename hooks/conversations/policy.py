@@ -50,12 +50,12 @@ def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int
     """The slot sharing the longest prefix with the request, whatever share of what it holds that is
     (llama-server reuses any common prefix: a regenerate shares its question, not the answer that followed),
     as long as the prefix is more than a chat template's first tokens: at least `min_tokens`, or half of what
-    the slot holds — the half only on a slot that last served a request of the same class (`ours`; None: any), or
-    when the request goes on from all the slot holds: a person's short question and an agent's task share a chat
-    template's system prompt, and that alone must not move one into the other's slot. Else an empty slot, else the
-    one whose conversation is cheapest to move out (the shortest, then the least recently used), a slot holding what
-    the book does not know (`unknown`: a request the server placed itself ran there, and it is saved before it is
-    taken) last."""
+    the slot holds — the half only on a slot whose last request was of the same class or is not known (`ours`;
+    None: any), or when the request goes on from all the slot holds: a person's short question and an agent's task
+    share a chat template's system prompt, and that alone must not move one into the other's slot. Else an empty
+    slot, else the one whose conversation is cheapest to move out (the shortest, then the least recently used), a
+    slot holding what the book does not know (`unknown`: a request the server placed itself ran there, and it is
+    saved before it is taken) last."""
     shared = {s: common_prefix(held.get(s, []), tokens) for s in free}
 
     def half(s: int) -> bool:

@@ -254,7 +254,7 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
             await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
     slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens,
                        {s for s in free if book.partial(s)},
-                       {s for s in free if conv.background.get(s) == background})
+                       {s for s in free if conv.background.get(s, background) == background})
     conv.busy.add(slot)
     conv.background[slot] = background
     return slot

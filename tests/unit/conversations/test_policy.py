@@ -101,3 +101,9 @@ def test_a_chat_templates_first_tokens_do_not_move_an_agent_into_a_persons_slot(
     assert choose_slot([0, 1], held, task, {}, 256, ours={0}) == 0
     assert choose_slot([0, 1], held, [*question, 5], {}, 256, ours={1}) == 0  # it goes on from all of it
     assert choose_slot([0, 1], {0: list(range(300))}, [*range(300), 1], {}, 256, ours=set()) == 0
+
+
+def test_a_slot_whose_class_is_not_known_counts_for_either() -> None:
+    """Restored at a start, a slot's last request is not known: a short conversation there still goes on in it."""
+    held = {0: [*range(30), 900, 901]}
+    assert choose_slot([0, 1], held, [*range(30), 900, 5], {}, 256, ours={0, 1}) == 0
