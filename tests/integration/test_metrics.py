@@ -98,7 +98,8 @@ def test_the_router_gauges_follow_the_queue_and_the_slots(tmp_path: Path, server
                 promtext.value(families, "vllm:num_requests_running"),
                 promtext.value(families, "vllm:kv_cache_usage_perc"))
 
-    with running(tmp_path, argv, CONFIG.format(dir=tmp_path / "slots")) as wrapper:
+    one_slot = CONFIG.format(dir=tmp_path / "slots") + "priority: {lane: false}\n"  # the second request waits
+    with running(tmp_path, argv, one_slot) as wrapper:
         assert gauges() == (0, 0, 0)
         first = threading.Thread(target=complete, args=("A", 400))
         first.start()

@@ -230,7 +230,8 @@ def test_a_context_above_the_training_context_is_reported_as_it_runs(tmp_path: P
     """The demo model is trained for 8192 tokens and llama-server caps a slot there: a reload to 16384 says
     so, the argv it records says 8192, asking again changes nothing, and a smaller context still reloads."""
     argv = [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"]
-    with running(tmp_path, argv, config(tmp_path), env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+    one_slot = config(tmp_path) + "priority: {lane: false}\n"  # one slot, capped (the lane's: the demo's test below)
+    with running(tmp_path, argv, one_slot, env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
         status, answer = reload(wrapper, {"n_ctx": 16384, "cache_type_k": "q8_0", "cache_type_v": "q8_0"})
         assert status == 200 and answer["success"], answer
         assert answer["n_ctx"] == 8192
@@ -287,8 +288,8 @@ hooks:
 def test_with_degrade_an_impossible_context_is_reported_as_the_one_that_runs(tmp_path: Path, server_bin: str,
                                                                              demo_path: str) -> None:
     argv = [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"]
-    with running(tmp_path, argv, DEGRADE.format(dir=tmp_path / "slots"),
-                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:
+    with running(tmp_path, argv, DEGRADE.format(dir=tmp_path / "slots") + "priority: {lane: false}\n",
+                 env={"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}) as wrapper:  # one slot: the cap is the slot's
         assert ctx_of(wrapper) == "4096"
         status, answer = reload(wrapper, {"n_ctx": 999999999})
         assert status == 200 and answer["success"], answer

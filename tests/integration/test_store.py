@@ -19,6 +19,7 @@ from tests.s3server import S3Server
 CONFIG = """
 slots: {{dir: {dir}}}
 store: {{url: {store}, refresh: 1s, timeout: 3s}}
+priority: {{lane: false}}  # one slot per -np: these tests count what leaves it for the folder and the bucket
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
