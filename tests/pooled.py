@@ -25,8 +25,8 @@ LONG = "A long report from the archive of the harbour office, to be summarised. 
 CONFIG = """
 slots: {{dir: {slots}}}
 {media}degrade: {{pool: {pool}, budget: {total}, context: {context}, relax_after: {relax}, pool_wait: 60s{extra}}}
-priority: {{lane: false}}  # -np 1 as `plan` sizes the shares (with the lane the main relaxed to disable-spec at a
-                           # larger context rather than back to its draft: an open question, in the issue's note)
+priority: {{lane: false}}  # one slot each, as `plan` sizes the shares: with the lane's slot a second conversation
+                           # stays held, and the relax makes room for it (docs/pool.md)
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]

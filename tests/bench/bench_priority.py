@@ -11,12 +11,12 @@ Measured side by side in one run:
              whether its text is a lone uninterrupted run's (with -np 1 at temperature 0 it should be: its own state
              is restored; with more slots the agents are batched together, which changes the numbers)
 
-Then the five kinds of agent people run (plain chat, offering tools, reasoning, the Responses and the Messages API),
-on real chat templates (llama.cpp's own: Llama 3.1, a DeepSeek R1 distill), on the README's config as it is
-(`examples/chat.yaml`, with `priority.preempt: true`: the lane is on, one slot more than -np kept for people) and
-the agent marked as the README shows (`"service_tier": "flex"`, `X-Priority: background`): the question's first token
-alone and beside each, against the bound (3x alone + 1 s), the prompt tokens it read, whether the agent's text is its
-lone run's; quiet, then with a CPU burner beside.
+With --kinds, the five kinds of agent people run (plain chat, offering tools, reasoning, the Responses and the
+Messages API), on real chat templates (llama.cpp's own: Llama 3.1, a DeepSeek R1 distill), on the README's config
+as it is (`examples/chat.yaml`, with `priority.preempt: true`: the lane is on, one slot more than -np kept for
+people) and the agent marked as the README shows (`"service_tier": "flex"`, `X-Priority: background`): the
+question's first token alone and beside each, against the bound (3x alone + 1 s), the prompt tokens it read,
+whether the agent's text is its lone run's; with --busy, again with a CPU burner beside.
 
     LLAMA_SERVER=$(llama.cpp/build-server) python tests/bench/bench_priority.py [--model gemma] \
         [--parallel 2] [--kinds [--busy]]
@@ -25,7 +25,6 @@ lone run's; quiet, then with a CPU burner beside.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -73,19 +72,20 @@ def behind(wrapper: Wrapper, parallel: int) -> tuple[Asked, list[Asked]]:
 def kinds(server: str, model: str, tmp: Path, busy: bool) -> None:
     """The question beside each kind of agent people run, on the README's config (`examples/chat.yaml`, with
     `priority.preempt: true`: the lane is on, the slots sharing one KV) and the README's marks, `-np 1`; `busy`: a
-    CPU burner beside (one process spinning per core)."""
+    CPU burner beside (one process spinning: half of this 2-core machine; llama-server then runs `-t 1`: with two
+    threads on the one free core they spin-wait for each other, 50 times slower, whatever is in front of it)."""
     print(f"\nthe agents people run, {Path(model).name}, the README's config and marks, -np 1, agents of "
           f"{AGENT_TOKENS // 2} tokens{', a CPU burner beside' if busy else ''}; the person's first token, median of "
           f"{TRIES}:")
     print(f"  {'agent':<10} {'alone':>8} {'beside':>8} {'bound':>8}        prompt read alone/beside  the agent's text")
     tmp.mkdir(parents=True, exist_ok=True)
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
-        if busy else []
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])] if busy else []
     try:
         for kind in KINDS:
             template = ["--jinja", "--chat-template-file", models.template(server, kind.template)] \
                 if kind.template else []
-            argv = [server, "-m", model, "-c", "8192", "-np", "1", *template]
+            threads = ["-t", "1"] if busy else []  # llama-server's threads spin-wait for each other: with the
+            argv = [server, "-m", model, "-c", "8192", "-np", "1", *threads, *template]  # burner on one core, one
             wrapper = Wrapper(tmp, argv, chat_yaml(tmp / kind.name, "priority: {preempt: true}\n"))
             try:
                 wrapper.wait_ready()
@@ -172,9 +172,6 @@ def main() -> None:
         print(f"  agent {n}: {asked.took:.2f} s against {before.took:.2f} s without preemption: "
               f"{asked.took - before.took:+.2f} s (the question took {question.took:.2f} s); {asked.tokens} tokens, "
               f"one final event; {same}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for busy in (False, True):
-            kinds(server, model, Path(tmp) / str(busy), busy)
 
 
 if __name__ == "__main__":

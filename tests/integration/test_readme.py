@@ -270,7 +270,7 @@ def test_the_person_first_try_as_written(tmp_path: Path, demo_path: str) -> None
         done = _sh(_block("X-Priority: background"), env, port)
         assert done.returncode == 0, done.stderr
         first, counts = done.stdout.splitlines()
-        assert first.startswith("first byte after ") and counts == "paused 1 resumed 1", done.stdout
+        assert first.startswith("first byte after ") and counts == "lane 1 paused 0", done.stdout
     finally:
         assert demo.stop(), demo.path.read_text()[-3000:]
 
