@@ -68,6 +68,19 @@ def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int
     return min(free, key=lambda s: (s in unknown, len(held.get(s, [])), last_used.get(s, 0.0)))
 
 
+UNTOLD = -1  # placed_in: which slot is whose cannot be told
+
+
+def placed_in(processing: Collection[int], known: Collection[int]) -> int | None:
+    """The slot a request the server placed itself runs in, from the slots the server says process and those `known`
+    to run another request (pinned by the wrapper, or another such request already seen): the one slot left; None
+    while none is (not started yet); UNTOLD when more than one is (two such requests at once)."""
+    left = {slot for slot in processing if slot not in known}
+    if len(left) > 1:
+        return UNTOLD
+    return next(iter(left), None)
+
+
 @dataclass(frozen=True)
 class Rule:
     min_tokens: int  # cache.min_tokens: a restore must win this many tokens

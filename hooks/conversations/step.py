@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import structlog
 
 from hooks.conversations.chain import Messages, messages_of
-from hooks.conversations.policy import Candidate, Rule, choose_slot, decide, dropped, goes_on_in
+from hooks.conversations.policy import UNTOLD, Candidate, Rule, choose_slot, decide, dropped, goes_on_in, placed_in
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.slots.book import PINNED, book_of
@@ -138,13 +138,12 @@ async def _find_place(generation: Generation, conv: Conversations, placed: _Plac
         await asyncio.sleep(PLACE_POLL_S)
         if placed.done:
             return
-        others = set(conv.placed) | conv.busy
-        new = {slot for slot in await _processing(generation) if slot not in others}
-        if len(new) == 1 and not placed.done:
-            (placed.slot,) = new
-            conv.placed[placed.slot] = placed
+        seen = placed_in(await _processing(generation), set(conv.placed) | conv.busy)
+        if seen == UNTOLD:
             return
-        if len(new) > 1:
+        if seen is not None and not placed.done:
+            placed.slot = seen
+            conv.placed[seen] = placed
             return
 
 

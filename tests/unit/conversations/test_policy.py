@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from hooks.conversations.policy import ASSUMED_RESTORE_BPS, Candidate, Rule, choose_slot, decide, dropped
+from hooks.conversations.policy import (
+    ASSUMED_RESTORE_BPS,
+    UNTOLD,
+    Candidate,
+    Rule,
+    choose_slot,
+    decide,
+    dropped,
+    placed_in,
+)
 from hooks.conversations.rates import Rates
 
 RULE = Rule(min_tokens=256, margin=1.2)
@@ -107,3 +116,14 @@ def test_a_slot_whose_class_is_not_known_counts_for_either() -> None:
     """Restored at a start, a slot's last request is not known: a short conversation there still goes on in it."""
     held = {0: [*range(30), 900, 901]}
     assert choose_slot([0, 1], held, [*range(30), 900, 5], {}, 256, ours={0, 1}) == 0
+
+
+@pytest.mark.parametrize(("processing", "known", "seen"), [
+    ({1}, set(), 1),  # the one slot that processes
+    ({0, 1}, {0}, 1),  # slot 0 runs a request the wrapper pinned
+    (set(), set(), None),  # not started yet: look again
+    ({0}, {0}, None),
+    ({0, 2}, set(), UNTOLD),  # two at once: which is whose cannot be told
+])
+def test_where_a_request_the_server_placed_itself_runs(processing: set[int], known: set[int], seen: int | None) -> None:
+    assert placed_in(processing, known) == seen
