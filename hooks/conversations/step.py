@@ -44,7 +44,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
             book.learnt_total(int((await generation.props()).get("total_slots") or 1))
     resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(out.payload) if out.path in paths.CHAT else None
-    if messages is not None and not resuming and book.total:
+    if messages is not None and not resuming and book.total and not state(generation).unpinned:
         asked = out.payload.get("id_slot")
         slot = continuing(generation, conv := state(generation), store, messages,
                           asked if isinstance(asked, int) and asked >= 0 else None)
@@ -94,6 +94,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         return out
     conv = state(generation)
     conv.unpinned += 1
+    conv.placing += 1
     placed = _Placed()
     finding = asyncio.create_task(_find_place(generation, conv, placed))
     conv.finding.add(finding)
@@ -104,6 +105,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
             return
         placed.done = True
         finding.cancel()
+        _settled(conv, placed)
         conv.unpinned -= 1
         book = book_of(generation)
         if placed.slot is not None:
@@ -124,6 +126,15 @@ class _Placed:
 
     slot: int | None = None
     done: bool = False
+    settled: bool = False  # its place is known, or will not be: pinned requests need not wait for it
+
+
+def _settled(conv: Conversations, placed: _Placed) -> None:
+    if not placed.settled:
+        placed.settled = True
+        conv.placing -= 1
+        conv.settling.set()
+        conv.settling = asyncio.Event()
 
 
 PLACE_POLL_S = 0.1
@@ -134,17 +145,20 @@ async def _find_place(generation: Generation, conv: Conversations, placed: _Plac
     """Poll the server's `/slots` until one slot processes that no request of ours is pinned to and no other such
     request was seen in: that is where this one runs. Given up when two such slots are there at once (which is
     whose cannot be told)."""
-    for _ in range(PLACE_TRIES):
-        await asyncio.sleep(PLACE_POLL_S)
-        if placed.done:
-            return
-        seen = placed_in(await _processing(generation), set(conv.placed) | conv.busy)
-        if seen == UNTOLD:
-            return
-        if seen is not None and not placed.done:
-            placed.slot = seen
-            conv.placed[seen] = placed
-            return
+    try:
+        for _ in range(PLACE_TRIES):
+            await asyncio.sleep(PLACE_POLL_S)
+            if placed.done:
+                return
+            seen = placed_in(await _processing(generation), set(conv.placed) | conv.busy)
+            if seen == UNTOLD:
+                return
+            if seen is not None and not placed.done:
+                placed.slot = seen
+                conv.placed[seen] = placed
+                return
+    finally:
+        _settled(conv, placed)
 
 
 def _pinned(out: Outgoing, slot: int) -> Outgoing:
@@ -240,8 +254,13 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
     server would queue it the same way, and then put it in a slot whose conversation nobody saved)."""
     book = book_of(generation)
     deadline = time.monotonic() + WAIT_FOR_SLOT_S
+    placing_until = time.monotonic() + PLACE_POLL_S * PLACE_TRIES
+    while conv.placing > 0 and (left := placing_until - time.monotonic()) > 0:  # the server may not have placed
+        settling = conv.settling  # it yet: the slot it takes must not be the one this request is pinned to
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(settling.wait(), timeout=left)
     while True:
-        elsewhere = await _processing(generation) if conv.unpinned else set()
+        elsewhere = (await _processing(generation) | set(conv.placed)) if conv.unpinned else set()
         free = [s for s in range(max(1, book.total)) if s not in conv.busy and s not in elsewhere
                 and (asked is None or s == asked)]
         if free:
