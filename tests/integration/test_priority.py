@@ -283,6 +283,27 @@ def test_a_person_is_answered_beside_each_kind_of_agent_on_the_readmes_config(
               f"{question.first_token:.3f} s; prompt tokens read {read_alone} alone, {read_beside} beside")
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_question_asked_as_an_agent_starts_is_not_queued_behind_it(
+        tmp_path: Path, server_bin: str, demo_path: str, path: str) -> None:
+    """llama-server places a Messages or Responses request itself, and on the chat template's system prompt alone it
+    puts an agent's first request in the slot a person's short question holds. A question asked the moment the agent
+    starts must not be pinned there before the server has placed the agent: it would queue behind the whole answer
+    (a new user saw 316 s)."""
+    kind = next(k for k in KINDS if k.path == path)
+    template = models.template(server_bin, kind.template or "")
+    with running(tmp_path, [*argv(server_bin, demo_path), "--jinja", "--chat-template-file", template],
+                 chat_yaml(tmp_path, "priority: {preempt: true}\n")) as wrapper:
+        assert person(wrapper.url).start().join().status == 200  # the person's slot: what the agent's first lands in
+        working = kind.ask(wrapper.url, 300).start()
+        wait_for(lambda: working.events or working.took is not None, 60, "the agent's stream to begin")
+        question = person(wrapper.url).start().join()
+        working.join()
+        assert question.status == 200 and working.status == 200, working.raw[:300]
+        assert (question.ended_at or 0) < (working.ended_at or 0)  # beside it, not behind it
+        assert wrapper.stop() == 0
+
+
 def test_without_the_lane_a_person_is_told_why_the_agent_is_not_paused(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
     with running(tmp_path, argv(server_bin, demo_path), config(tmp_path)) as wrapper:
