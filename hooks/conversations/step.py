@@ -25,7 +25,7 @@ from wrapper.configuration import argv as args
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation, Host, ServerLost
 from wrapper.server.llama import LlamaError
-from wrapper.steps import Outgoing
+from wrapper.steps import Outgoing, SlotUse
 
 log = structlog.get_logger()
 
@@ -95,7 +95,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     conv = state(generation)
     conv.unpinned += 1
     conv.placing += 1
-    placed = _Placed()
+    placed = _Placed(use=out.use)
     finding = asyncio.create_task(_find_place(generation, conv, placed))
     conv.finding.add(finding)
     finding.add_done_callback(conv.finding.discard)
@@ -127,6 +127,7 @@ class _Placed:
     slot: int | None = None
     done: bool = False
     settled: bool = False  # its place is known, or will not be: pinned requests need not wait for it
+    use: SlotUse | None = None  # the seat's, told the slot once seen (the status shows it)
 
 
 def _settled(conv: Conversations, placed: _Placed) -> None:
@@ -156,6 +157,8 @@ async def _find_place(generation: Generation, conv: Conversations, placed: _Plac
             if seen is not None and not placed.done:
                 placed.slot = seen
                 conv.placed[seen] = placed
+                if placed.use is not None:
+                    placed.use.slot = seen
                 return
     finally:
         _settled(conv, placed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,10 @@ def paused(wrapper: Wrapper) -> list[dict[str, Any]]:
     return wrapper.events("priority.paused")
 
 
-def behind(wrapper: Wrapper, background: list[Asked], question: Asked | None = None) -> Asked:
-    """Start the background requests, then (once each streams, or is under way) the question; wait for all."""
+def behind(wrapper: Wrapper, background: list[Asked], question: Asked | None = None,
+           check: Callable[[], object] | None = None) -> Asked:
+    """Start the background requests, then (once each streams, or is under way, and `check` passed) the question;
+    wait for all."""
     for asked in background:
         asked.start()
     for asked in background:
@@ -50,6 +53,8 @@ def behind(wrapper: Wrapper, background: list[Asked], question: Asked | None = N
     if not all(a.body.get("stream") for a in background):
         wait_for(lambda: sum(decoded(s) >= 40 for s in json.loads(http("GET", f"{wrapper.url}/slots")[2]))
                  >= len(background), 120, "the background answers 40 tokens in")
+    if check is not None:
+        check()
     question = (question or person(wrapper.url)).start().join()
     for asked in background:
         asked.join()
@@ -263,7 +268,9 @@ def test_a_person_is_answered_beside_each_kind_of_agent_on_the_readmes_config(
             lone = kind.ask(wrapper.url, 300).start().join()
         assert lone.status == 200, lone.raw[:300]
         working = kind.ask(wrapper.url, 300)
-        question = behind(wrapper, [working])
+        question = behind(wrapper, [working], check=lambda: wait_for(
+            lambda: [r["slot"] for r in wrapper.status()["priority"]["running"]] in ([0], [1]), 30,
+            "the agent's slot in the status (placed by the server, or pinned by the wrapper)"))
         assert question.status == 200 and question.text and working.status == 200, working.raw[:300]
         assert (question.ended_at or 0) < (working.ended_at or 0)  # beside it, not after it
         assert not paused(wrapper) and not wrapper.events("priority.not_paused")  # a seat was free: nothing paused
