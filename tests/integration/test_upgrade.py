@@ -15,6 +15,7 @@ from tests.helpers import Wrapper, chat, http, running, wait_for
 
 CONFIG = """
 slots: {{dir: {dir}}}
+priority: {{lane: false}}  # one slot per -np on both builds: these tests count what leaves it and what comes back
 hooks:
   on_startup: [{{builtin: slots.restore}}]
   on_will_stop: [{{builtin: slots.save}}]
