@@ -176,7 +176,8 @@ def test_the_draft_only_while_alone_try_as_written(tmp_path: Path, demo_path: st
         assert _status(port)["spec"]["running"] is True
         done = _sh(_block("Tell a long story"), env, port)
         assert done.returncode == 0, done.stderr
-        # two streams of 600 tokens decode together for longer than spec.calm (10 s): the draft goes off
+        # two streams of 600 tokens (ignore_eos: a sampled story may end early) decode together for longer than
+        # spec.calm (10 s): the draft goes off
         wait_for(lambda: _status(port)["spec"]["running"] is False, 120, "the draft to be switched off", 0.5)
         assert "--spec-type" not in _status(port)["server"]["argv"]
     finally:
