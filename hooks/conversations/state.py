@@ -26,7 +26,7 @@ class Conversations:
     background: dict[int, bool] = field(default_factory=dict)  # slot -> whether its last request was an agent's
     placing: int = 0  # of those, the ones whose slot is not known yet (pinned requests wait for it, a while)
     settling: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each of them is placed
-    placed: dict[int, object] = field(default_factory=dict)  # the slots such requests were seen in, while they run
+    placed: set[int] = field(default_factory=set)  # the slots such requests were seen in, while they run
     finding: set[asyncio.Task[None]] = field(default_factory=set)  # the polls that look for them
     last_used: dict[int, float] = field(default_factory=dict)
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends

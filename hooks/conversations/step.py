@@ -109,7 +109,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         conv.unpinned -= 1
         book = book_of(generation)
         if placed.slot is not None:
-            conv.placed.pop(placed.slot, None)
+            conv.placed.discard(placed.slot)
             conv.background.pop(placed.slot, None)
             book.served(placed.slot, None)  # it holds what that request left: saved before a conversation takes it
         else:
@@ -151,12 +151,12 @@ async def _find_place(generation: Generation, conv: Conversations, placed: _Plac
             await asyncio.sleep(PLACE_POLL_S)
             if placed.done:
                 return
-            seen = placed_in(await _processing(generation), set(conv.placed) | conv.busy)
+            seen = placed_in(await _processing(generation), conv.placed | conv.busy)
             if seen == UNTOLD:
                 return
             if seen is not None and not placed.done:
                 placed.slot = seen
-                conv.placed[seen] = placed
+                conv.placed.add(seen)
                 if placed.use is not None:
                     placed.use.slot = seen
                 return
@@ -263,7 +263,7 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(settling.wait(), timeout=left)
     while True:
-        elsewhere = (await _processing(generation) | set(conv.placed)) if conv.unpinned else set()
+        elsewhere = (await _processing(generation) | conv.placed) if conv.unpinned else set()
         free = [s for s in range(max(1, book.total)) if s not in conv.busy and s not in elsewhere
                 and (asked is None or s == asked)]
         if free:
