@@ -14,7 +14,9 @@ import structlog
 from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from wrapper.actions import BuiltinFn
+from wrapper.configuration import consumers
 from wrapper.configuration.config import Config, load_config, parse_config
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.configuration.sections import PRIORITY, ROUTER, SLEEP, WATCHDOG, router_clashes
 from wrapper.configuration.settings import Section
 from wrapper.kept import Kept, Key
@@ -29,7 +31,7 @@ from wrapper.steps import Before, Growth, Observer, Shown
 log = structlog.get_logger()
 
 # the wrapper's own, then the built-ins'
-SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, SLEEP, ROUTER, *BUILTIN_SECTIONS)
+SECTIONS: tuple[Section[Any], ...] = (WATCHDOG, PRIORITY, SLEEP, ROUTER, CONSUMERS, *BUILTIN_SECTIONS)
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
@@ -48,6 +50,7 @@ def sections() -> tuple[Section[Any], ...]:
 
 def problems(config: Config) -> list[str]:
     found = [f"{config.source or '<config>'}: {clash}" for clash in router_clashes(ROUTER.of(config))]
+    found += [f"{config.source or '<config>'}: {problem}" for problem in consumers.problems(CONSUMERS.of(config))]
     for action in config.all_actions():
         if action.kind != "builtin":
             continue
@@ -151,6 +154,8 @@ def families_off(generation: Generation) -> tuple[str, ...]:
     sleep = SLEEP.of(config)
     if sleep.after is None and sleep.when_asked is None:
         off.append("llama_wrapper_asleep")
+    if not consumers.on(CONSUMERS.of(config)):
+        off.append("llama_wrapper_consumer_")
     return tuple(off)
 
 

@@ -3,11 +3,28 @@ across reloads too. GET /metrics serves them after llama-server's own (wrapper/h
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from wrapper.lifecycle import State
 
 DURATIONS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class Tally:
+    """One consumer's counts (`consumers:`), for the status; /metrics has them as labelled families."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)  # tier -> conversations removed to make room
+    waits: int = 0
+    wait_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"hits": self.hits, "misses": self.misses, "evictions": dict(self.evictions), "waits": self.waits,
+                "wait_seconds": round(self.wait_seconds, 3)}
 
 
 class Metrics:
@@ -98,8 +115,43 @@ class Metrics:
                                       "for a slot (paused ones included)", registry=r)
         self.asleep = Gauge("llama_wrapper_asleep", "1 while asleep: llama-server stopped, its memory free (sleep:)",
                             registry=r)
+        self.consumer_lookups = Counter("llama_wrapper_consumer_lookups", "Each consumer's requests that looked for "
+                                        "its conversation (consumers:): hits and misses", ["consumer", "result"],
+                                        registry=r)
+        self.consumer_evictions = Counter("llama_wrapper_consumer_evictions", "Each consumer's conversations removed "
+                                          "to make room, by tier (folder, bucket)", ["consumer", "tier"], registry=r)
+        self.consumer_waits = Counter("llama_wrapper_consumer_waits", "Each consumer's requests that waited for a "
+                                      "slot", ["consumer"], registry=r)
+        self.consumer_wait_seconds = Counter("llama_wrapper_consumer_wait_seconds", "How long each consumer's "
+                                             "requests waited for a slot, in all", ["consumer"], registry=r)
+        self.consumer_bytes = Gauge("llama_wrapper_consumer_kept_bytes", "What is kept for each consumer, by tier "
+                                    "(folder, bucket): its conversations' sizes", ["consumer", "tier"], registry=r)
+        self.tallies: dict[str, Tally] = {}  # each consumer's counts, for the status
         for state in State:
             self.state.labels(state=str(state)).set(0)
+
+    def tally(self, consumer: str) -> Tally:
+        return self.tallies.setdefault(consumer, Tally())
+
+    def looked_up(self, consumer: str | None, hit: bool) -> None:
+        if consumer is not None:
+            tally = self.tally(consumer)
+            tally.hits += hit
+            tally.misses += not hit
+            self.consumer_lookups.labels(consumer=consumer, result="hit" if hit else "miss").inc()
+
+    def evicted(self, consumer: str | None, tier: str) -> None:
+        if consumer is not None:
+            self.tally(consumer).evictions[tier] = self.tally(consumer).evictions.get(tier, 0) + 1
+            self.consumer_evictions.labels(consumer=consumer, tier=tier).inc()
+
+    def waited(self, consumer: str | None, seconds: float) -> None:
+        if consumer is not None:
+            tally = self.tally(consumer)
+            tally.waits += 1
+            tally.wait_seconds += seconds
+            self.consumer_waits.labels(consumer=consumer).inc()
+            self.consumer_wait_seconds.labels(consumer=consumer).inc(seconds)
 
     def follow(self, state: State) -> None:
         for each in State:

@@ -47,6 +47,7 @@ class Outgoing:
     use: SlotUse | None = None  # what it takes of a slot (a request that decodes, seated in the queue)
     keep: list[Callable[[], Awaitable[int]]] = field(default_factory=list)  # at a pause: keep what its slot holds
     # and let the slot go (the tokens kept); a request is paused only when a step can keep it
+    consumer: str | None = None  # who asks, by its API key (`consumers:`); None: consumers are not configured
 
 
 @dataclass(frozen=True)

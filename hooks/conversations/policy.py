@@ -46,7 +46,7 @@ def goes_on_in(book: SlotBook, busy: Collection[int], asked: int | None, message
 
 def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int],
                 last_used: Mapping[int, float], min_tokens: int, unknown: Collection[int] = (),
-                ours: Collection[int] | None = None) -> int:
+                ours: Collection[int] | None = None, reach: Mapping[int, int] | None = None) -> int:
     """The slot sharing the longest prefix with the request, whatever share of what it holds that is
     (llama-server reuses any common prefix: a regenerate shares its question, not the answer that followed),
     as long as the prefix is more than a chat template's first tokens: at least `min_tokens`, or half of what
@@ -55,8 +55,10 @@ def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int
     share a chat template's system prompt, and that alone must not move one into the other's slot. Else an empty
     slot, else the one whose conversation is cheapest to move out (the shortest, then the least recently used), a
     slot holding what the book does not know (`unknown`: a request the server placed itself ran there, and it is
-    saved before it is taken) last."""
-    shared = {s: common_prefix(held.get(s, []), tokens) for s in free}
+    saved before it is taken) last. `reach`: the most a slot may give the request (another consumer's, under
+    `consumers.isolate`: the public beginning)."""
+    reach = reach or {}
+    shared = {s: min(common_prefix(held.get(s, []), tokens), reach.get(s, len(tokens))) for s in free}
 
     def half(s: int) -> bool:
         kept = len(held.get(s, []))

@@ -8,7 +8,10 @@ from typing import Any
 
 from hooks.conversations.state import enabled, state
 from hooks.slots.stores import store_of
+from hooks.store import Store
 from hooks.store.settings import STORE
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation
 from wrapper.steps import Observer
@@ -39,6 +42,41 @@ def metrics(generation: Generation) -> None:
     if enabled(generation) and store is not None:
         METRICS.conv_entries.set(len(store.entries()))
         METRICS.conv_bytes.set(store.used_bytes())
+        for name, kept in _kept_by_consumer(generation, store).items():
+            for tier in ("folder", "bucket"):
+                METRICS.consumer_bytes.labels(consumer=name, tier=tier).set(kept[f"{tier}_bytes"])
+
+
+def _kept_by_consumer(generation: Generation, store: Store) -> dict[str, dict[str, int]]:
+    """What each consumer has kept (`consumers:`), per tier: its entries and their sizes; {} without consumers."""
+    settings = CONSUMERS.of(generation.config)
+    if not consumers.on(settings):
+        return {}
+    names = [*consumers.named(settings), ANONYMOUS]
+    kept = {name: {"entries": 0, "folder_bytes": 0, "bucket_bytes": 0} for name in names}
+    folder, bucket = store.in_tiers()
+    for entry in store.entries():
+        if entry.consumer is None:
+            continue
+        counts = kept.setdefault(entry.consumer, {"entries": 0, "folder_bytes": 0, "bucket_bytes": 0})
+        counts["entries"] += 1
+        counts["folder_bytes"] += entry.bytes if entry.key in folder else 0
+        counts["bucket_bytes"] += entry.bytes if entry.key in bucket else 0
+    return kept
+
+
+def consumers_status(generation: Generation, store: Store) -> dict[str, Any] | None:
+    """Per consumer, by name (never its key): what it kept and its counts; None without consumers."""
+    kept = _kept_by_consumer(generation, store)
+    if not kept:
+        return None
+    settings = CONSUMERS.of(generation.config)
+    return {"isolate": consumers.isolating(settings),
+            "shared_prefix_tokens": len(state(generation).public.tokens) if settings.shared_prefix else None,
+            "by_name": {name: {**counts, **METRICS.tally(name).as_dict(),
+                               **({"share": share.shown()} if (share := consumers.share_of(settings, name)).shown()
+                                  else {})}
+                        for name, counts in kept.items()}}
 
 
 def status(generation: Generation) -> dict[str, Any]:
@@ -59,4 +97,5 @@ def status(generation: Generation) -> dict[str, Any]:
                   "convert_bytes_per_s": rates.convert_bps},
         "hits": conv.hits, "misses": dict(conv.misses), "continued": conv.continued, "decisions": list(conv.decisions),
         "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
+        **({"consumers": by} if (by := consumers_status(generation, store)) is not None else {}),
     }

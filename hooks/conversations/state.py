@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from hooks.conversations.isolation import PublicPrefix
 from hooks.conversations.rates import KeptRates
 from hooks.conversations.settings import CACHE
 from hooks.decisions import Decisions
@@ -38,6 +39,7 @@ class Conversations:
     kept_as: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # slot -> (its prompt, the tokens it
     # held) when it was last kept (checkpoints)
     continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
+    public: PublicPrefix = field(default_factory=PublicPrefix)  # consumers.shared_prefix's tokens, once learnt
 
     def rates_of(self, generation: Generation) -> KeptRates:
         if self.kept is None:
@@ -48,12 +50,14 @@ class Conversations:
         since = time.time() - within if within is not None else 0.0
         return sum(n for at, n in self.written if at >= since)
 
-    def miss(self, reason: str) -> None:
+    def miss(self, reason: str, consumer: str | None = None) -> None:
         self.misses[reason] = self.misses.get(reason, 0) + 1
         METRICS.conv_lookups.labels(result="miss", reason=LABELS.get(reason, "other")).inc()
+        METRICS.looked_up(consumer, hit=False)
 
-    def hit(self, key: str, at_start: bool = False) -> None:
+    def hit(self, key: str, at_start: bool = False, consumer: str | None = None) -> None:
         """A lookup answered from the store: restored now, or (`at_start`) what the start restored into the slot."""
+        METRICS.looked_up(consumer, hit=True)
         self.hits += 1
         self.hits_by_entry[key] = self.hits_by_entry.get(key, 0) + 1
         METRICS.conv_lookups.labels(result="hit", reason="restored_at_start" if at_start else "restored").inc()

@@ -12,13 +12,14 @@ from dataclasses import dataclass, replace
 import structlog
 
 from hooks.conversations.chain import Messages, messages_of
+from hooks.conversations.isolation import NOBODY, Asker, asker_of, cut
 from hooks.conversations.policy import UNTOLD, Candidate, Rule, choose_slot, decide, dropped, goes_on_in, placed_in
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.slots.book import PINNED, book_of
 from hooks.slots.stores import store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
-from hooks.store import Entry, Store, Unreadable, common_prefix
+from hooks.store import Entry, Store, Unreadable, best_of, common_prefix
 from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.configuration import argv as args
@@ -44,18 +45,19 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
             book.learnt_total(int((await generation.props()).get("total_slots") or 1))
     resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(out.payload) if out.path in paths.CHAT else None
+    asker = await asker_of(generation, state(generation).public, out.consumer)
     if messages is not None and not resuming and book.total and not state(generation).unpinned:
         asked = out.payload.get("id_slot")
         slot = continuing(generation, conv := state(generation), store, messages,
-                          asked if isinstance(asked, int) and asked >= 0 else None)
+                          asked if isinstance(asked, int) and asked >= 0 else None, asker)
         if slot is not None:
-            return _continued(host, generation, conv, store, out, slot, messages)
+            return _continued(host, generation, conv, store, out, slot, messages, asker)
     try:
         tokens = await _tokens(generation, out)
     except (LlamaError, ValueError, TypeError) as exc:
         log.debug("conversations.no_tokens", path=out.path, error=str(exc))
         book.forgotten()
-        return out  # the server tokenizes it its own way; this request is not pinned
+        return _uncached(out, asker)  # the server tokenizes it its own way; this request is not pinned
     book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     conv = state(generation)
     asked = out.payload.get("id_slot")
@@ -63,10 +65,10 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         return out  # a slot the server does not have: it answers that itself
     background = out.use is not None and out.use.background
     slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None,
-                          background)
+                          background, asker)
     if slot is None:
-        return out
-    reserved = _Reserved(slot, messages)
+        return _uncached(out, asker)
+    reserved = _Reserved(slot, messages, asker.consumer)
     out.after.append(lambda status: _release(generation, conv, reserved, tokens, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
@@ -76,12 +78,23 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     try:
         session = out.use.session if out.use is not None else None
         if await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
-                                                                resuming, session)) is None:
+                                                                resuming, session, asker)) is None:
             log.error("conversations.server_lost", slot=slot)  # the entry set aside, the server started again
-            return out  # to the server started again, unpinned
+            return _uncached(out, asker)  # to the server started again, unpinned
     except Exception:  # a bug or a server error here must never fail the request: it is served, not pinned
         log.exception("conversations.internal_error", slot=slot)
+        if asker.foreign(book, slot):
+            return _uncached(out, asker)
     return _pinned(out, slot)
+
+
+def _uncached(out: Outgoing, asker: Asker) -> Outgoing:
+    """A request the wrapper does not pin: under isolation it is told to reuse nothing (`cache_prompt: false`), since
+    the slot llama-server chooses may hold another consumer's conversation."""
+    if asker.isolated and out.payload is not None:
+        out.payload["cache_prompt"] = False
+        out.body = json.dumps(out.payload).encode()
+    return out
 
 
 async def unpinned(host: Host, out: Outgoing) -> Outgoing:
@@ -93,8 +106,15 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation):
         return out
     conv = state(generation)
+    asker = await asker_of(generation, conv.public, out.consumer)
     conv.unpinned += 1
     conv.placing += 1
+    if asker.isolated:
+        try:
+            await host.survive(lambda: _clear_for(generation, conv, asker))
+        except Exception:  # never fails the request: it is served reusing nothing
+            log.exception("conversations.internal_error", step="clear_for")
+            out = _uncached(out, asker)
     placed = _Placed(use=out.use)
     finding = asyncio.create_task(_find_place(generation, conv, placed))
     conv.finding.add(finding)
@@ -111,13 +131,35 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         if placed.slot is not None:
             conv.placed.discard(placed.slot)
             conv.background.pop(placed.slot, None)
-            book.served(placed.slot, None)  # it holds what that request left: saved before a conversation takes it
+            book.served(placed.slot, None, owner=asker.consumer)  # it holds what that request left: saved before a
+            # conversation takes it
         else:
             book.forgotten()
         conv.freed.set()
 
     out.after.append(ended)
     return out
+
+
+async def _clear_for(generation: Generation, conv: Conversations, asker: Asker) -> bool:
+    """Before a request the server places itself, under isolation: every free slot holding another consumer's
+    conversation is kept and cut down to the public beginning (the server would reuse whatever prefix the slot it
+    chooses holds)."""
+    book, store = book_of(generation), store_of(generation)
+    assert store is not None
+    running = await _processing(generation) | conv.placed
+    for slot in range(book.total):
+        if slot in conv.busy or slot in running or not asker.foreign(book, slot):
+            continue
+        conv.busy.add(slot)
+        try:
+            keep = asker.public[:0 if book.partial(slot) else common_prefix(book.holds(slot), asker.public)]
+            await _make_room(generation, conv, store, slot, keep)
+            await cut(generation, slot, keep, asker)
+        finally:
+            conv.busy.discard(slot)
+            conv.freed.set()
+    return True
 
 
 @dataclass
@@ -173,7 +215,7 @@ def _pinned(out: Outgoing, slot: int) -> Outgoing:
 
 
 def continuing(generation: Generation, conv: Conversations, store: Store, messages: Messages,
-               asked: int | None) -> int | None:
+               asked: int | None, asker: Asker = NOBODY) -> int | None:
     """The free slot holding the conversation this chat request goes on from (policy.goes_on_in), reserved for it;
     None when no slot does, or when the store may hold more of it than that slot (then the whole lookup decides). The
     slot then shares with the request at least what the book knows it holds, no entry can win `cache.min_tokens`
@@ -182,10 +224,12 @@ def continuing(generation: Generation, conv: Conversations, store: Store, messag
         return None  # its cache_n counts chunks reused out of place: not what the slot holds first
 
     def longer_kept(known: list[int], tokens: int) -> bool:
-        return any(_begins_with(entry, known) for entry in store.entries() if entry.n_tokens >= tokens)
+        return any(_begins_with(entry, known) for entry in store.entries()
+                   if entry.n_tokens >= tokens and asker.sees(entry))
 
-    slot = goes_on_in(book_of(generation), conv.busy, asked, messages, CACHE.of(generation.config).min_tokens,
-                      longer_kept)
+    book = book_of(generation)
+    others = {s for s in range(book.total) if not asker.mine(book.owner_of(s))}  # under isolation
+    slot = goes_on_in(book, conv.busy | others, asked, messages, CACHE.of(generation.config).min_tokens, longer_kept)
     if slot is not None:
         conv.busy.add(slot)
     return slot
@@ -207,12 +251,12 @@ def _begins_with(entry: Entry, known: list[int]) -> bool:
 
 
 def _continued(host: Host, generation: Generation, conv: Conversations, store: Store, out: Outgoing, slot: int,
-               messages: Messages) -> Outgoing:
+               messages: Messages, asker: Asker) -> Outgoing:
     """A request that goes on in the slot holding its conversation: pinned there as it is."""
     book = book_of(generation)
     book.pinned()
     conv.continued += 1
-    reserved = _Reserved(slot, messages, continued=True)
+    reserved = _Reserved(slot, messages, asker.consumer, continued=True)
     out.after.append(lambda status: _release(generation, conv, reserved, None, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
@@ -222,10 +266,16 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
 
 
 async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                                    tokens: list[int], resuming: bool, session: str | None) -> bool:
+                                    tokens: list[int], resuming: bool, session: str | None, asker: Asker) -> bool:
     try:
-        await _make_room(generation, conv, store, slot, tokens)
-        await _bring_back(generation, conv, store, slot, tokens, resuming, session)
+        book = book_of(generation)
+        if asker.foreign(book, slot):  # another consumer's: kept, then cut down to the public beginning they share
+            keep = 0 if book.partial(slot) else min(common_prefix(book.holds(slot), tokens), asker.reach(tokens))
+            await _make_room(generation, conv, store, slot, tokens[:keep])
+            await cut(generation, slot, tokens[:keep], asker)
+        else:
+            await _make_room(generation, conv, store, slot, tokens)
+        await _bring_back(generation, conv, store, slot, tokens, resuming, session, asker)
     except ServerLost:
         book_of(generation).forgotten()  # before the server is started again: its start restores what it can
         raise
@@ -252,7 +302,7 @@ async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
 
 
 async def _reserve(generation: Generation, conv: Conversations, tokens: list[int], asked: int | None,
-                   background: bool) -> int | None:
+                   background: bool, asker: Asker = NOBODY) -> int | None:
     """The slot for this request, reserved until it is answered; waits while every slot serves one of ours (the
     server would queue it the same way, and then put it in a slot whose conversation nobody saved)."""
     book = book_of(generation)
@@ -273,9 +323,11 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
         conv.freed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
+    public = asker.reach(tokens)
     slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens,
                        {s for s in free if book.partial(s)},
-                       {s for s in free if conv.background.get(s, background) == background})
+                       {s for s in free if conv.background.get(s, background) == background},
+                       {s: public for s in free if asker.foreign(book, s)})
     conv.busy.add(slot)
     conv.background[slot] = background
     return slot
@@ -295,6 +347,7 @@ class _Reserved:
 
     slot: int
     messages: Messages | None  # the request's, when it is a chat request
+    consumer: str | None = None  # whose request it is (`consumers:`): what it leaves in the slot is its
     continued: bool = False  # it went on in the slot holding its conversation, its tokens not told
     released: bool = False
 
@@ -310,11 +363,11 @@ def _release(generation: Generation, conv: Conversations, reserved: _Reserved, t
     chain = reserved.messages.chain() if reserved.messages is not None and answered else None
     book = book_of(generation)
     if not reserved.continued:
-        book.served(reserved.slot, tokens if answered else None, chain)
+        book.served(reserved.slot, tokens if answered else None, chain, reserved.consumer)
     elif chain is not None:  # it went on from what the slot held: the answer says how much of it the server kept
         book.continued(reserved.slot, chain)
     else:  # no answer: unknown
-        book.served(reserved.slot, None)
+        book.served(reserved.slot, None, owner=reserved.consumer)
     _let_go(conv, reserved)
 
 
@@ -331,7 +384,7 @@ async def _keep(host: Host, generation: Generation, conv: Conversations, store: 
     the state its resume goes on from) and let the slot go; the tokens the slot holds."""
     slot = reserved.slot
     if not reserved.released:
-        book_of(generation).served(slot, None)  # unknown unless the save says what it holds
+        book_of(generation).served(slot, None, owner=reserved.consumer)  # unknown unless the save says what it holds
         await host.survive(lambda: save_slot(generation, conv, store, slot, "paused for an interactive request",
                                              min_tokens=1))
         _let_go(conv, reserved)
@@ -396,11 +449,13 @@ def _skip(slot: int, reason: str) -> None:
 
 
 async def _bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                      tokens: list[int], resuming: bool = False, session: str | None = None) -> None:
+                      tokens: list[int], resuming: bool = False, session: str | None = None,
+                      asker: Asker = NOBODY) -> None:
     """`resuming`: a paused generation goes on; its own state is restored whenever it holds more than the slot (it
     is the KV its decoding computed: a prefill computes it another way, and the text would drift)."""
     settings = CACHE.of(generation.config)
-    entry, shared = store.best(tokens)
+    entry, shared = store.best(tokens) if not asker.isolated else best_of(
+        [e for e in store.entries() if asker.sees(e)], tokens)
     in_slot = common_prefix(book_of(generation).holds(slot), tokens)
     candidate = None
     if entry is not None:
@@ -423,20 +478,20 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
         book = book_of(generation)
         if decision.miss == "the slot holds as much" and book.restored_unchanged(slot) \
                 and in_slot >= settings.min_tokens:
-            conv.hit(book.entry_of(slot) or f"slot {slot}", at_start=True)  # the start's restore answers it
+            conv.hit(book.entry_of(slot) or f"slot {slot}", True, asker.consumer)  # the start's restore answers it
         else:
-            conv.miss(decision.miss or "not cached")
+            conv.miss(decision.miss or "not cached", asker.consumer)
         return
     try:
         done = await restore_into(generation, store, entry, slot)
     except NotRestored as exc:
-        conv.miss("the server refused it" if exc.failed else "not usable")
+        conv.miss("the server refused it" if exc.failed else "not usable", asker.consumer)
         log.info("conversations.entry_skipped", entry=entry.key, reason=exc.reason, removed=exc.damaged)
         if exc.damaged:
             store.remove(entry)
         return
     except ServerLost:
-        conv.miss("the server died restoring it")
+        conv.miss("the server died restoring it", asker.consumer)
         raise
     if isinstance(done.conversion, dict):
         kept.rates.learn_convert(entry.bytes, done.conversion["ms"] / 1000)
@@ -444,7 +499,7 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
     kept.rates.learn_restore(done.entry.bytes, done.total_ms / 1000)
     kept.save()
     store.touch(done.entry)
-    conv.hit(done.entry.key)
+    conv.hit(done.entry.key, consumer=asker.consumer)
     log.info("conversations.restored", slot=slot, entry=done.entry.key, tokens=done.n_restored,
              bytes=done.entry.bytes, ms=done.total_ms)
 

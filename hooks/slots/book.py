@@ -72,6 +72,8 @@ class SlotBook:
     _count: dict[int, int] = field(default_factory=dict)  # how many tokens it holds, when more than its tokens say
     _answer: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # the answer just seen there: the tokens
     # it left in the slot and those it took from what the slot held, until the request that asked it is released
+    _owner: dict[int, str] = field(default_factory=dict)  # the consumer whose conversation it holds (`consumers:`);
+    # absent: nobody's (empty) or not known
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -117,6 +119,14 @@ class SlotBook:
         """Whether the slot holds what a restore put there, no request served since."""
         return slot in self._from_store
 
+    def owner_of(self, slot: int) -> str | None:
+        """The consumer whose conversation the slot holds, when known (`consumers:`)."""
+        return self._owner.get(slot)
+
+    def empty(self, slot: int) -> bool:
+        """Whether the slot is known to hold nothing."""
+        return not self.count(slot) and slot not in self._partial
+
     def chain_of(self, slot: int) -> object | None:
         """The chain of the request the slot served last, while it holds that request's conversation."""
         return self._chain.get(slot)
@@ -145,10 +155,12 @@ class SlotBook:
         self._answer[slot] = (left, reused)
         self._count[slot] = left
 
-    def served(self, slot: int, tokens: list[int] | None, chain: object | None = None) -> None:
+    def served(self, slot: int, tokens: list[int] | None, chain: object | None = None,
+               owner: str | None = None) -> None:
         """A request ran there: it holds its tokens and what it generated (as many as its answer left, when seen:
         the next turn repeats them), or something unknown (None: a request that failed may have left part of
-        it). `chain`: the request's."""
+        it). `chain`: the request's; `owner`: its consumer."""
+        self._owned(slot, owner)
         left = self._answer.pop(slot, (0, None))[0]
         if tokens is None:
             self._tokens.pop(slot, None)
@@ -179,6 +191,17 @@ class SlotBook:
         self._entry.pop(slot, None)
         self._from_store.discard(slot)
 
+    def cut(self, slot: int, tokens: list[int], owner: str | None) -> None:
+        """The slot was cut down to `tokens` (a public beginning, or nothing) for `owner`'s request."""
+        self.served(slot, tokens, None, owner)
+        self._count.pop(slot, None)
+
+    def _owned(self, slot: int, owner: str | None) -> None:
+        if owner is None:
+            self._owner.pop(slot, None)
+        else:
+            self._owner[slot] = owner
+
     def _counted(self, slot: int, left: int) -> None:
         if left > len(self._tokens.get(slot, [])):
             self._count[slot] = left
@@ -196,8 +219,10 @@ class SlotBook:
         self._count.pop(slot, None)
         self._partial.discard(slot)
 
-    def restored(self, slot: int, tokens: list[int], key: str | None) -> None:
-        """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it."""
+    def restored(self, slot: int, tokens: list[int], key: str | None, owner: str | None = None) -> None:
+        """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it.
+        `owner`: the consumer the entry is of."""
+        self._owned(slot, owner)
         self._tokens[slot] = tokens
         self._count.pop(slot, None)
         self._chain.pop(slot, None)
@@ -218,6 +243,7 @@ class SlotBook:
         self._entry.clear()
         self._chain.clear()
         self._from_store.clear()
+        self._owner.clear()
 
 
 _KEY = Key("slots.book", SlotBook)

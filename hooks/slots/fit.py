@@ -9,7 +9,9 @@ from __future__ import annotations
 from hooks.slots.settings import SLOTS
 from hooks.slots.stores import open_for
 from wrapper.configuration import argv as args
+from wrapper.configuration import consumers
 from wrapper.configuration.config import Config, ConfigError
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.kept import Kept
 from wrapper.launching.flags import is_planning, supported_flags
 from wrapper.launching.launch import Fitting, Launch
@@ -63,6 +65,13 @@ def fit_for_slots(argv: list[str], launch: Launch, config: Config, shared: Kept)
         else:
             fit.note("LOST: cannot keep idle slots", "this server has neither --no-cache-idle-slots nor -cram")
 
+    if consumers.isolating(CONSUMERS.of(config)) and (args.get(fit.argv, args.CACHE_RAM) or "").strip() != "0":
+        if has("-cram"):
+            fit.argv = args.replace(fit.argv, args.CACHE_RAM, "0")
+            fit.note("-cram 0", "consumers.isolate: llama-server's RAM prompt cache would give a slot any consumer's "
+                     "prompt (the conversation cache keeps each consumer's on disk instead)")
+        else:
+            fit.note("no -cram", "this server has no RAM prompt cache to turn off for consumers.isolate")
     ctx = args.get(fit.argv, args.CTX_SIZE)
     if ctx is None or ctx.strip() == "0":
         train = facts.get("context_length")

@@ -20,7 +20,9 @@ from hooks import kvfile
 from hooks.kvfile import convert as kvconvert
 from hooks.slots.book import book_of
 from hooks.slots.restorable import WARMABLE, Mismatch, Skip, server_layout, skip_reason
-from hooks.store import Entry, Store, Unavailable, Unreadable
+from hooks.store import Entry, Store, Unavailable, Unreadable, owner_of
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.kept import Key
 from wrapper.progress import PROGRESS
 from wrapper.server.generation import Generation, ServerLost
@@ -45,6 +47,17 @@ async def server_layout_of(generation: Generation) -> dict[str, Any]:
         props = await generation.props()
         found.update(server_layout(generation.launch.argv, generation.launch.env, props, generation.launch.facts))
     return found
+
+
+def owned(generation: Generation, owner: str | None) -> dict[str, Any]:
+    """What an entry's record says of whose it is: its consumer (when consumers are configured and the slot's is
+    known), private to it under `consumers.isolate` (its key and chunks named with it: hooks/store/interface.py)."""
+    if not owner:  # not known, or cut down to the public beginning
+        return {}
+    settings = CONSUMERS.of(generation.config)
+    if not consumers.on(settings):
+        return {}
+    return {"consumer": owner, **({"private": True} if consumers.isolating(settings) else {})}
 
 
 def record_for(settings: dict[str, Any], header: kvfile.SlotFile, generation: Generation) -> dict[str, Any]:
@@ -120,13 +133,15 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             header = kvfile.read(part)  # a file we cannot read back never becomes an entry
             book.learnt_version(header.version)
             server_ms = (answer.get("timings") or {}).get("save_ms")
-            if (known := store.find(header.tokens)) is not None:
+            whose = owned(generation, book.owner_of(slot))
+            if (known := store.find(header.tokens, owner_of(whose))) is not None:
                 store.touch(known)
                 book.saved(slot, header.tokens, known.key)
                 return Saved(known, False, server_ms, _ms(began))
             if max_bytes is not None and header.bytes > max_bytes:
                 raise NotSaved(f"{header.bytes >> 20} MiB is more than store.entry_max or store.budget")
-            record = {**record_for(await server_layout_of(generation), header, generation), "save_ms": server_ms}
+            record = {**record_for(await server_layout_of(generation), header, generation), "save_ms": server_ms,
+                      **whose}
             entry = await _uncancelled(asyncio.to_thread(store.commit, part, header.tokens, record))
         except (LlamaError, kvfile.SlotFileError, Unreadable, OSError) as exc:
             raise NotSaved(f"save failed: {exc}", failed=True) from exc
@@ -204,13 +219,13 @@ async def _restore_from(generation: Generation, store: Store, entry: Entry, slot
                     if not entry.by_content:
                         store.remove(entry)  # a pair of the earlier layout: the converted entry holds its tokens
                     log.info("slots.converted", entry=fresh.key, **conversion)
-                    book.restored(slot, converted.tokens, fresh.key if fresh.by_content else None)
+                    book.restored(slot, converted.tokens, fresh.key if fresh.by_content else None, fresh.consumer)
                     return replace(done, entry=fresh)
                 header = converted
     if skip is not None:
         raise NotRestored(skip.reason, kind=skip.kind, header=header, conversion=conversion)
     done = await _restore_file(generation, store, entry, slot, path, header, conversion)
-    book.restored(slot, header.tokens, entry.key if entry.by_content else None)
+    book.restored(slot, header.tokens, entry.key if entry.by_content else None, entry.consumer)
     return done
 
 

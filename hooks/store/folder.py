@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from hooks import kvfile
 from hooks.store import chunks, layout
 from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
-from hooks.store.interface import Entry, Noted, Unreadable, best_of, common_prefix, key_of
+from hooks.store.interface import Entry, Noted, Unreadable, best_of, common_prefix, key_of, owner_of
 
 T = TypeVar("T")
 PREFIX = layout.ENTRY_PREFIX
@@ -50,7 +50,9 @@ _SALTED = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "attn_rot_d
 
 def _salt(record: dict[str, Any]) -> str:
     """What a chunk's name is chained over beside its layout: the model and what else decides its KV bytes."""
-    return json.dumps([(record.get("model") or {}).get("id"), *(record.get(k) for k in _SALTED)])
+    owner = owner_of(record)  # a private entry's chunks are its consumer's alone (forgotten with it, never shared)
+    return json.dumps([(record.get("model") or {}).get("id"), *(record.get(k) for k in _SALTED),
+                       *([owner] if owner is not None else [])])
 
 
 def part_name(what: str) -> str:
@@ -105,8 +107,8 @@ class DirectoryStore:
     def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
         return best_of(self.entries(), tokens)
 
-    def find(self, tokens: list[int]) -> Entry | None:
-        found = self._look().get(key_of(tokens))
+    def find(self, tokens: list[int], owner: str | None = None) -> Entry | None:
+        found = self._look().get(key_of(tokens, owner))
         return found if found is not None and found.n_tokens == len(tokens) else None
 
     def held(self, host: str) -> list[Noted]:
@@ -129,7 +131,7 @@ class DirectoryStore:
 
     def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
         """Safe on a worker thread: the cutting and writing take no lock, the listing's update does."""
-        key = key_of(tokens)
+        key = key_of(tokens, owner_of(record))
         sidecar = layout.entry_sidecar(self.directory, key)
         previous = None
         with contextlib.suppress(OSError, layout.SidecarError):
@@ -216,6 +218,9 @@ class DirectoryStore:
             used -= self._remove(entry)
             removed.append(entry)
         return removed
+
+    def in_tiers(self) -> tuple[set[str], set[str]]:
+        return {e.key for e in self.entries()}, set()
 
     def used_bytes(self) -> int:
         """What the entries take on disk: their files, and each chunk once."""

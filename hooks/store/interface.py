@@ -28,8 +28,18 @@ class Unavailable(Exception):
     """An entry the store cannot hand over now (a full disk, the bucket down or slow): not the entry's fault."""
 
 
-def key_of(tokens: list[int]) -> str:
-    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()[:16]
+def key_of(tokens: list[int], owner: str | None = None) -> str:
+    """An entry's key: a hash of its tokens, and of its owner when it is private to one consumer (two consumers'
+    same conversation are two entries)."""
+    words = np.asarray(tokens, dtype="<i4").tobytes()
+    return hashlib.sha256(words if owner is None else f"{owner}\0".encode() + words).hexdigest()[:16]
+
+
+def owner_of(record: dict[str, Any]) -> str | None:
+    """The consumer an entry is private to (its key and chunks are named with it), from its sidecar record; None: an
+    entry any lookup may find (consumers not isolated, or written before they were)."""
+    consumer = record.get("consumer")
+    return str(consumer) if record.get("private") and isinstance(consumer, str) and consumer else None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -77,9 +87,16 @@ class Entry:
             self._tokens = self.load_tokens()
         return self._tokens
 
+    @property
+    def consumer(self) -> str | None:
+        """Whose conversation it is (`consumers:`), as its saver knew; None: not told."""
+        consumer = self.record.get("consumer")
+        return consumer if isinstance(consumer, str) else None
+
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.key, "tokens": self.n_tokens, "bytes": self.bytes, "file": self.name,
-                "last_used": round(self.last_used, 3)}
+                "last_used": round(self.last_used, 3),
+                **({"consumer": self.consumer} if self.consumer is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -113,8 +130,8 @@ class Store(Protocol):
         """The entry sharing the longest prefix with `tokens`, and how long that prefix is."""
         ...
 
-    def find(self, tokens: list[int]) -> Entry | None:
-        """The entry holding exactly these tokens."""
+    def find(self, tokens: list[int], owner: str | None = None) -> Entry | None:
+        """The entry holding exactly these tokens (private to `owner`, when one is given: key_of)."""
         ...
 
     def part(self, what: str) -> AbstractContextManager[Path]:
@@ -185,6 +202,10 @@ class Store(Protocol):
     @property
     def behind(self) -> str | None:
         """The tier behind the folder (its URL and endpoint), None when the folder is the whole store."""
+        ...
+
+    def in_tiers(self) -> tuple[set[str], set[str]]:
+        """The keys the folder holds, and those the tier behind holds (none without one), as of the last look."""
         ...
 
     def where(self, entry: Entry) -> str:

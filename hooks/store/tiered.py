@@ -91,11 +91,11 @@ class TieredStore:
     def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
         return best_of(self.entries(), tokens)
 
-    def find(self, tokens: list[int]) -> Entry | None:
-        found = self.folder.find(tokens)
+    def find(self, tokens: list[int], owner: str | None = None) -> Entry | None:
+        found = self.folder.find(tokens, owner)
         if found is not None:
             return found
-        known = self.remote.index.get(key_of(tokens))
+        known = self.remote.index.get(key_of(tokens, owner))
         return known.entry() if known is not None and len(known.tokens) == len(tokens) else None
 
     def held(self, host: str) -> list[Noted]:
@@ -165,6 +165,9 @@ class TieredStore:
 
     def used_bytes(self) -> int:
         return self.folder.used_bytes()
+
+    def in_tiers(self) -> tuple[set[str], set[str]]:
+        return {e.key for e in self.folder.entries()}, {k for k in self.remote.index if k not in self.refused}
 
     # -- bringing an entry here ------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from wrapper.answers.passes import Passes, refused
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
 from wrapper.configuration import argv as args
+from wrapper.configuration.consumers import CONSUMERS, consumer_of
 from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.lifecycle import State
 from wrapper.paths import ANSWERED_ASLEEP
@@ -55,6 +56,7 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         assert remembered is not None
         return _remembered(serving, path, remembered.payload)
     passes = Passes(request, serving, host, path, steps=steps)
+    passes.consumer = consumer_of(request.headers, CONSUMERS.of(generation.config))
     passes.active = not polled  # what clients poll does not keep the server awake
     if chosen is Way.SHOWN:
         return await _shown(passes, path, watched)
@@ -77,7 +79,8 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         passes.seat = seat
         status: int | None = None
         try:
-            first = Outgoing(request.method, path, body, payload, use=seat.use if seat is not None else None)
+            first = Outgoing(request.method, path, body, payload, use=seat.use if seat is not None else None,
+                             consumer=passes.consumer)
             refusal = await passes.stepped(first)
             if refusal is not None:
                 status = refusal.status
@@ -112,7 +115,7 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
             _ODD_SEEN.add(mark)
             log.warning("priority.unknown_mark", mark=mark, read_as=klass.value,
                         hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
-    seat = Seat(klass, path)
+    seat = Seat(klass, path, consumer=consumer_of(request.headers, CONSUMERS.of(serving.current.config)))
     seat.use.session = priority.session_of(request.headers, payload)
     seat.use.background = klass is priority.Class.BACKGROUND
     return seat

@@ -64,6 +64,7 @@ class Passes:
         self.active = True  # it keeps the server awake (sleep.after); not what clients poll
         self.resumable = False  # its streams go on after a cut: a reload may hand them over (wrapper/queue/gate.py)
         self.pausable = False  # a background request whose passes its seat may pause
+        self.consumer: str | None = None  # who asks (`consumers:`), told to the steps each time they run
         self.stepped_on: Generation | None = None  # the generation the last run of the steps talked to
         self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
         self._asked_slot: Any = None  # the `id_slot` the client asked for itself (a later run may choose another)
@@ -100,7 +101,7 @@ class Passes:
         else:
             payload["id_slot"] = self._asked_slot
         return Outgoing("POST", self.path, json.dumps(payload).encode(), payload,
-                        use=self.seat.use if self.seat is not None else None)
+                        use=self.seat.use if self.seat is not None else None, consumer=self.consumer)
 
     def _moved(self) -> bool:
         """The steps ran on a server that no longer serves."""

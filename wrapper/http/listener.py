@@ -14,9 +14,11 @@ from wrapper import built_ins
 from wrapper.answers.forwarding import forward_request
 from wrapper.answers.passes import RETRY_AFTER_S
 from wrapper.answers.proxy import BadPath, canonical_path, json_error
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.configuration.sections import ROUTER
 from wrapper.http import admin, gauges
-from wrapper.http.access import LIFE, SERVING, SUPERVISOR, unauthorized
+from wrapper.http.access import LIFE, SERVING, SUPERVISOR, not_admin, unauthorized
 from wrapper.http.admin import AWAKE_SOON
 from wrapper.life.supervisor import Supervisor
 from wrapper.lifecycle import State
@@ -45,8 +47,12 @@ async def status(request: web.Request) -> web.Response:
     return unauthorized(request) or web.json_response(request.app[SUPERVISOR].status())
 
 
+def _is_slots(path: str) -> bool:
+    return path == "/slots" or path.startswith("/slots/")
+
+
 def _is_slot_action(method: str, path: str) -> bool:
-    return method not in _READ_METHODS and (path == "/slots" or path.startswith("/slots/"))
+    return method not in _READ_METHODS and _is_slots(path)
 
 
 async def proxied(request: web.Request) -> web.StreamResponse:
@@ -57,6 +63,9 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         return json_error(400, f"bad request path: {exc}", "invalid_request_error")
     if request.body_exists and (refusal := unauthorized(request)) is not None:
         return refusal  # llama-server would refuse it too, after reading the body: don't even stream it there
+    if _is_slots(path) and consumers.isolating(CONSUMERS.of(serving.current.config)) and \
+            (refusal := not_admin(request)) is not None:
+        return refusal  # what each slot holds and does is no consumer's business under consumers.isolate
     if _is_slot_action(request.method, path) and not serving.current.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")

@@ -65,6 +65,7 @@ class Seat:
     asked_at: float | None = None  # when it was last asked to pause
     since: float = field(default_factory=time.monotonic)  # when it began to wait, or to be seated
     behind: list[dict[str, Any]] = field(default_factory=list)  # waiting: what runs that it is not paused for, why
+    consumer: str | None = None  # who asks (`consumers:`): a wait is counted for it
 
     @property
     def pauses(self) -> int:
@@ -106,8 +107,10 @@ class Seats:
         seat.since = time.monotonic()
         self.waiting.append(seat)
         METRICS.background_queue.set(self._background_waiting())
+        queued = False
         try:
             while not self._granted(seat):
+                queued = True
                 changed = self._changed
                 self._ask_pauses()
                 await changed.wait()
@@ -118,6 +121,8 @@ class Seats:
         waited = time.monotonic() - seat.since
         if seat.klass is Class.INTERACTIVE:
             METRICS.interactive_wait.observe(waited)
+        if queued:
+            METRICS.waited(seat.consumer, waited)
         seat.since = time.monotonic()
         seat.pause.clear()
         seat.behind = []

@@ -118,6 +118,15 @@ def test_a_slot_whose_class_is_not_known_counts_for_either() -> None:
     assert choose_slot([0, 1], held, [*range(30), 900, 5], {}, 256, ours={0, 1}) == 0
 
 
+def test_another_consumers_slot_gives_only_the_public_beginning() -> None:
+    """Under consumers.isolate the slot holding another's conversation counts as holding what the request shares
+    with the public beginning: the copy of that conversation goes to an empty slot, not into it."""
+    theirs = list(range(600))
+    assert choose_slot([0, 1], {0: theirs}, theirs, {}, 256) == 0  # one pool: the longest prefix
+    assert choose_slot([0, 1], {0: theirs}, theirs, {}, 256, reach={0: 20}) == 1
+    assert choose_slot([0], {0: theirs}, theirs, {}, 256, reach={0: 20}) == 0  # the only one: it is cut first
+
+
 @pytest.mark.parametrize(("processing", "known", "seen"), [
     ({1}, set(), 1),  # the one slot that processes
     ({0, 1}, {0}, 1),  # slot 0 runs a request the wrapper pinned

@@ -109,3 +109,18 @@ def test_a_slot_holds_its_prompt_and_the_answer_it_generated() -> None:
     assert book.held() == {0: 50, 1: 300}  # counted at once: what degrade sizes a context by
     book.saved(1, list(range(300)), "k")
     assert book.count(1) == 300 and book.entry_of(1) == "k"
+
+
+def test_a_slot_knows_whose_conversation_it_holds() -> None:
+    book = SlotBook()
+    book.learnt_total(3)
+    book.served(0, [1, 2, 3], owner="alice")
+    book.restored(1, [4, 5], "k1", "bob")
+    assert (book.owner_of(0), book.owner_of(1), book.owner_of(2)) == ("alice", "bob", None)
+    assert book.empty(2) and not book.empty(0)
+    book.cut(0, [1], "")  # down to the public beginning: anyone's
+    assert book.owner_of(0) == "" and book.holds(0) == [1]
+    book.served(1, None, owner="bob")  # a request that failed: what it left is still bob's
+    assert book.owner_of(1) == "bob" and not book.empty(1)
+    book.forgotten()  # a request the server placed: nobody knows whose any slot is
+    assert book.owner_of(0) is None and book.owner_of(1) is None and not book.empty(0)

@@ -10,6 +10,7 @@ from hooks.slots.fit import fit_for_slots
 from hooks.slots.settings import SlotSettings
 from wrapper.configuration import argv as args
 from wrapper.configuration.config import Config, Listen
+from wrapper.configuration.consumers import ConsumerSettings
 from wrapper.kept import Kept
 from wrapper.launching.launch import Launch
 from wrapper.launching.model import Model
@@ -51,3 +52,17 @@ def test_fitting_says_what_an_older_build_loses(tmp_path: Path, monkeypatch: pyt
     assert args.get(fit.argv, args.CTX_SIZE) == "2048" and args.get(fit.argv, args.CACHE_RAM) == "0"
     assert not args.has(fit.argv, args.SWA_FULL) and not args.has(fit.argv, args.KV_UNIFIED)
     assert any(n["change"].startswith("LOST: --swa-full") for n in fit.notes)
+
+
+def test_isolated_consumers_turn_the_ram_prompt_cache_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's RAM prompt cache would give a slot any consumer's earlier prompt."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    binary = fake_server(tmp_path, "--slot-save-path PATH  --no-cache-idle-slots  -cram, --cache-ram N")
+    argv = [binary, "-c", "2048", "-cram", "4096"]
+    config = Config(settings={"slots": SlotSettings(dir=tmp_path / "s"),
+                              "consumers": ConsumerSettings(keys=(("a", ("k1",)), ("b", ("k2",))))})
+    fit = fit_for_slots(argv, _launch(argv), config, Kept())
+    assert args.get(fit.argv, args.CACHE_RAM) == "0"
+    assert any("consumers.isolate" in n["why"] for n in fit.notes)
+    alone = fit_for_slots(argv, _launch(argv), _config(tmp_path), Kept())
+    assert args.get(alone.argv, args.CACHE_RAM) == "4096"

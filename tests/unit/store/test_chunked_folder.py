@@ -274,3 +274,23 @@ def test_a_sidecar_the_folder_rejects_says_why_and_touches_nothing_outside(
     assert cause in str(refused.value) and "bytes recorded" not in str(refused.value)
     store.remove(noted)
     assert outside.read_bytes() == b"not ours" and not path.exists()
+
+
+def test_a_private_entry_is_its_consumers_alone(tmp_path: Path) -> None:
+    """Under consumers.isolate two consumers' same conversation are two entries with their own chunks: neither is
+    found for the other, and removing one leaves the other whole."""
+    store = DirectoryStore(tmp_path, chunk_tokens=CHUNK)
+    tokens = conversation(70)
+    for who in ("alice", "bob"):
+        data = state(tokens)
+        part = store.directory / part_name("test")
+        part.write_bytes(data)
+        store.commit(part, tokens, {**RECORD, "consumer": who, "private": True})
+    alice, bob = store.find(tokens, "alice"), store.find(tokens, "bob")
+    assert alice is not None and bob is not None and alice.key != bob.key
+    assert store.find(tokens) is None  # nobody's: a lookup without the owner finds neither
+    assert (alice.consumer, bob.consumer) == ("alice", "bob")
+    assert not set(chunkdir.names_of(alice.record)) & set(chunkdir.names_of(bob.record))
+    os.utime(tmp_path / "chunks", None)
+    store.remove(alice)
+    assert read(store, bob) == state(tokens) and store.find(tokens, "alice") is None

@@ -1,0 +1,240 @@
+"""The consumers of one model (`consumers:`): a name for each API key, what each may keep (its share), whether one
+is served from what another kept (`isolate`), and the public beginning every one may reuse (`shared_prefix`). A
+request whose key no entry names, or that sends none, is the consumer `anonymous`. Read here; the conversation
+cache (hooks/conversations) keeps them apart."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from wrapper.configuration.sections import AUTO_BOOL
+from wrapper.configuration.settings import Kind, Section, setting
+from wrapper.configuration.units import format_size, parse_size
+from wrapper.configuration.yamlread import Reader
+
+ANONYMOUS = "anonymous"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SHARE_KEYS = ("folder", "bucket", "slots")
+
+# consumers.keys as read: (name, (key, ...)), in the config's order
+NamedKeys = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one consumer may keep: bytes in the slot folder and in the bucket, slots holding its conversations
+    (None: no bound of its own)."""
+
+    folder: int | None = None
+    bucket: int | None = None
+    slots: int | None = None
+
+    def shown(self) -> dict[str, Any]:
+        return {k: (format_size(v) if k != "slots" else v) for k in SHARE_KEYS if (v := getattr(self, k)) is not None}
+
+
+Shares = tuple[tuple[str, Share], ...]
+
+
+def _name(r: Reader, node: yaml.Node, what: str) -> str | None:
+    name = node.value if isinstance(node, yaml.ScalarNode) else None
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        r.error(node, f"{what}: a consumer's name is 1 to 64 letters, digits, '_', '.' or '-' (it is shown in the "
+                      "status and in /metrics labels)")
+        return None
+    return name
+
+
+def _named_keys(r: Reader, node: yaml.Node, what: str) -> NamedKeys | None:
+    """name -> a key or a list of keys (never echoed, also not in an error)."""
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return ()
+    example = 'alice: ["sk-alice"]'
+    if not isinstance(node, yaml.MappingNode):
+        r.error(node, f"{what} must be a mapping of consumer name -> its API keys, e.g. {{{example}}}")
+        return None
+    named: list[tuple[str, tuple[str, ...]]] = []
+    seen_keys: set[str] = set()
+    ok = True
+    for name_node, keys_node in node.value:
+        name = _name(r, name_node, what)
+        if name is None:
+            ok = False
+            continue
+        if name == ANONYMOUS:
+            r.error(name_node, f"{what}: {ANONYMOUS!r} is the consumer of requests no key names; it has no keys")
+            ok = False
+            continue
+        if any(name == n for n, _ in named):
+            r.error(name_node, f"{what}: consumer {name!r} given twice")
+            ok = False
+            continue
+        items = keys_node.value if isinstance(keys_node, yaml.SequenceNode) else [keys_node]
+        keys: list[str] = []
+        for item in items:
+            if not isinstance(item, yaml.ScalarNode) or item.tag != "tag:yaml.org,2002:str" or not item.value:
+                r.error(item, f"{what}.{name}: each key must be a non-empty string (its value is not shown): quote "
+                              "it")
+                ok = False
+            elif item.value in seen_keys:
+                r.error(item, f"{what}.{name}: a key given to two consumers (its value is not shown)")
+                ok = False
+            else:
+                seen_keys.add(item.value)
+                keys.append(str(item.value))
+        if not keys and ok:
+            r.error(keys_node, f"{what}.{name}: give at least one key, e.g. {example}")
+            ok = False
+        named.append((name, tuple(keys)))
+    return tuple(named) if ok else None
+
+
+def _shares(r: Reader, node: yaml.Node, what: str) -> Shares | None:
+    """name -> {folder: SIZE, bucket: SIZE, slots: N}."""
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return ()
+    example = "agent: {folder: 2GiB, bucket: 10GiB, slots: 1}"
+    if not isinstance(node, yaml.MappingNode):
+        r.error(node, f"{what} must be a mapping of consumer name -> its share, e.g. {{{example}}}")
+        return None
+    shares: list[tuple[str, Share]] = []
+    ok = True
+    for name_node, share_node in node.value:
+        name = _name(r, name_node, what)
+        if name is None or any(name == n for n, _ in shares):
+            if name is not None:
+                r.error(name_node, f"{what}: consumer {name!r} given twice")
+            ok = False
+            continue
+        given = r.mapping(share_node, f"{what}.{name}", SHARE_KEYS)
+        values: dict[str, int] = {}
+        for key, value_node in given.items():
+            if key == "slots":
+                value = r.scalar(value_node, f"{what}.{name}.slots", (int,))
+                if isinstance(value, int) and value < 0:
+                    r.error(value_node, f"{what}.{name}.slots must be 0 or more")
+                    value = None
+            else:
+                value = r.converted(value_node, f"{what}.{name}.{key}", parse_size)
+            if value is None:
+                ok = False
+            else:
+                values[key] = int(value)
+        shares.append((name, Share(**values)))
+    return tuple(shares) if ok else None
+
+
+def _shared_prefix(r: Reader, node: yaml.Node, what: str) -> str | None:
+    """{messages: [...], tools: [...]} (a chat request's beginning) or {prompt: TEXT}; kept as JSON text."""
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return None
+    given = r.mapping(node, what, ("messages", "tools", "prompt"))
+    value = {key: r.value(v) for key, v in given.items()}
+    if not value:
+        if isinstance(node, yaml.MappingNode):
+            r.error(node, f"{what} must say `messages` (and `tools`) or `prompt`")
+        return None
+    if "prompt" in value and len(value) > 1:
+        r.error(node, f"{what}: either `prompt` or `messages` (with `tools`), not both")
+        return None
+    if "prompt" in value and not isinstance(value["prompt"], str):
+        r.error(given["prompt"], f"{what}.prompt must be a text")
+        return None
+    if "tools" in value and "messages" not in value:
+        r.error(given["tools"], f"{what}: `tools` come with `messages` (the system prompt they follow)")
+        return None
+    for key in ("messages", "tools"):
+        items = value.get(key)
+        if items is not None and (not isinstance(items, list) or not all(isinstance(i, dict) for i in items)):
+            r.error(given[key], f"{what}.{key} must be a list of mappings, as in a chat request's body")
+            return None
+    return json.dumps(value, sort_keys=True)
+
+
+def _shown_prefix(text: str | None) -> Any:
+    if text is None:
+        return "none"
+    value = json.loads(text)
+    if "prompt" in value:
+        return f"a prompt of {len(value['prompt'])} characters"
+    return f"{len(value['messages'])} messages, {len(value.get('tools') or [])} tools"
+
+
+NAMED_KEYS = Kind("mapping: name → API keys (secret)", _named_keys,
+                  lambda v: {name: f"({len(keys)} set)" for name, keys in v} if v else "none")
+SHARES = Kind("mapping: name → {folder, bucket, slots}", _shares,
+              lambda v: {name: share.shown() for name, share in v} if v else "none")
+SHARED_PREFIX = Kind("{messages, tools} | {prompt}", _shared_prefix, _shown_prefix)
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    keys: NamedKeys = setting((), NAMED_KEYS, "a name for each API key (`Authorization: Bearer KEY` or `X-Api-Key: "
+                              "KEY`): the consumer a request is, in the status, /metrics and the store (a request "
+                              "with no key, or one not named here, is `anonymous`); keys are never shown")
+    shares: Shares = setting((), SHARES, "what each consumer (or `anonymous`) may keep: `folder` and `bucket` bytes, "
+                             "`slots` holding its conversations; one over its share loses its own oldest "
+                             "conversations first, one under it keeps what it has")
+    isolate: bool | None = setting(None, AUTO_BOOL, "serve a request only from what its own consumer kept (slots, "
+                                   "folder, bucket) beyond `shared_prefix`, so that no answer's speed tells one "
+                                   "consumer what another asked (`auto`: on when more than one consumer is named)")
+    shared_prefix: str | None = setting(None, SHARED_PREFIX, "the public beginning every consumer may reuse under "
+                                        "`isolate`: a chat request's `messages` (the system prompt) and `tools` as "
+                                        "every client sends them, or a completion's `prompt`")
+
+
+CONSUMERS = Section("consumers", ConsumerSettings, "each consumer's conversations are its own: a name per API key, "
+                    "isolation, shares")
+
+
+def named(settings: ConsumerSettings) -> tuple[str, ...]:
+    return tuple(name for name, _ in settings.keys)
+
+
+def on(settings: ConsumerSettings) -> bool:
+    """Whether requests are told apart by consumer at all (a consumer named, or a share given)."""
+    return bool(settings.keys or settings.shares)
+
+
+def isolating(settings: ConsumerSettings) -> bool:
+    return settings.isolate if settings.isolate is not None else len(settings.keys) > 1
+
+
+def share_of(settings: ConsumerSettings, name: str) -> Share:
+    return next((share for n, share in settings.shares if n == name), Share())
+
+
+def consumer_of(headers: Mapping[str, str], settings: ConsumerSettings) -> str | None:
+    """The consumer a request is, by its key (every key compared, each in constant time); None when consumers are
+    not configured."""
+    if not on(settings):
+        return None
+    key = _presented(headers).encode()
+    found = ANONYMOUS
+    if key:
+        for name, keys in settings.keys:
+            if any([hmac.compare_digest(key, k.encode()) for k in keys]) and found == ANONYMOUS:
+                found = name
+    return found
+
+
+def _presented(headers: Mapping[str, str]) -> str:
+    """The key as llama-server reads it: Authorization (`Bearer ` optional), else X-Api-Key."""
+    auth = headers.get("Authorization", "").strip()
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return auth or headers.get("X-Api-Key", "").strip()
+
+
+def problems(settings: ConsumerSettings) -> list[str]:
+    """What the keys and shares say of each other: a share for a consumer no key names."""
+    known = {*named(settings), ANONYMOUS}
+    return [f"consumers.shares.{name}: no consumer of that name (consumers.keys names {', '.join(sorted(known))})"
+            for name, _ in settings.shares if name not in known]
