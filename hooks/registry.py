@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hooks import conversations, media, speculative
+from hooks.conversations import forget
 from hooks.conversations.settings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
@@ -181,6 +182,9 @@ BUILTINS: tuple[Builtin, ...] = ordered((
                 Before(paths.SLOT_USERS_UNPINNED, conversations.unpinned)),
         observer=conversations.observer, metrics=conversations.metrics, background=conversations.keep_while_idle,
         keeps_paused=True, families=("llama_wrapper_conversation_cache_",),
+        routes=(Route("DELETE", "/wrapper/conversations", forget.forget,
+                      "the conversation cache comes with the slot built-ins (on_startup: "
+                      "[{builtin: slots.restore}])"),),
     ),
     Builtin(
         family="server",

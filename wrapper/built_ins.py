@@ -11,8 +11,9 @@ from typing import Any
 
 import structlog
 
-from hooks.registry import ACTIONS, BUILTINS, Builtin, Route, why_not_kept
+from hooks.registry import ACTIONS, BUILTINS, Builtin, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
+from hooks.registry import Route as Route  # the wrapper's endpoints serve the built-ins' routes
 from wrapper.actions import BuiltinFn
 from wrapper.configuration import consumers
 from wrapper.configuration.config import Config, load_config, parse_config

@@ -15,6 +15,7 @@ import time
 
 import structlog
 
+from hooks.conversations.forget import follow
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.conversations.step import save_slot
@@ -34,6 +35,11 @@ async def keep_while_idle(host: Host) -> None:
     while True:
         await asyncio.sleep(LOOK_EVERY_S)
         generation = host.current
+        if enabled(generation) and generation.alive:
+            try:
+                await follow(generation)  # a consumer another host forgot: its slots here too
+            except Exception:  # a bug here must not end the checkpoints for the wrapper's life
+                log.exception("consumers.follow_failed")
         every = CACHE.of(generation.config).checkpoint_tokens
         if not every or not enabled(generation) or host.in_flight or not generation.alive:
             continue

@@ -4,6 +4,7 @@ the longest prefix with it is restored there or llama-server prefills."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ def goes_on_in(book: SlotBook, busy: Collection[int], asked: int | None, message
 
 def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int],
                 last_used: Mapping[int, float], min_tokens: int, unknown: Collection[int] = (),
-                ours: Collection[int] | None = None, reach: Mapping[int, int] | None = None) -> int:
+                ours: Collection[int] | None = None, reach: Mapping[int, int] | None = None,
+                last: Collection[int] = ()) -> int:
     """The slot sharing the longest prefix with the request, whatever share of what it holds that is
     (llama-server reuses any common prefix: a regenerate shares its question, not the answer that followed),
     as long as the prefix is more than a chat template's first tokens: at least `min_tokens`, or half of what
@@ -55,19 +57,35 @@ def choose_slot(free: list[int], held: Mapping[int, list[int]], tokens: list[int
     share a chat template's system prompt, and that alone must not move one into the other's slot. Else an empty
     slot, else the one whose conversation is cheapest to move out (the shortest, then the least recently used), a
     slot holding what the book does not know (`unknown`: a request the server placed itself ran there, and it is
-    saved before it is taken) last. `reach`: the most a slot may give the request (another consumer's, under
-    `consumers.isolate`: the public beginning)."""
+    saved before it is taken) last, and those in `last` (held by a consumer within its slot share) after all. `reach`:
+    the most a slot may give the request (another consumer's, under `consumers.isolate`: the public beginning), which
+    counts only when it is `min_tokens` or more."""
     reach = reach or {}
     shared = {s: min(common_prefix(held.get(s, []), tokens), reach.get(s, len(tokens))) for s in free}
 
-    def half(s: int) -> bool:
+    def half(s: int) -> bool:  # never on another consumer's slot: its owner would lose it for a short beginning
         kept = len(held.get(s, []))
-        return 2 * shared[s] >= kept and (ours is None or s in ours or shared[s] == kept)
+        return s not in reach and 2 * shared[s] >= kept and (ours is None or s in ours or shared[s] == kept)
 
     continuing = [s for s in free if shared[s] and (shared[s] >= min_tokens or half(s))]
     if continuing:
         return max(continuing, key=lambda s: shared[s])
-    return min(free, key=lambda s: (s in unknown, len(held.get(s, [])), last_used.get(s, 0.0)))
+    return min(free, key=lambda s: (s in last, s in unknown, len(held.get(s, [])), last_used.get(s, 0.0)))
+
+
+def within_slot_shares(free: list[int], owners: Mapping[int, str | None], consumer: str | None,
+                       shares: Mapping[str, int]) -> tuple[list[int], set[int]]:
+    """`consumers.shares.*.slots`: the free slots a request of `consumer` may take (its own alone, when it holds as
+    many slots as its share and one of them is free), and those taken last (held by another consumer within its
+    share: it keeps what it has while others are over theirs)."""
+    held = Counter(owner for owner in owners.values() if owner)
+    share = shares.get(consumer) if consumer is not None else None
+    if consumer is not None and share is not None and held[consumer] >= share:
+        own = [s for s in free if owners.get(s) == consumer]
+        free = own or free
+    protected = {s for s in free if (owner := owners.get(s)) and owner != consumer and owner in shares
+                 and held[owner] <= shares[owner]}
+    return free, protected
 
 
 UNTOLD = -1  # placed_in: which slot is whose cannot be told

@@ -40,6 +40,7 @@ class Conversations:
     # held) when it was last kept (checkpoints)
     continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
     public: PublicPrefix = field(default_factory=PublicPrefix)  # consumers.shared_prefix's tokens, once learnt
+    forgotten: dict[str, float] = field(default_factory=dict)  # consumer -> the forget whose slots were cleared
 
     def rates_of(self, generation: Generation) -> KeptRates:
         if self.kept is None:

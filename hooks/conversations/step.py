@@ -13,16 +13,27 @@ import structlog
 
 from hooks.conversations.chain import Messages, messages_of
 from hooks.conversations.isolation import NOBODY, Asker, asker_of, cut
-from hooks.conversations.policy import UNTOLD, Candidate, Rule, choose_slot, decide, dropped, goes_on_in, placed_in
+from hooks.conversations.policy import (
+    UNTOLD,
+    Candidate,
+    Rule,
+    choose_slot,
+    decide,
+    dropped,
+    goes_on_in,
+    placed_in,
+    within_slot_shares,
+)
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
 from hooks.slots.book import PINNED, book_of
-from hooks.slots.stores import store_of
+from hooks.slots.stores import shares_of, store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
 from hooks.store import Entry, Store, Unreadable, best_of, common_prefix
 from hooks.store.settings import STORE
 from wrapper import paths
 from wrapper.configuration import argv as args
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation, Host, ServerLost
 from wrapper.server.llama import LlamaError
@@ -324,10 +335,13 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(conv.freed.wait(), timeout=5.0)
     public = asker.reach(tokens)
+    slot_shares = {name: share.slots for name, share in CONSUMERS.of(generation.config).shares
+                   if share.slots is not None}
+    free, last = within_slot_shares(free, {s: book.owner_of(s) for s in book.slots()}, asker.consumer, slot_shares)
     slot = choose_slot(free, book.known(), tokens, conv.last_used, CACHE.of(generation.config).min_tokens,
                        {s for s in free if book.partial(s)},
                        {s for s in free if conv.background.get(s, background) == background},
-                       {s: public for s in free if asker.foreign(book, s)})
+                       {s: public for s in free if asker.foreign(book, s)}, last)
     conv.busy.add(slot)
     conv.background[slot] = background
     return slot
@@ -435,7 +449,9 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     entry = saved.entry
     conv.written.append((time.time(), entry.written))
     METRICS.conv_bytes_written.inc(entry.written)
-    evicted = store.evict(limits.budget, keep={entry.key})
+    evicted = store.evict(limits.budget, keep={entry.key}, shares=shares_of(generation.config))
+    for each in evicted:
+        METRICS.evicted(each.consumer, "folder")
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
              written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted])
     return entry

@@ -21,7 +21,7 @@ from hooks.slots.book import observer as book_observer
 from hooks.slots.restorable import Mismatch
 from hooks.slots.reuse import ReuseTracker
 from hooks.slots.settings import FAMILY, SLOTS
-from hooks.slots.stores import store_of
+from hooks.slots.stores import shares_of, store_of
 from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into, server_layout_of
 from hooks.store import Entry, Noted, Store, Unreadable, layout
 from hooks.store.settings import STORE
@@ -166,7 +166,9 @@ async def save(generation: Generation, flush: bool = True) -> str:
             store.note(layout.host_id(), held)
         except OSError as exc:
             raise ActionError(f"the note of what each slot holds could not be written: {exc}") from exc
-        store.evict(STORE.of(generation.config).budget, keep={e.key for e in held.values()})
+        for each in store.evict(STORE.of(generation.config).budget, keep={e.key for e in held.values()},
+                                shares=shares_of(generation.config)):
+            METRICS.evicted(each.consumer, "folder")
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     unchanged = [r for r in report if r["outcome"] == "unchanged"]

@@ -19,6 +19,7 @@ from hooks.slots.settings import SLOTS
 from hooks.store import Entry, Store, layout
 from hooks.store.bucket import BucketError
 from hooks.store.opening import folder_only, opened
+from hooks.store.sealing import WrongKey
 from hooks.store.settings import STORE, StoreSettings, bucket_for
 from wrapper.configuration.config import Config, ConfigError, parse_config
 from wrapper.configuration.exits import EXIT_CONFIG, EXIT_FAILED
@@ -51,7 +52,11 @@ def _stores(root: Path, config_path: str | None) -> list[Store]:
         folders = sorted({*folders, *(root / name for name in _bucket_folders(settings))})
     stores = []
     for folder in folders:
-        store, problem = opened(folder, settings)
+        try:
+            store, problem = opened(folder, settings)
+        except (ValueError, WrongKey) as exc:  # store.encrypt's key file, or another key than the bucket's
+            raise click.ClickException(str(exc) if not isinstance(exc, WrongKey) else
+                                       f"store.encrypt: another key sealed {settings.url} ({exc})") from exc
         if problem is not None:  # the folder is still listed: WHERE says `local` only
             click.echo(f"llama-wrapper: the store is not listed: {problem}", err=True)
             return [folder_only(f) for f in folders]

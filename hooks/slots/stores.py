@@ -7,10 +7,13 @@ from pathlib import Path
 
 from hooks.slots.settings import FAMILY
 from hooks.store import Store
+from hooks.store.interface import Shares
 from hooks.store.layout import host_id
 from hooks.store.opening import folder_only, open_store
+from hooks.store.sealing import WrongKey
 from hooks.store.settings import STORE
-from wrapper.configuration.config import Config
+from wrapper.configuration.config import Config, ConfigError
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.kept import Kept, Key
 from wrapper.launching.launch import Launch
 from wrapper.server.generation import Generation
@@ -23,7 +26,14 @@ def open_for(shared: Kept, folder: Path, config: Config, local: bool = False) ->
     `store.url` says (`llama-wrapper plan` reads what this host saved, and asks no bucket)."""
     opened = shared.get(_OPENED)
     if folder not in opened:
-        opened[folder] = folder_only(folder) if local else open_store(folder, STORE.of(config))
+        settings = STORE.of(config)
+        try:
+            opened[folder] = folder_only(folder) if local else open_store(folder, settings)
+        except WrongKey as exc:
+            raise ConfigError(f"store.encrypt: {settings.encrypt} is not the key {settings.url} was sealed with "
+                              f"({exc}): name that key, or give this one another store.url prefix") from exc
+        except ValueError as exc:  # the key file
+            raise ConfigError(str(exc)) from exc
     return opened[folder]
 
 
@@ -42,3 +52,11 @@ def noted_tokens(launch: Launch, shared: Kept) -> list[int]:
     if store is None:
         return []
     return [held.n_tokens for held in store.held(host_id()) if held.entry is not None or store.behind is not None]
+
+
+def shares_of(config: Config) -> Shares | None:
+    """What each consumer may keep in the folder and the bucket (`consumers.shares`); None when no share is given."""
+    settings = CONSUMERS.of(config)
+    folder = {name: share.folder for name, share in settings.shares if share.folder is not None}
+    bucket = {name: share.bucket for name, share in settings.shares if share.bucket is not None}
+    return Shares(folder, bucket) if folder or bucket else None

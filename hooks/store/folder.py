@@ -33,7 +33,17 @@ from typing import Any, TypeVar
 from hooks import kvfile
 from hooks.store import chunks, layout
 from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
-from hooks.store.interface import Entry, Noted, Unreadable, best_of, common_prefix, key_of, owner_of
+from hooks.store.interface import (
+    Entry,
+    Noted,
+    Shares,
+    Unreadable,
+    best_of,
+    common_prefix,
+    held_within,
+    key_of,
+    owner_of,
+)
 
 T = TypeVar("T")
 PREFIX = layout.ENTRY_PREFIX
@@ -44,15 +54,18 @@ _SIDECAR = re.compile(r"^conv-([0-9a-f]{16})\.json$")
 _KV_FILE = re.compile(r"^conv-([0-9a-f]{16})-[0-9a-f]{12}\.bin$")
 _PART = re.compile(r"^conv-[A-Za-z0-9]+\.bin\.part-([A-Za-z0-9]+)-(\d+)$")  # being written by host, pid
 _parts = itertools.count()
-_OURS = ("chunks", "tail_bytes", "host", "token_ids")  # what a commit writes anew, never copied from a record
+_OURS = ("chunks", "tail_bytes", "host", "token_ids", "keyed_names")  # what a commit writes anew, never copied
 _SALTED = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "attn_rot_disable", "state_version", "build")
 
 
-def _salt(record: dict[str, Any]) -> str:
-    """What a chunk's name is chained over beside its layout: the model and what else decides its KV bytes."""
-    owner = owner_of(record)  # a private entry's chunks are its consumer's alone (forgotten with it, never shared)
+def _salt(record: dict[str, Any], names: str | None) -> str:
+    """What a chunk's name is chained over beside its layout: the model and what else decides its KV bytes; a private
+    entry's consumer (its chunks are its alone: forgotten with it, never shared); the store's name key, for an entry
+    committed with one (store.encrypt: `keyed_names`)."""
+    owner = owner_of(record)
+    keyed = names if record.get("keyed_names") else None
     return json.dumps([(record.get("model") or {}).get("id"), *(record.get(k) for k in _SALTED),
-                       *([owner] if owner is not None else [])])
+                       *([owner] if owner is not None else []), *([keyed] if keyed is not None else [])])
 
 
 def part_name(what: str) -> str:
@@ -71,8 +84,9 @@ def _locked(method: Callable[..., T]) -> Callable[..., T]:
 
 class DirectoryStore:
     def __init__(self, directory: Path, relist_s: float = RELIST_S,
-                 clock: Callable[[], float] = time.monotonic, chunk_tokens: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, chunk_tokens: int = 0, names: str | None = None) -> None:
         self.directory = directory
+        self.names = names  # the key entry and chunk names are hashed with (store.encrypt), None: plain hashes
         self.chunk_tokens = chunk_tokens  # 0: each state kept whole
         self.chunks = ChunkFolder(directory)
         self._lock = threading.RLock()  # the listing, against a commit on a worker thread
@@ -82,6 +96,7 @@ class DirectoryStore:
         self._files: dict[str, tuple[Path, Path]] = {}  # key -> sidecar, KV file
         self._legacy_entries: dict[str, Entry] = {}  # pairs of the earlier layout, by `slot<N>`: not in lookups
         self._seen: tuple[float, float] | None = None  # the folder's mtime and when it was listed
+        self.forgotten_at: dict[str, float] = {}  # consumer -> when what it kept was forgotten
 
     # -- lookups ---------------------------------------------------------------------------------------------
 
@@ -107,8 +122,12 @@ class DirectoryStore:
     def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
         return best_of(self.entries(), tokens)
 
+    def key_for(self, tokens: list[int], owner: str | None = None) -> str:
+        """The key an entry of these tokens is committed under here."""
+        return key_of(tokens, owner, self.names)
+
     def find(self, tokens: list[int], owner: str | None = None) -> Entry | None:
-        found = self._look().get(key_of(tokens, owner))
+        found = self._look().get(self.key_for(tokens, owner))
         return found if found is not None and found.n_tokens == len(tokens) else None
 
     def held(self, host: str) -> list[Noted]:
@@ -131,15 +150,16 @@ class DirectoryStore:
 
     def commit(self, written: Path, tokens: list[int], record: dict[str, Any]) -> Entry:
         """Safe on a worker thread: the cutting and writing take no lock, the listing's update does."""
-        key = key_of(tokens, owner_of(record))
+        key = self.key_for(tokens, owner_of(record))
         sidecar = layout.entry_sidecar(self.directory, key)
         previous = None
         with contextlib.suppress(OSError, layout.SidecarError):
             previous = self._kv_file(sidecar, layout.read_sidecar(sidecar))
-        record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k not in _OURS}}
+        record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k not in _OURS},
+                  **({"keyed_names": True} if self.names is not None else {})}
         data, size = kvfile.open_map(written)
         try:
-            cut = chunks.split(data, self.chunk_tokens, _salt(record)) if self.chunk_tokens > 0 \
+            cut = chunks.split(data, self.chunk_tokens, _salt(record, self.names)) if self.chunk_tokens > 0 \
                 else chunks.Split(b"", [], None)
             with self.part("tail") as tail:
                 wrote = self.chunks.write(cut)
@@ -203,14 +223,40 @@ class DirectoryStore:
         return freed
 
     @_locked
-    def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
+    def forget(self, consumer: str, before: float | None = None) -> list[Entry]:
+        """Remove every entry of that consumer (saved before `before`, when given), the chunks no other entry names
+        at once, and the notes' lines naming them; what went."""
+        gone = [e for e in self.entries() if e.consumer == consumer and (
+            before is None or float(e.record.get("saved_at") or 0.0) <= before)]
+        names: set[str] = set()
+        for entry in gone:
+            sidecar, kv_file = self._where(entry)
+            for path in (sidecar, kv_file):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            self._forget(entry.key)
+            names.update(names_of(entry.record))
+        self.chunks.remove(names, self._named(), min_age=0.0)
+        layout.drop_from_notes(self.directory, {e.key for e in gone})
+        self._seen = None
+        return gone
+
+    @_locked
+    def evict(self, budget: int, keep: set[str] | None = None, shares: Shares | None = None) -> list[Entry]:
+        removed = []
+        bounded = shares.folder if shares is not None else {}
+        if bounded:  # a consumer over its share loses its own oldest first
+            self._seen = None
+            for entry in held_within(self.entries(), bounded, keep or set()):
+                self._remove(entry)
+                removed.append(entry)
         if self.used_bytes() <= budget:
-            return []
+            return removed
         self._seen = None  # other hosts' hits moved their last use: look again before removing anything
         self.chunks.remove(self._on_disk(), self._named())  # chunks no manifest names go first
         used = self.used_bytes()
-        removed = []
-        for entry in sorted(self.entries(), key=lambda e: e.last_used):
+        # then the least recently used, those of a consumer within its share last
+        for entry in sorted(self.entries(), key=lambda e: (e.consumer in bounded, e.last_used)):
             if used <= budget:
                 break
             if keep and entry.key in keep:
@@ -221,6 +267,14 @@ class DirectoryStore:
 
     def in_tiers(self) -> tuple[set[str], set[str]]:
         return {e.key for e in self.entries()}, set()
+
+    async def forget_consumer(self, consumer: str) -> dict[str, Any]:
+        gone = await asyncio.to_thread(self.forget, consumer)
+        self.forgotten_at[consumer] = time.time()
+        return {"folder": {"entries": len(gone), "bytes": sum(e.bytes for e in gone)}, "bucket": None}
+
+    def forgotten(self) -> dict[str, float]:
+        return dict(self.forgotten_at)
 
     def used_bytes(self) -> int:
         """What the entries take on disk: their files, and each chunk once."""
@@ -289,7 +343,7 @@ class DirectoryStore:
             yield kv_file
             return
         with self.part("restore") as state:  # in the page cache: removed once restored
-            await asyncio.to_thread(self.chunks.assemble, kv_file, record, state, _salt(record))
+            await asyncio.to_thread(self.chunks.assemble, kv_file, record, state, _salt(record, self.names))
             yield state
 
     def _checked(self, entry: Entry) -> tuple[dict[str, Any], Path]:
@@ -326,7 +380,7 @@ class DirectoryStore:
             finally:
                 if isinstance(data, mmap.mmap):
                     data.close()
-            named = chunks.names_for(_salt(record), record["chunks"], tokens)
+            named = chunks.names_for(_salt(record, self.names), record["chunks"], tokens)
         except Unreadable as exc:
             return str(exc)
         except (OSError, kvfile.SlotFileError) as exc:

@@ -11,7 +11,7 @@ writes a state into a part the store hands out, and restores from a local path t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +28,13 @@ class Unavailable(Exception):
     """An entry the store cannot hand over now (a full disk, the bucket down or slow): not the entry's fault."""
 
 
-def key_of(tokens: list[int], owner: str | None = None) -> str:
+def key_of(tokens: list[int], owner: str | None = None, secret: str | None = None) -> str:
     """An entry's key: a hash of its tokens, and of its owner when it is private to one consumer (two consumers'
-    same conversation are two entries)."""
+    same conversation are two entries), keyed by `secret` when the store seals what it uploads (store.encrypt: a
+    guessed conversation's key cannot be computed)."""
     words = np.asarray(tokens, dtype="<i4").tobytes()
-    return hashlib.sha256(words if owner is None else f"{owner}\0".encode() + words).hexdigest()[:16]
+    salt = (f"{owner}\0" if owner is not None else "") + (f"{secret}\0" if secret is not None else "")
+    return hashlib.sha256(salt.encode() + words if salt else words).hexdigest()[:16]
 
 
 def owner_of(record: dict[str, Any]) -> str | None:
@@ -100,6 +102,29 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Shares:
+    """What each consumer may keep, in bytes, per tier (`consumers.shares`): consumer -> bytes."""
+
+    folder: Mapping[str, int] = field(default_factory=dict)
+    bucket: Mapping[str, int] = field(default_factory=dict)
+
+
+def held_within(entries: list[Entry], shares: Mapping[str, int], keep: set[str]) -> list[Entry]:
+    """The entries to remove so that each consumer keeps within its share: its oldest first (never one of `keep`)."""
+    going = []
+    for consumer, share in shares.items():
+        mine = sorted((e for e in entries if e.consumer == consumer), key=lambda e: e.last_used)
+        total = sum(e.bytes for e in mine)
+        for entry in mine:
+            if total <= share:
+                break
+            if entry.key not in keep:
+                going.append(entry)
+                total -= entry.bytes
+    return going
+
+
+@dataclass(frozen=True)
 class Noted:
     """One slot of a host's note: the entry it held at that host's last stop (None: that entry is gone)."""
 
@@ -147,8 +172,10 @@ class Store(Protocol):
         """A hit: its last use is now."""
         ...
 
-    def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
-        """Remove the least recently used entries until the rest fit `budget` bytes."""
+    def evict(self, budget: int, keep: set[str] | None = None, shares: Shares | None = None) -> list[Entry]:
+        """Remove the least recently used entries until the rest fit `budget` bytes: with `shares`, first each
+        consumer's oldest while it is over its folder share, then those of consumers without a share before those
+        within theirs (a store behind keeps each within its bucket share at its next upload)."""
         ...
 
     def remove(self, entry: Entry) -> None: ...
@@ -176,6 +203,16 @@ class Store(Protocol):
         """What is wrong with the entry as this host holds it (its files are not what its sidecar says, a chunk
         is missing or cut, its chunk names are not its tokens'); None when it is sound or only another tier has
         it. Reads its files: for `slots ls`, not for a request."""
+        ...
+
+    async def forget_consumer(self, consumer: str) -> dict[str, Any]:
+        """Remove every entry of that consumer from every tier (their chunks no other entry names at once, the
+        notes' lines naming them); what went, per tier (`bucket` None without one). Behind a bucket, a tombstone
+        tells every other host to do the same at its next look; BucketError when the bucket could not be told."""
+        ...
+
+    def forgotten(self) -> dict[str, float]:
+        """consumer -> when what it kept was last forgotten (here, or by another host on the bucket)."""
         ...
 
     def free_bytes(self) -> int: ...

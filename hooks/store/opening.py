@@ -12,6 +12,7 @@ from hooks.store.folder import DirectoryStore
 from hooks.store.interface import Store
 from hooks.store.layout import host_id
 from hooks.store.remote import Remote
+from hooks.store.sealing import Sealer, read_secret
 from hooks.store.settings import StoreSettings, bucket_for
 from hooks.store.tiered import TieredStore
 
@@ -27,15 +28,29 @@ def open_store(directory: Path, settings: StoreSettings) -> Store:
 
 
 def opened(directory: Path, settings: StoreSettings) -> tuple[Store, str | None]:
-    """The store, and why the object store could not be set up (the folder alone then)."""
-    folder = DirectoryStore(directory, chunk_tokens=settings.chunk_tokens)
+    """The store, and why the object store could not be set up (the folder alone then). With `store.encrypt`,
+    ValueError when its key file cannot be read, WrongKey when the bucket was sealed with another key."""
+    sealer = Sealer(read_secret(settings.encrypt)) if settings.url and settings.encrypt is not None else None
+    folder = DirectoryStore(directory, chunk_tokens=settings.chunk_tokens,
+                            names=sealer.names if sealer is not None else None)
     if not settings.url:
         return folder, None
     try:
         bucket = bucket_for(settings)
     except (BucketError, ValueError) as exc:
         return folder, str(exc)
-    return TieredStore(folder, Remote(bucket, directory.name), host_id(), settings.refresh), None
+    remote = Remote(bucket, directory.name, sealer)
+    store = TieredStore(folder, remote, host_id(), settings.refresh)
+    if sealer is not None:
+        store.key_checked = False
+        try:
+            remote.check_key()  # WrongKey: the start fails, saying so
+        except BucketError as exc:  # not known yet: checked at the first look that reaches the bucket
+            log.warning("store.key_unchecked", store=remote.describe(), error=str(exc),
+                        hint="the key is checked once the bucket answers; nothing is uploaded or fetched before")
+        else:
+            store.key_checked = True
+    return store, None
 
 
 def folder_only(directory: Path) -> Store:

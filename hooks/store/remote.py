@@ -27,12 +27,15 @@ import numpy as np
 from hooks.store import layout
 from hooks.store.bucket import Bucket, Conflict, NotFound
 from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
-from hooks.store.interface import Entry, Unreadable
+from hooks.store.interface import Entry, Unreadable, owner_of
+from hooks.store.sealing import CHECK_NAME, MAGIC, NONCE, Sealer
 from hooks.store.threads import map_on
 
 _MANIFEST = re.compile(r"^conv-([0-9a-f]{16})\.json$")
 _TAIL = re.compile(r"^conv-[0-9a-f]{16}-[0-9a-f]{12}\.bin$")
 PARALLEL = 8  # objects moved at once
+SEALING = len(MAGIC) + NONCE + 16  # what sealing adds to an object: the mark, the nonce, the tag
+TOMBSTONE = "forgotten-"  # `forgotten-<consumer>.json`: when a consumer's conversations were forgotten
 
 
 @dataclass
@@ -52,8 +55,9 @@ class Known:
 
 
 class Remote:
-    def __init__(self, bucket: Bucket, folder: str) -> None:
+    def __init__(self, bucket: Bucket, folder: str, sealer: Sealer | None = None) -> None:
         self.bucket = bucket
+        self.sealer = sealer  # store.encrypt: what goes up is sealed, what comes down opened
         self.folder = folder.strip("/") + "/"  # the model's folder name under the prefix
         self.index: dict[str, Known] = {}
         self.chunks: set[str] = set()  # chunks this wrapper put, or saw whole there: not sent again
@@ -81,16 +85,25 @@ class Remote:
         try:
             data = json.loads(self.bucket.get(listed.name))
             key = _MANIFEST.match(listed.name[len(self.folder):])
-            tokens = np.frombuffer(base64.b64decode(data.pop("token_ids")), dtype="<i4").tolist()
+            tokens = np.frombuffer(self._tokens_of(data, listed.name[len(self.folder):]), dtype="<i4").tolist()
             if key is None or data.get("key") != key.group(1) or len(tokens) != data.get("tokens") or \
                     not _TAIL.match(str(data.get("file"))) or plan_problem(data) is not None or \
                     int(data.get("bytes")) < 0 or not isinstance(data.get("model"), dict):
                 return None
         except NotFound:
             return None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None  # not a manifest of ours (or damaged): never offered
+        except (ValueError, KeyError, TypeError, AttributeError, Unreadable):
+            return None  # not a manifest of ours (or damaged, or sealed with another key): never offered
         return Known(key.group(1), listed.etag, data, tokens, listed.modified)
+
+    def _tokens_of(self, manifest: dict[str, Any], name: str) -> bytes:
+        """A manifest's token ids (its `sealed_token_ids` opened with the consumer's key; Unreadable without it)."""
+        if "sealed_token_ids" in manifest:
+            sealed = base64.b64decode(manifest.pop("sealed_token_ids"))
+            if self.sealer is None:
+                raise Unreadable(f"{name} is sealed (store.encrypt) and this wrapper has no key")
+            return self.sealer.open(sealed, owner_of(manifest), name)
+        return base64.b64decode(manifest.pop("token_ids"))
 
     # -- upload -------------------------------------------------------------------------------------------------
 
@@ -108,11 +121,14 @@ class Remote:
         folder = ChunkFolder(directory)
         size = size_of(record)
         missing = [n for n in names_of(record) if n not in self.chunks]
-        sent = sum(map_on(PARALLEL, lambda n: self._put_chunk(n, folder.path(n), size), missing))
+        owner = owner_of(record)
+        sent = sum(map_on(PARALLEL, lambda n: self._put_chunk(n, folder.path(n), size, owner), missing))
         self.chunks.update(missing)
-        sent += self._put_file(str(record["file"]), directory / str(record["file"]))
-        manifest = {**record, "host": host,
-                    "token_ids": base64.b64encode(np.asarray(entry.tokens, dtype="<i4").tobytes()).decode()}
+        sent += self._put_file(str(record["file"]), directory / str(record["file"]), owner)
+        words = np.asarray(entry.tokens, dtype="<i4").tobytes()
+        manifest = {**record, "host": host, **(
+            {"token_ids": base64.b64encode(words).decode()} if self.sealer is None else
+            {"sealed_token_ids": base64.b64encode(self.sealer.seal(words, owner, sidecar.name)).decode()})}
         body = json.dumps(manifest).encode()
         try:
             etag = self.bucket.put(self.folder + sidecar.name, body, if_none_match=known is None,
@@ -122,19 +138,23 @@ class Remote:
         self.index[entry.key] = Known(entry.key, etag, record, list(entry.tokens), entry.last_used)
         return sent + len(body)
 
-    def _put_chunk(self, name: str, path: Path, size: int) -> int:
+    def _put_chunk(self, name: str, path: Path, size: int, owner: str | None) -> int:
         """A chunk another manifest names is only skipped once the bucket is seen to hold it whole."""
         if name in self.named:
             there = self.bucket.head(f"{self.folder}chunks/{name}.kv")
-            if there is not None and there.size == size:
+            if there is not None and there.size == size + (SEALING if self.sealer is not None else 0):
                 return 0
             if there is not None:  # cut short: ours replaces it
-                return self._put_file(f"chunks/{name}.kv", path, only_new=False)
-        return self._put_file(f"chunks/{name}.kv", path)
+                return self._put_file(f"chunks/{name}.kv", path, owner, only_new=False)
+        return self._put_file(f"chunks/{name}.kv", path, owner)
 
-    def _put_file(self, name: str, path: Path, only_new: bool = True) -> int:
+    def _put_file(self, name: str, path: Path, owner: str | None, only_new: bool = True) -> int:
         try:
             size = path.stat().st_size
+            if self.sealer is not None:  # sealed whole: a chunk or a tail, never a whole state
+                sealed = self.sealer.seal(path.read_bytes(), owner, name)
+                self.bucket.put(self.folder + name, sealed, if_none_match=only_new)
+                return len(sealed)
             with path.open("rb") as data:  # streamed: never a whole state in memory
                 self.bucket.put(self.folder + name, data, if_none_match=only_new)
         except FileNotFoundError as exc:
@@ -166,6 +186,70 @@ class Remote:
                 gone += 1
         return gone
 
+    # -- the key ------------------------------------------------------------------------------------------------
+
+    def check_key(self) -> bool:
+        """store.encrypt: the folder's check object opened with this key (WrongKey when another sealed it), or left
+        there by this one; whether it was there already."""
+        assert self.sealer is not None
+        try:
+            self.sealer.verify(self.bucket.get(self.folder + CHECK_NAME))
+            return True
+        except NotFound:
+            try:
+                self.bucket.put(self.folder + CHECK_NAME, self.sealer.check(), if_none_match=True)
+            except Conflict:  # another host left one meanwhile: it must be this key's too
+                self.sealer.verify(self.bucket.get(self.folder + CHECK_NAME))
+            return False
+
+    def sealed(self) -> bool:
+        """Whether a key left its check object here (store.encrypt)."""
+        return self.bucket.head(self.folder + CHECK_NAME) is not None
+
+    # -- forget ---------------------------------------------------------------------------------------------------
+
+    def forget(self, consumer: str, before: float | None = None) -> list[Known]:
+        """Delete every manifest of that consumer (saved before `before`, when given) with its tail, and the chunks
+        no other manifest names; what went."""
+        gone = [k for k in self.index.values() if k.record.get("consumer") == consumer and (
+            before is None or float(k.record.get("saved_at") or 0.0) <= before)]
+        self._delete(gone)
+        return gone
+
+    def remove_entries(self, keys: set[str]) -> int:
+        """Delete those entries (their manifests, tails, and the chunks no other manifest names); how many went."""
+        gone = [k for k in self.index.values() if k.key in keys]
+        self._delete(gone)
+        return len(gone)
+
+    def _delete(self, gone: list[Known]) -> None:
+        names = {n for k in gone for n in names_of(k.record)}
+        for known in gone:  # the manifest first: nothing names a half-removed entry
+            self.bucket.delete(f"{self.folder}conv-{known.key}.json")
+            self.bucket.delete(self.folder + str(known.record.get("file")))
+            self.index.pop(known.key, None)
+        unnamed = names - {n for k in self.index.values() for n in names_of(k.record)}
+        map_on(PARALLEL, lambda n: self.bucket.delete(f"{self.folder}chunks/{n}.kv"), sorted(unnamed))
+        self.chunks -= unnamed
+
+    def tombstone(self, consumer: str, at: float, host: str) -> None:
+        """Tell the other hosts on the bucket: what that consumer kept until `at` is forgotten."""
+        body = json.dumps({"consumer": consumer, "at": at, "host": host}).encode()
+        self.bucket.put(f"{self.folder}{TOMBSTONE}{consumer}.json", body)
+
+    def tombstones(self) -> dict[str, float]:
+        """consumer -> when what it kept was last forgotten, as the bucket says."""
+        found: dict[str, float] = {}
+        for listed in self.bucket.list(self.folder + TOMBSTONE):
+            try:
+                data = json.loads(self.bucket.get(listed.name))
+                found[str(data["consumer"])] = float(data["at"])
+            except NotFound:
+                continue
+            except (ValueError, KeyError, TypeError):
+                continue  # not ours: never acted on
+        return found
+
     # -- fetch --------------------------------------------------------------------------------------------------
 
     def missing(self, directory: Path, record: dict[str, Any]) -> list[str]:
@@ -183,15 +267,20 @@ class Remote:
         record = known.record
         wanted = self.missing(directory, record)
         (directory / "chunks").mkdir(parents=True, exist_ok=True)
-        got = sum(map_on(PARALLEL, lambda name: self._get_file(directory, name), wanted))
+        got = sum(map_on(PARALLEL, lambda name: self._get_file(directory, name, owner_of(record)), wanted))
         layout.write_sidecar(layout.entry_sidecar(directory, known.key), record)
         return got
 
-    def _get_file(self, directory: Path, name: str) -> int:
+    def _get_file(self, directory: Path, name: str, owner: str | None) -> int:
         target = directory / name
         temporary = target.with_name(f"{target.name}.{layout.temporary_tag()}.tmp")  # swept if it dies
         try:
-            size = self.bucket.get_to(self.folder + name, temporary)
+            if self.sealer is not None:  # opened whole (sealed or not: one written without the key is read as it is)
+                data = self.bucket.get(self.folder + name)
+                temporary.write_bytes(self.sealer.open(data, owner, name))
+                size = len(data)
+            else:
+                size = self.bucket.get_to(self.folder + name, temporary)
             os.replace(temporary, target)
         finally:
             with contextlib.suppress(OSError):

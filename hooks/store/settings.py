@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import yaml
 
 from hooks.store.bucket import Bucket, check_endpoint, parse_url
-from wrapper.configuration.settings import COUNT, DURATION, POSITIVE_DURATION, SIZE, Kind, Section, setting
+from wrapper.configuration.settings import COUNT, DURATION, PATH, POSITIVE_DURATION, SIZE, Kind, Section, setting
 from wrapper.configuration.yamlread import Reader
 
 
@@ -45,6 +46,7 @@ TEXT = Kind("text", _text)
 ENDPOINT = Kind("http(s) URL", _checked(check_endpoint))
 SECRET = Kind("text (secret)", _secret, lambda v: "(set)" if v else None)
 STORE_URL = Kind("s3://BUCKET/PREFIX", _checked(parse_url))
+KEY_FILE = Kind("path", PATH.read, lambda v: str(v) if v is not None else None)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,10 @@ class StoreSettings:
     flush: float = setting(5.0, DURATION, "at a drain or a stop, upload what is left for at most this long (it "
                            "counts in the stop's time: raise it with the drain's budget)")
     timeout: float = setting(10.0, POSITIVE_DURATION, "one request to the object store gives up after this long")
+    encrypt: Path | None = setting(None, KEY_FILE, "a key file (its first line, 16 characters or more): what goes to "
+                                   "the object store is sealed with AES-256-GCM, one key per consumer derived from it, "
+                                   "so that the bucket read without it yields nothing; entries written without it stay "
+                                   "readable, and another key is refused at the start")
 
 
 MOVED_FROM_SLOTS = {"store": "store.url", **{f"store_{key}": f"store.{key}" for key in (

@@ -29,8 +29,9 @@ import structlog
 from hooks.store import threads
 from hooks.store.bucket import BucketError, NotFound
 from hooks.store.folder import DirectoryStore
-from hooks.store.interface import Entry, Noted, Unavailable, Unreadable, best_of, key_of
+from hooks.store.interface import Entry, Noted, Shares, Unavailable, Unreadable, best_of, held_within
 from hooks.store.remote import PARALLEL, Remote
+from hooks.store.sealing import WrongKey
 from wrapper.metrics import METRICS
 
 log = structlog.get_logger()
@@ -72,6 +73,9 @@ class TieredStore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reconciled = False
         self._busy: asyncio.Lock | None = None  # one listing or upload round at a time (the sync, a flush)
+        self.forgotten_at: dict[str, float] = {}  # consumer -> when what it kept was forgotten (here or by another)
+        self.bucket_shares: dict[str, int] = {}  # consumer -> the bytes it may keep in the bucket (the last evict's)
+        self.key_checked = True  # store.encrypt: the bucket is known to be sealed with this key (or nothing is)
 
     # -- lookups ---------------------------------------------------------------------------------------------
 
@@ -95,7 +99,7 @@ class TieredStore:
         found = self.folder.find(tokens, owner)
         if found is not None:
             return found
-        known = self.remote.index.get(key_of(tokens, owner))
+        known = self.remote.index.get(self.folder.key_for(tokens, owner))
         return known.entry() if known is not None and len(known.tokens) == len(tokens) else None
 
     def held(self, host: str) -> list[Noted]:
@@ -134,11 +138,27 @@ class TieredStore:
         if self.folder.get(entry.key) is not None:
             self.folder.touch(entry)
 
-    def evict(self, budget: int, keep: set[str] | None = None) -> list[Entry]:
+    def evict(self, budget: int, keep: set[str] | None = None, shares: Shares | None = None) -> list[Entry]:
         kept = (keep or set()) | set(self.pending)  # the only copy is never evicted
         if not self._reconciled:  # the bucket not read yet: what it lacks is not known either
             kept |= {e.key for e in self.folder.entries() if e.key not in self.remote.index}
-        return self.folder.evict(budget, kept)
+        if shares is not None:
+            self.bucket_shares = dict(shares.bucket)
+        return self.folder.evict(budget, kept, shares)
+
+    async def _hold_bucket_shares(self) -> None:
+        """Each consumer within its bucket share (`consumers.shares`): its oldest entries there go first."""
+        if not self.bucket_shares:
+            return
+        known = [k.entry() for k in self.remote.index.values()]
+        going = held_within(known, self.bucket_shares, set(self.pending))
+        if going:
+            removed = await threads.run(self.remote.remove_entries, {e.key for e in going})
+            for entry in going:
+                METRICS.evicted(entry.consumer, "bucket")
+            log.info("store.evicted", entries=[e.key for e in going], consumers=sorted({str(e.consumer)
+                                                                                     for e in going}),
+                     bytes=sum(e.bytes for e in going), removed=removed)
 
     def remove(self, entry: Entry) -> None:
         if self.folder.get(entry.key) is not None:
@@ -168,6 +188,41 @@ class TieredStore:
 
     def in_tiers(self) -> tuple[set[str], set[str]]:
         return {e.key for e in self.folder.entries()}, {k for k in self.remote.index if k not in self.refused}
+
+    # -- forget ------------------------------------------------------------------------------------------------
+
+    async def forget_consumer(self, consumer: str) -> dict[str, Any]:
+        """Every entry of that consumer goes from the folder and the bucket, and the bucket keeps a tombstone so that
+        every other host removes what it holds of it too (at its next look). BucketError when the bucket could not
+        be told: the folder's part is done, the caller says the rest must be asked again."""
+        at = time.time()
+        gone = await threads.run(self.folder.forget, consumer)
+        for entry in gone:
+            self.pending.pop(entry.key, None)
+        async with self._lock():
+            await threads.run(self.remote.refresh)
+            removed = await threads.run(self.remote.forget, consumer)
+            await threads.run(self.remote.tombstone, consumer, at, self.host)
+        self.forgotten_at[consumer] = at
+        return {"folder": {"entries": len(gone), "bytes": sum(e.bytes for e in gone)},
+                "bucket": {"entries": len(removed), "bytes": sum(int(k.record.get("bytes") or 0) for k in removed)}}
+
+    def forgotten(self) -> dict[str, float]:
+        return dict(self.forgotten_at)
+
+    async def _follow_tombstones(self) -> None:
+        """What other hosts forgot: removed here too (the folder, what is pending, what the bucket still names of
+        it from before then: an upload that crossed the forget)."""
+        for consumer, at in (await threads.run(self.remote.tombstones)).items():
+            if self.forgotten_at.get(consumer, 0.0) >= at:
+                continue
+            gone = await threads.run(self.folder.forget, consumer, at)
+            for entry in gone:
+                self.pending.pop(entry.key, None)
+            removed = await threads.run(self.remote.forget, consumer, at)
+            self.forgotten_at[consumer] = at
+            if gone or removed:
+                log.info("store.forgotten", consumer=consumer, at=at, folder=len(gone), bucket=len(removed))
 
     # -- bringing an entry here ------------------------------------------------------------------------------
 
@@ -309,11 +364,24 @@ class TieredStore:
         now = time.monotonic()
         if not force and self.looked_at is not None and now - self.looked_at < self.refresh_s:
             return
+        if not self.key_checked:  # nothing goes up or comes down before the bucket's key is known to be this one
+            try:
+                await threads.run(self.remote.check_key)
+            except WrongKey as exc:
+                log.error("store.wrong_key", store=self.remote.describe(), error=str(exc),
+                          hint="store.encrypt names another key than the one this bucket folder was sealed with")
+                raise BucketError(f"store.encrypt: another key sealed this bucket folder ({exc})") from exc
+            self.key_checked = True
         await threads.run(self.remote.refresh)
+        await self._follow_tombstones()
         self.looked_at = time.monotonic()
         self._up()
         if not self._reconciled:  # what the folder holds and the bucket does not: committed before a stop
             self._reconciled = True
+            if self.remote.sealer is None and await threads.run(self.remote.sealed):
+                log.warning("store.sealed_elsewhere", store=self.remote.describe(),
+                            hint="this bucket folder's entries are sealed (store.encrypt) and this wrapper has no "
+                                 "key: it cannot use them, and what it uploads is not sealed; set store.encrypt")
             for entry in self.folder.entries():
                 if entry.key not in self.remote.index and entry.key not in self.pending and entry.by_content \
                         and not self.remote.holds_longer(entry):  # another host went on with it: not sent again
@@ -356,6 +424,8 @@ class TieredStore:
             if key in self.remote.index:  # the bucket holds it: its shorter states there are of no more use
                 with contextlib.suppress(BucketError):
                     await threads.run(self.remote.forget_shorter, entry)
+        if done:
+            await self._hold_bucket_shares()
         return done
 
     async def flush(self, budget_s: float) -> dict[str, Any]:
@@ -410,6 +480,7 @@ class TieredStore:
             "local": {"dir": str(self.folder.directory), "entries": len(here), "bytes": self.folder.used_bytes(),
                       "written_last_hour": counters.last_hour(1)},
             "store": {"url": self.remote.describe(), "endpoint": self.remote.bucket.endpoint, "state": self.state,
+                      "sealed": self.remote.sealer is not None,
                       "error": self.error, "entries": len(index),
                       "bytes": sum(int(k.record.get("bytes") or 0) for k in index),
                       "pending": len(self.pending), "uploads": counters.uploads, "uploaded_bytes": counters.uploaded,

@@ -1,8 +1,9 @@
 """Each consumer's conversations are its own, against the real llama-server and the real S3 server (SeaweedFS), on
-the README's config (`examples/chat.yaml` as it is) with `consumers:` added: two people and an agent, each with its
-key, and a public system prompt. A consumer sending another's exact conversation reuses nothing past that prompt —
-from a slot, the folder or the bucket — and its first token comes no sooner than a fresh prompt's (the table the
-test prints); the owner's own next turn is still served from each tier."""
+the configs users copy (`examples/team.yaml` as it is, or `examples/chat.yaml` with `consumers:` added): two people
+and an agent, each with its key, and a public system prompt. A consumer sending another's exact conversation reuses
+nothing past that prompt — from a slot, the folder or the bucket — and its first token comes no sooner than a fresh
+prompt's (the table the test prints); the owner's own next turn is still served from each tier. Shares hold under an
+agent's flood; a forgotten consumer leaves nothing on any host; a sealed bucket is of no use without its key."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import Wrapper, chat_yaml, http, running, wait_for
+from tests.helpers import ROOT, Wrapper, chat_yaml, http, running, wait_for
 from tests.s3server import S3Server
 
-SYSTEM = "You are the help desk of the Northern Lighthouse Board. Answer briefly and politely."
+SYSTEM = "You are the team assistant. Answer briefly."  # examples/team.yaml's shared_prefix
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567", "agent": "sk-agent-89ab"}
 CONSUMERS = f"""
 consumers:
@@ -22,6 +23,17 @@ consumers:
   shared_prefix:
     messages: [{{role: system, content: "{SYSTEM}"}}]
 """
+
+
+def team_yaml(tmp_path: Path, more: str = "") -> str:
+    """examples/team.yaml as it is, but for its folder and the keys (its ci-agent's is the agent's here)."""
+    text = (ROOT / "examples" / "team.yaml").read_text()
+    assert f'content: "{SYSTEM}"' in text
+    for placeholder, who in (("change-me-alice-key", "alice"), ("change-me-bob-key", "bob"),
+                             ("change-me-agent-key", "agent")):
+        assert placeholder in text
+        text = text.replace(placeholder, KEYS[who])
+    return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots")) + more
 STORE = "store: {{url: {url}, refresh: 1s, timeout: 3s}}\n"
 FILLER = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
 
@@ -59,8 +71,7 @@ def test_no_consumer_is_served_from_anothers_conversation_on_any_tier(
     in_slot, in_folder, in_bucket = (conversation(f"Alice's question about the ledger of {year}")
                                      for year in (1907, 1908, 1909))
     rows: list[tuple[str, str, dict[str, Any]]] = []
-    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "a", CONSUMERS + store),
-                 env=s3.env()) as a:
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path / "a", store), env=s3.env()) as a:
         assert consumers(a)["isolate"] is True
         for each in (in_bucket, in_folder, in_slot):
             ask(a.url, "alice", each)
@@ -86,8 +97,7 @@ def test_no_consumer_is_served_from_anothers_conversation_on_any_tier(
         assert not any(key in text for key in KEYS.values()), "a key is never shown"
         wait_for(lambda: a.status()["slots"]["tiers"]["store"]["pending"] == 0, 60, "a's uploads")
     # the bucket tier: another host on the same bucket, its folder empty
-    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "b", CONSUMERS + store),
-                 env=s3.env()) as b:
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path / "b", store), env=s3.env()) as b:
         wait_for(lambda: b.status()["slots"]["tiers"]["store"]["entries"] >= 3, 20, "b to see the bucket")
         rows.append(("bucket", "bob sends alice's", ask(b.url, "bob", in_bucket)))
         rows.append(("bucket", "alice goes on", ask(b.url, "alice", in_bucket)))
@@ -113,3 +123,178 @@ def test_without_isolation_the_same_request_is_served_from_anothers_slot(
         ask(wrapper.url, "alice", secret)
         copied = ask(wrapper.url, "bob", secret)
         assert copied["cache_n"] > 0.9 * (copied["cache_n"] + copied["prompt_n"])
+
+
+def delete(url: str, headers: dict[str, str], query: str = "") -> tuple[int, dict[str, Any]]:
+    status, _, raw = http("DELETE", f"{url}/wrapper/conversations{query}", headers=headers, timeout=120)
+    return status, json.loads(raw)
+
+
+def kept_of(folder: Path, consumer: str) -> tuple[set[str], set[str]]:
+    """The entries (keys) a slot folder keeps for that consumer, and the chunks they name."""
+    keys, chunks = set(), set()
+    for sidecar in folder.rglob("conv-*.json"):
+        record = json.loads(sidecar.read_text())
+        if record.get("consumer") == consumer:
+            keys.add(record["key"])
+            chunks.update(record.get("chunks", {}).get("names", []))
+    return keys, chunks
+
+
+def chunks_on_disk(folder: Path) -> set[str]:
+    return {p.name[:-3] for p in folder.rglob("chunks/*.kv")}
+
+
+def test_a_consumer_forgets_everything_kept_for_it_on_every_host(
+        tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
+    store = STORE.format(url=s3.store("consumers"))
+    token = "forget-admin-token"
+    mine, other, bobs = (conversation(f"Alice's question about the ledger of {y}") for y in (1910, 1911, 1912))
+    env = {**s3.env(), "LLAMA_WRAPPER_ADMIN_TOKEN": token}
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "a", CONSUMERS + store), env=env) as a, \
+            running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "b", CONSUMERS + store), env=env) as b:
+        ask(a.url, "alice", mine)
+        ask(a.url, "bob", bobs)
+        ask(a.url, "alice", other)  # takes bob's slot (the shortest, least recent one): bob's leaves into the folder
+        for n in (1, 2):  # both slots taken by longer ones: alice's two conversations into the folder
+            ask(a.url, "agent", conversation(f"The agent's task {n}", size=45))
+        wait_for(lambda: a.status()["slots"]["tiers"]["store"]["pending"] == 0, 60, "a's uploads")
+        wait_for(lambda: b.status()["slots"]["tiers"]["store"]["entries"] >= 3, 20, "b to see the bucket")
+        assert ask(b.url, "alice", mine)["cache_n"] > 700  # fetched into b's folder, and now in b's slot
+        keys, chunks = kept_of(tmp_path / "a" / "slots", "alice")
+        assert keys and chunks and chunks <= chunks_on_disk(tmp_path / "a" / "slots")
+        bobs_keys, bobs_chunks = kept_of(tmp_path / "a" / "slots", "bob")
+        assert bobs_keys
+
+        assert delete(a.url, {})[0] == 401  # no key: nobody to forget
+        assert delete(a.url, {"Authorization": f"Bearer {KEYS['bob']}"}, "?consumer=alice")[0] == 401  # not admin
+        status, answer = delete(a.url, {"Authorization": f"Bearer {KEYS['alice']}"})
+        assert status == 200, answer
+        assert answer["consumer"] == "alice" and answer["folder"]["entries"] >= 2, answer
+        assert answer["bucket"]["entries"] >= 2, answer
+        print(f"\nforget: {answer}")
+
+        # nothing of alice's is left on a, in the bucket, or (after its next look) on b
+        assert not kept_of(tmp_path / "a" / "slots", "alice")[0]
+        assert not chunks & chunks_on_disk(tmp_path / "a" / "slots")
+        assert bobs_chunks <= chunks_on_disk(tmp_path / "a" / "slots")  # another consumer's are untouched
+        listed = s3._client().list_objects_v2(Bucket=s3.bucket, Prefix="consumers/").get("Contents", [])
+        names = {o["Key"].rsplit("/", 1)[-1] for o in listed}
+        assert not any(f"conv-{key}.json" in names for key in keys)
+        assert not {f"{c}.kv" for c in chunks} & names
+        wait_for(lambda: not kept_of(tmp_path / "b" / "slots", "alice")[0], 30, "b to forget alice's entries")
+        wait_for(lambda: b.events("consumers.slots_cleared"), 30, "b to clear alice's slot")
+        assert not chunks & chunks_on_disk(tmp_path / "b" / "slots")
+        # her next turn on either host reads her prompt again; bob's is still kept
+        public = consumers(a)["shared_prefix_tokens"]
+        for host in (a, b):
+            assert ask(host.url, "alice", mine)["cache_n"] <= public
+        assert ask(a.url, "bob", bobs)["cache_n"] > 700
+        assert kept_of(tmp_path / "a" / "slots", "bob")[0]
+
+        # the admin forgets a named consumer for it
+        status, answer = delete(a.url, {"Authorization": f"Bearer {token}"}, "?consumer=bob")
+        assert status == 200 and answer["consumer"] == "bob", answer
+        assert delete(a.url, {"Authorization": f"Bearer {token}"}, "?consumer=carol")[0] == 404
+        assert not kept_of(tmp_path / "a" / "slots", "bob")[0]
+
+
+def test_the_peoples_shares_hold_under_an_agents_flood(
+        tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
+    """Two people keep two conversations each; an agent floods the cache with eight. Its shares bound it (its
+    oldest go, in the folder and the bucket); the people's stay whole, and come back from the folder."""
+    mib = 1 << 20
+    shares = f"""  shares:
+    agent: {{folder: {40 * mib}, bucket: {60 * mib}}}
+    alice: {{folder: {50 * mib}}}
+    bob: {{folder: {50 * mib}}}
+store: {{url: {s3.store("shares")}, refresh: 1s, timeout: 3s, budget: {150 * mib}}}
+"""
+    people = {(who, n): conversation(f"{who.title()}'s question number {n}")
+              for who in ("alice", "bob") for n in (1, 2)}
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path, CONSUMERS + shares), env=s3.env()) as w:
+        for (who, _), messages in people.items():
+            ask(w.url, who, messages)
+        for n in range(8):
+            ask(w.url, "agent", conversation(f"The agent's task number {n}"))
+        wait_for(lambda: w.status()["slots"]["tiers"]["store"]["pending"] == 0, 60, "the uploads")
+        wait_for(lambda: consumers(w)["by_name"]["agent"]["bucket_bytes"] <= 60 * mib, 30, "the agent's bucket share")
+        by_name = consumers(w)["by_name"]
+        print(f"\nshares: { {n: {k: v for k, v in c.items() if k != 'share'} for n, c in by_name.items()} }")
+        assert by_name["agent"]["folder_bytes"] <= 40 * mib and by_name["agent"]["evictions"].get("folder", 0) >= 3
+        assert by_name["agent"]["evictions"].get("bucket", 0) >= 1
+        for who in ("alice", "bob"):
+            assert by_name[who]["entries"] == 2 and not by_name[who]["evictions"], by_name[who]
+        for (who, _), messages in people.items():  # every person's conversation is still kept
+            reused = ask(w.url, who, messages)
+            assert reused["cache_n"] >= 0.9 * (reused["cache_n"] + reused["prompt_n"]), (who, reused)
+        assert w.status()["slots"]["conversations"]["consumers"]["by_name"]["agent"]["share"] == {
+            "folder": "40.0 MiB", "bucket": "60.0 MiB"}
+
+
+def test_a_sealed_bucket_is_of_no_use_to_a_host_without_the_key(
+        tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
+    """store.encrypt: alice's conversation goes to the bucket sealed; a host with the key goes on with it, one
+    without it prefills (nothing in the bucket reads as a state or its tokens), one with another key does not
+    start, saying why."""
+    key, other = tmp_path / "key", tmp_path / "other-key"
+    key.write_text("the-team-key-0123456789abcdef\n")
+    other.write_text("not-the-team-key-0123456789\n")
+    sealed = STORE.format(url=s3.store("sealed")).replace("timeout: 3s}", f"timeout: 3s, encrypt: {key}}}")
+    plain = STORE.format(url=s3.store("sealed"))
+    mine = conversation("Alice's question about the ledger of 1913")
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "a", CONSUMERS + sealed),
+                 env=s3.env()) as a:
+        ask(a.url, "alice", mine)
+        for n in (1, 2):
+            ask(a.url, "agent", conversation(f"The agent's task {n}", size=45))
+        wait_for(lambda: a.status()["slots"]["tiers"]["store"]["pending"] == 0, 60, "a's uploads")
+        assert a.status()["slots"]["tiers"]["store"]["sealed"] is True
+    stored = s3._client().list_objects_v2(Bucket=s3.bucket, Prefix="sealed/").get("Contents", [])
+    bodies = [s3._client().get_object(Bucket=s3.bucket, Key=o["Key"])["Body"].read() for o in stored]
+    assert bodies and not any(b'"token_ids"' in body for body in bodies)
+    assert all(body.startswith(b"LWSEAL1\0") for o, body in zip(stored, bodies, strict=True)
+               if o["Key"].endswith((".kv", ".bin")))
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "b", CONSUMERS + plain),
+                 env=s3.env()) as b:
+        wait_for(lambda: b.status()["slots"]["tiers"]["store"]["state"] == "up", 20, "b to list the bucket")
+        assert b.status()["slots"]["tiers"]["store"]["entries"] == 0  # sealed: nothing it can read
+        assert ask(b.url, "alice", mine)["cache_n"] <= consumers(b)["shared_prefix_tokens"]
+        assert not b.events("store.fetched")
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "c", CONSUMERS + sealed),
+                 env=s3.env()) as c:
+        wait_for(lambda: c.status()["slots"]["tiers"]["store"]["entries"] >= 1, 20, "c to list the bucket")
+        again = ask(c.url, "alice", mine)
+        assert again["cache_n"] >= 0.9 * (again["cache_n"] + again["prompt_n"]) and c.events("store.fetched")
+    wrong = Wrapper(tmp_path, argv(server_bin, demo_path),
+                    chat_yaml(tmp_path / "d", CONSUMERS + sealed.replace(str(key), str(other))), env=s3.env())
+    code = wrong.wait(60)
+    said = wrong.log_path.read_text()
+    assert code != 0 and "is not the key" in said and "the-team-key" not in said, said[-2000:]
+
+
+def test_a_request_the_server_places_itself_reuses_nothing_of_anothers(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """Messages and Responses requests go to a slot llama-server chooses (by the longest common prefix): under
+    isolation every free slot holding another consumer's conversation is kept and cut down to the public beginning
+    before they go. Bob sends alice's conversation as Messages, the agent as Responses: neither reuses it."""
+    secret = conversation("Alice's question about the ledger of 1914")
+    system, user = secret[0]["content"], secret[1]["content"]
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path)) as wrapper:
+        ask(wrapper.url, "alice", secret)
+        public = consumers(wrapper)["shared_prefix_tokens"]
+        status, _, raw = http("POST", f"{wrapper.url}/v1/messages", {
+            "model": "demo", "max_tokens": 1, "system": system, "messages": [{"role": "user", "content": user}]},
+            timeout=600, headers={"Authorization": f"Bearer {KEYS['bob']}"})
+        assert status == 200, raw[:300]
+        usage = json.loads(raw)["usage"]
+        assert usage["cache_read_input_tokens"] <= public < usage["input_tokens"], usage
+        assert wrapper.events("consumers.cut")
+        again = ask(wrapper.url, "alice", secret)  # hers was kept before the cut: restored
+        assert again["cache_n"] >= 0.9 * (again["cache_n"] + again["prompt_n"]), again
+        status, _, raw = http("POST", f"{wrapper.url}/v1/responses", {
+            "model": "demo", "max_output_tokens": 1, "instructions": system, "input": user},
+            timeout=600, headers={"Authorization": f"Bearer {KEYS['agent']}"})
+        assert status == 200, raw[:300]
+        usage = json.loads(raw)["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] <= public, usage

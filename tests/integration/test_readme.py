@@ -288,3 +288,18 @@ def test_the_sleep_try_as_written(tmp_path: Path, demo_path: str) -> None:
         assert counts.startswith("1 1 "), done.stdout
     finally:
         assert demo.stop(), demo.path.read_text()[-3000:]
+
+
+def test_the_each_consumers_own_try_as_written(tmp_path: Path, demo_path: str) -> None:
+    env, port = _try_env(tmp_path, demo_path), free_port()
+    demo = _Try("demo", env, port, tmp_path / "demo.log", "CONFIG=examples/team.yaml")
+    try:
+        demo.wait_ready(port)
+        done = _sh(_block("change-me-$who-key"), env, port)
+        assert done.returncode == 0, done.stderr
+        alice, bob, again, forgot = done.stdout.splitlines()
+        assert (int(alice), int(bob)) == (0, 0) and int(again) > 20, done.stdout
+        answer = json.loads(forgot)
+        assert answer["consumer"] == "alice" and answer["slots"], answer
+    finally:
+        assert demo.stop(), demo.path.read_text()[-3000:]

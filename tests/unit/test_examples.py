@@ -47,7 +47,8 @@ def _wrapper_argv(cmd: str) -> tuple[list[str], list[str]]:
     return words[:cut], words[cut + 1:]
 
 
-@pytest.mark.parametrize("name", ["chat.yaml", "gemma-27b.yaml", "hooks.yaml", "media.yaml", "spec.yaml", "store.yaml"])
+@pytest.mark.parametrize("name", ["chat.yaml", "gemma-27b.yaml", "hooks.yaml", "media.yaml", "spec.yaml", "store.yaml",
+                                  "team.yaml"])
 def test_each_wrapper_config_passes_check_without_a_warning(name: str, tmp_path: Path) -> None:
     done = _cli("check", str(EXAMPLES / name), home=tmp_path)
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
@@ -89,6 +90,7 @@ def test_the_readme_shows_the_examples_as_they_are() -> None:
         (EXAMPLES / "llama-swap-27b.yaml").read_text())
     assert _readme_block("# examples/gemma-27b.yaml") == yaml.safe_load((EXAMPLES / "gemma-27b.yaml").read_text())
     assert _readme_block("# examples/store.yaml") == yaml.safe_load((EXAMPLES / "store.yaml").read_text())
+    assert _readme_block("# A model a team shares") == yaml.safe_load((EXAMPLES / "team.yaml").read_text())
     quick = _readme_block("# llama-swap's config.yaml")  # the quick start's: the same budgets as the example's
     example = yaml.safe_load((EXAMPLES / "llama-swap.yaml").read_text())
     assert quick["healthCheckTimeout"] == example["healthCheckTimeout"]

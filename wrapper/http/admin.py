@@ -11,6 +11,8 @@ from aiohttp import web
 from wrapper import built_ins
 from wrapper.answers.passes import RETRY_AFTER_S
 from wrapper.answers.proxy import json_error
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS, consumer_of
 from wrapper.configuration.reload_plan import ReloadRefused
 from wrapper.configuration.sections import SLEEP
 from wrapper.configuration.units import parse_duration
@@ -102,12 +104,40 @@ async def wake(request: web.Request) -> web.Response:
                       {"Retry-After": RETRY_AFTER_S})
 
 
+async def _deleted(request: web.Request, declared: built_ins.Route) -> web.Response:
+    """A built-in's DELETE (the conversations one consumer kept): asked with that consumer's own key, or with the
+    admin token for the consumer `?consumer=NAME` names."""
+    serving = request.app[SERVING]
+    settings = CONSUMERS.of(serving.current.config)
+    if not consumers.on(settings):
+        return json_error(409, "no consumers are configured: name them with consumers.keys (docs/consumers.md)",
+                          "conflict")
+    named = request.query.get("consumer")
+    if named is not None:
+        if (refusal := not_admin(request)) is not None:
+            return refusal
+        consumer = named
+    else:
+        consumer = consumer_of(request.headers, settings) or ANONYMOUS
+        if consumer == ANONYMOUS:
+            return json_error(401, "send a consumer's own key (Authorization: Bearer KEY), or the admin token with "
+                              "?consumer=NAME", "authentication_error")
+    if declared not in built_ins.routes(serving.current):
+        return json_error(409, f"{declared.path} is off: {declared.off}", "conflict")
+    if serving.lifecycle.state not in (State.READY, State.ASLEEP):
+        return json_error(409, f"llama-wrapper is {serving.lifecycle.state}: ask again once it is ready", "conflict")
+    status_code, answer = await declared.handler(request.app[LIFE], {"consumer": consumer})
+    return web.json_response(answer, status=status_code)
+
+
 async def builtin_route(request: web.Request) -> web.Response:
     """An endpoint a built-in declares (GET /wrapper/memory, POST /wrapper/budget)."""
     serving = request.app[SERVING]
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
     declared = next((r for r in built_ins.all_routes() if r.path == route and r.method == request.method), None)
     assert declared is not None
+    if request.method == "DELETE":
+        return await _deleted(request, declared)
     refusal = not_admin(request) if request.method == "POST" else unauthorized(request)
     if refusal is not None:
         return refusal

@@ -13,6 +13,7 @@ from hooks.conversations.policy import (
     decide,
     dropped,
     placed_in,
+    within_slot_shares,
 )
 from hooks.conversations.rates import Rates
 
@@ -125,6 +126,19 @@ def test_another_consumers_slot_gives_only_the_public_beginning() -> None:
     assert choose_slot([0, 1], {0: theirs}, theirs, {}, 256) == 0  # one pool: the longest prefix
     assert choose_slot([0, 1], {0: theirs}, theirs, {}, 256, reach={0: 20}) == 1
     assert choose_slot([0], {0: theirs}, theirs, {}, 256, reach={0: 20}) == 0  # the only one: it is cut first
+    short = list(range(30))  # a short question of another's: its public 20 tokens are more than half of it
+    assert choose_slot([0, 1], {0: short}, [*short[:20], 7, 8], {}, 256, reach={0: 20}) == 1
+    assert choose_slot([0, 1], {0: theirs}, theirs, {}, 256, reach={0: 300}) == 0  # a long public beginning
+
+
+def test_a_consumer_at_its_slot_share_takes_its_own_and_one_within_its_share_keeps_its_slot() -> None:
+    owners = {0: "agent", 1: "alice", 2: None}
+    shares = {"agent": 1, "alice": 1}
+    assert within_slot_shares([0, 1, 2], owners, "agent", shares) == ([0], set())  # its one slot is free: that one
+    assert within_slot_shares([1, 2], owners, "agent", shares) == ([1, 2], {1})  # busy: alice's is taken last
+    assert within_slot_shares([0, 1, 2], owners, "bob", {}) == ([0, 1, 2], set())
+    held = {0: list(range(10)), 1: list(range(5))}
+    assert choose_slot([0, 1], held, [7] * 400, {}, 256, last={1}) == 0  # the longer one, alice's kept
 
 
 @pytest.mark.parametrize(("processing", "known", "seen"), [

@@ -12,7 +12,7 @@ import pytest
 
 from hooks.store import layout
 from hooks.store.folder import DirectoryStore, part_name
-from hooks.store.interface import common_prefix
+from hooks.store.interface import Shares, common_prefix, held_within
 from tests.slotfiles import make_pair, slot_bytes
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
@@ -156,3 +156,29 @@ def test_what_no_reader_may_use_is_left_alone_or_swept(tmp_path: Path) -> None:
     assert [e.tokens for e in store.entries()] == [[1, 2, 3]]
     assert sorted(store.sweep()) == sorted([dead.name, orphan.name])
     assert [e.tokens for e in store.entries()] == [[1, 2, 3]]
+
+
+def test_a_consumer_over_its_share_loses_its_own_oldest_and_one_within_keeps_what_it_has(tmp_path: Path) -> None:
+    """consumers.shares: the agent's share holds two entries; the people have none of their own beyond the budget,
+    and the one with a share is taken last."""
+    store = DirectoryStore(tmp_path)
+    ages = iter(range(100))
+
+    def keep(consumer: str, n: int) -> str:
+        tokens = [1000 * n + i for i in range(5)]
+        entry = store.commit(written(store, tokens), tokens, {**RECORD, "consumer": consumer})
+        when = time.time() - 200 + next(ages)
+        os.utime(tmp_path / f"conv-{entry.key}.json", (when, when))
+        return entry.key
+
+    alice = [keep("alice", n) for n in range(2)]  # the oldest of all
+    bob = [keep("bob", n) for n in range(2, 4)]
+    agent = [keep("agent", n) for n in range(4, 10)]  # the flood
+    size = DirectoryStore(tmp_path).entries()[0].bytes
+    shares = Shares(folder={"agent": 2 * size, "alice": 2 * size})
+    gone = {e.key for e in store.evict(100 * size, shares=shares)}  # the budget is far: the agent's share alone
+    assert gone == set(agent[:4])
+    gone = {e.key for e in store.evict(5 * size, shares=shares)}  # now the budget: bob (no share) before alice
+    assert gone == {bob[0]}
+    assert {e.key for e in store.entries()} == {*alice, bob[1], *agent[4:]}
+    assert held_within(store.entries(), {"alice": size}, {alice[0]}) == [store.get(alice[1])]

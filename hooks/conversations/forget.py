@@ -1,0 +1,106 @@
+"""Forget a consumer (`DELETE /wrapper/conversations`): its slots cleared, its entries gone from the folder and the
+bucket with the chunks no other entry names, and a tombstone on the bucket so that every other host does the same
+— also with the slots there that hold its conversations (`follow`, from the conversation cache's idle loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import structlog
+
+from hooks.conversations.state import Conversations, enabled, state
+from hooks.slots.book import book_of
+from hooks.slots.stores import store_of
+from hooks.store.bucket import BucketError
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS
+from wrapper.server.generation import Generation, Host
+from wrapper.server.llama import LlamaError
+
+log = structlog.get_logger()
+
+IN_FLIGHT_WAIT_S = 30.0  # a request of that consumer's still running: its slot is cleared once it ends, this long
+
+
+async def forget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The route's handler: `body["consumer"]`, the name the endpoint resolved from the key (or the admin's ask)."""
+    generation = host.current
+    consumer = str(body.get("consumer") or "")
+    settings = CONSUMERS.of(generation.config)
+    if consumer not in (*consumers.named(settings), ANONYMOUS):
+        return 404, {"error": {"code": 404, "message": f"no consumer named {consumer!r}", "type": "not_found_error"}}
+    store = store_of(generation)
+    if not enabled(generation) or store is None:
+        return 409, {"error": {"code": 409, "message": "the conversation cache is off: nothing is kept",
+                               "type": "conflict"}}
+    began = time.monotonic()
+    cleared, in_flight = await clear_slots(generation, state(generation), consumer, time.time())
+    answer: dict[str, Any] = {"consumer": consumer, "slots": cleared, "in_flight": in_flight}
+    try:
+        answer.update(await store.forget_consumer(consumer))
+        state(generation).forgotten[consumer] = store.forgotten().get(consumer, time.time())  # cleared above
+    except (BucketError, OSError) as exc:
+        log.warning("consumers.forget_incomplete", consumer=consumer, error=str(exc))
+        answer["error"] = f"the bucket could not be told ({exc}): ask again once it answers"
+        return 503, answer
+    answer["s"] = round(time.monotonic() - began, 3)
+    log.info("consumers.forgotten", **answer)
+    return 200, answer
+
+
+async def clear_slots(generation: Generation, conv: Conversations, consumer: str, before: float) -> tuple[
+        list[int], list[int]]:
+    """Erase every slot holding that consumer's conversation (or one nobody can say whose it is), last used before
+    `before` (the wall time of the forget), once no request of ours runs there (IN_FLIGHT_WAIT_S at most); the
+    slots cleared, and those still in flight."""
+    if not generation.alive:
+        return [], []  # asleep: what its slots held is in the store, forgotten there
+    book = book_of(generation)
+    since = before - time.time() + time.monotonic()  # in the clock of `last_used`
+
+    def theirs(slot: int) -> bool:
+        owner = book.owner_of(slot)
+        return not book.empty(slot) and (owner == consumer or owner is None) and \
+            conv.last_used.get(slot, 0.0) <= since
+
+    deadline = time.monotonic() + IN_FLIGHT_WAIT_S
+    while any(theirs(s) for s in conv.busy) and time.monotonic() < deadline:
+        conv.freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(conv.freed.wait(), timeout=1.0)
+    cleared = []
+    for slot in range(book.total):
+        if slot in conv.busy or not theirs(slot):
+            continue
+        conv.busy.add(slot)
+        try:
+            await generation.client.slot_action(slot, "erase")
+        except LlamaError as exc:
+            log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
+            continue
+        finally:
+            conv.busy.discard(slot)
+            conv.freed.set()
+        book.cut(slot, [], "")
+        conv.kept_as.pop(slot, None)
+        cleared.append(slot)
+    return cleared, [s for s in conv.busy if theirs(s)]
+
+
+async def follow(generation: Generation) -> None:
+    """Another host forgot a consumer (its tombstone read at the store's last look): the slots here that hold its
+    conversations from before then are cleared too."""
+    store = store_of(generation)
+    if store is None:
+        return
+    conv = state(generation)
+    for consumer, at in store.forgotten().items():
+        if conv.forgotten.get(consumer, 0.0) >= at:
+            continue
+        conv.forgotten[consumer] = at
+        cleared, _ = await clear_slots(generation, conv, consumer, at)
+        if cleared:
+            log.info("consumers.slots_cleared", consumer=consumer, slots=cleared)
