@@ -35,7 +35,7 @@ from hooks.speculative import settings as spec_settings
 from hooks.speculative import track as spec_track
 from hooks.speculative.settings import SPEC
 from hooks.store.checked import checked as store_checked
-from hooks.store.settings import STORE
+from hooks.store.settings import STORE, store_warnings
 from wrapper import paths
 from wrapper.configuration.config import Config
 from wrapper.configuration.settings import Section
@@ -155,6 +155,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         reload_report=slot_actions.restore_report, background=slot_actions.background, metrics=slot_actions.metrics,
         held=slot_actions.held,
         checked=lambda config, probe: {"store": found} if (found := store_checked(config, probe)) else None,
+        warnings=store_warnings,
         families=("llama_wrapper_slot_", "llama_wrapper_reused_tokens", "llama_wrapper_store_"),
         families_off=lambda config: () if STORE.of(config).url else ("llama_wrapper_store_",),
     ),

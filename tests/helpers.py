@@ -100,6 +100,7 @@ class Wrapper:
             config_path.write_text(config)
             argv += ["--config", str(config_path)]
         argv += ["--", *server_argv]
+        self.env = env or {}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait()
         self.process = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
@@ -131,7 +132,10 @@ class Wrapper:
         wait_for(ready, timeout, "the wrapper's /health to say 200")
 
     def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads(http("GET", f"{self.url}/wrapper/status")[2])
+        """The status (with the admin token its environment gives: under consumers.isolate it is the admin's)."""
+        token = self.env.get("LLAMA_WRAPPER_ADMIN_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        result: dict[str, Any] = json.loads(http("GET", f"{self.url}/wrapper/status", headers=headers)[2])
         return result
 
     def signal_group(self, sig: signal.Signals = signal.SIGTERM) -> None:

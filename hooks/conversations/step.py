@@ -453,7 +453,8 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     for each in evicted:
         METRICS.evicted(each.consumer, "folder")
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
-             written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted])
+             written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted],
+             **({"consumer": entry.consumer} if entry.consumer is not None else {}))
     return entry
 
 
@@ -517,7 +518,8 @@ async def _bring_back(generation: Generation, conv: Conversations, store: Store,
     store.touch(done.entry)
     conv.hit(done.entry.key, consumer=asker.consumer)
     log.info("conversations.restored", slot=slot, entry=done.entry.key, tokens=done.n_restored,
-             bytes=done.entry.bytes, ms=done.total_ms)
+             bytes=done.entry.bytes, ms=done.total_ms,
+             **({"consumer": done.entry.consumer} if done.entry.consumer is not None else {}))
 
 
 def _round(seconds: float | None) -> float | None:

@@ -12,7 +12,18 @@ from pathlib import Path
 import yaml
 
 from hooks.store.bucket import Bucket, check_endpoint, parse_url
-from wrapper.configuration.settings import COUNT, DURATION, PATH, POSITIVE_DURATION, SIZE, Kind, Section, setting
+from hooks.store.sealing import read_secret
+from wrapper.configuration.settings import (
+    COUNT,
+    DURATION,
+    PATH,
+    POSITIVE_DURATION,
+    SIZE,
+    HasSettings,
+    Kind,
+    Section,
+    setting,
+)
 from wrapper.configuration.yamlread import Reader
 
 
@@ -90,3 +101,19 @@ def bucket_for(settings: StoreSettings) -> Bucket:
     assert settings.url
     return Bucket(settings.url, endpoint=settings.endpoint, region=settings.region,
                   access_key=settings.access_key, secret_key=settings.secret_key, timeout_s=settings.timeout)
+
+
+def store_warnings(config: HasSettings) -> list[str]:
+    """What `check` and a start say of `store.encrypt`: a key file that cannot be read (the start then fails), a key
+    with no object store to seal for."""
+    settings = STORE.of(config)
+    if settings.encrypt is None:
+        return []
+    if not settings.url:
+        return ["store.encrypt: there is no store.url: nothing goes to an object store, so nothing is sealed (the "
+                "slot folder never is)"]
+    try:
+        read_secret(settings.encrypt)
+    except ValueError as exc:
+        return [f"{exc} (a start fails until it does)"]
+    return []

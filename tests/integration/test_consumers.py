@@ -35,6 +35,12 @@ def team_yaml(tmp_path: Path, more: str = "") -> str:
         text = text.replace(placeholder, KEYS[who])
     return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots")) + more
 STORE = "store: {{url: {url}, refresh: 1s, timeout: 3s}}\n"
+TOKEN = "consumers-admin-token"  # under isolation the status and /metrics are the admin's
+ADMIN = {"LLAMA_WRAPPER_ADMIN_TOKEN": TOKEN}
+
+
+def env_of(s3: S3Server) -> dict[str, str]:
+    return {**s3.env(), **ADMIN}
 FILLER = "The keeper of the northern lighthouse wrote the name of every ship that passed into a ledger. "
 
 
@@ -71,7 +77,7 @@ def test_no_consumer_is_served_from_anothers_conversation_on_any_tier(
     in_slot, in_folder, in_bucket = (conversation(f"Alice's question about the ledger of {year}")
                                      for year in (1907, 1908, 1909))
     rows: list[tuple[str, str, dict[str, Any]]] = []
-    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path / "a", store), env=s3.env()) as a:
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path / "a", store), env=env_of(s3)) as a:
         assert consumers(a)["isolate"] is True
         for each in (in_bucket, in_folder, in_slot):
             ask(a.url, "alice", each)
@@ -95,9 +101,14 @@ def test_no_consumer_is_served_from_anothers_conversation_on_any_tier(
         assert by_name["alice"]["entries"] >= 1 and by_name["alice"]["folder_bytes"] > 0, by_name
         text = json.dumps(a.status()) + a.log_path.read_text()
         assert not any(key in text for key in KEYS.values()), "a key is never shown"
+        for path in ("/wrapper/status", "/metrics", "/slots"):  # what tells each one's activity is the admin's
+            status, _, raw = http("GET", a.url + path, headers={"Authorization": f"Bearer {KEYS['bob']}"})
+            assert status == 401 and b"under consumers.isolate" in raw, (path, raw[:200])
+        status, _, raw = http("GET", f"{a.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and b'llama_wrapper_consumer_lookups_total{consumer="alice",result="hit"}' in raw
         wait_for(lambda: a.status()["slots"]["tiers"]["store"]["pending"] == 0, 60, "a's uploads")
     # the bucket tier: another host on the same bucket, its folder empty
-    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path / "b", store), env=s3.env()) as b:
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path / "b", store), env=env_of(s3)) as b:
         wait_for(lambda: b.status()["slots"]["tiers"]["store"]["entries"] >= 3, 20, "b to see the bucket")
         rows.append(("bucket", "bob sends alice's", ask(b.url, "bob", in_bucket)))
         rows.append(("bucket", "alice goes on", ask(b.url, "alice", in_bucket)))
@@ -148,9 +159,9 @@ def chunks_on_disk(folder: Path) -> set[str]:
 def test_a_consumer_forgets_everything_kept_for_it_on_every_host(
         tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
     store = STORE.format(url=s3.store("consumers"))
-    token = "forget-admin-token"
+    token = TOKEN
     mine, other, bobs = (conversation(f"Alice's question about the ledger of {y}") for y in (1910, 1911, 1912))
-    env = {**s3.env(), "LLAMA_WRAPPER_ADMIN_TOKEN": token}
+    env = {**s3.env(), **ADMIN}
     with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "a", CONSUMERS + store), env=env) as a, \
             running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "b", CONSUMERS + store), env=env) as b:
         ask(a.url, "alice", mine)
@@ -212,7 +223,7 @@ store: {{url: {s3.store("shares")}, refresh: 1s, timeout: 3s, budget: {150 * mib
 """
     people = {(who, n): conversation(f"{who.title()}'s question number {n}")
               for who in ("alice", "bob") for n in (1, 2)}
-    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path, CONSUMERS + shares), env=s3.env()) as w:
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path, CONSUMERS + shares), env=env_of(s3)) as w:
         for (who, _), messages in people.items():
             ask(w.url, who, messages)
         for n in range(8):
@@ -244,7 +255,7 @@ def test_a_sealed_bucket_is_of_no_use_to_a_host_without_the_key(
     plain = STORE.format(url=s3.store("sealed"))
     mine = conversation("Alice's question about the ledger of 1913")
     with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "a", CONSUMERS + sealed),
-                 env=s3.env()) as a:
+                 env=env_of(s3)) as a:
         ask(a.url, "alice", mine)
         for n in (1, 2):
             ask(a.url, "agent", conversation(f"The agent's task {n}", size=45))
@@ -256,18 +267,18 @@ def test_a_sealed_bucket_is_of_no_use_to_a_host_without_the_key(
     assert all(body.startswith(b"LWSEAL1\0") for o, body in zip(stored, bodies, strict=True)
                if o["Key"].endswith((".kv", ".bin")))
     with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "b", CONSUMERS + plain),
-                 env=s3.env()) as b:
+                 env=env_of(s3)) as b:
         wait_for(lambda: b.status()["slots"]["tiers"]["store"]["state"] == "up", 20, "b to list the bucket")
         assert b.status()["slots"]["tiers"]["store"]["entries"] == 0  # sealed: nothing it can read
         assert ask(b.url, "alice", mine)["cache_n"] <= consumers(b)["shared_prefix_tokens"]
         assert not b.events("store.fetched")
     with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "c", CONSUMERS + sealed),
-                 env=s3.env()) as c:
+                 env=env_of(s3)) as c:
         wait_for(lambda: c.status()["slots"]["tiers"]["store"]["entries"] >= 1, 20, "c to list the bucket")
         again = ask(c.url, "alice", mine)
         assert again["cache_n"] >= 0.9 * (again["cache_n"] + again["prompt_n"]) and c.events("store.fetched")
     wrong = Wrapper(tmp_path, argv(server_bin, demo_path),
-                    chat_yaml(tmp_path / "d", CONSUMERS + sealed.replace(str(key), str(other))), env=s3.env())
+                    chat_yaml(tmp_path / "d", CONSUMERS + sealed.replace(str(key), str(other))), env=env_of(s3))
     code = wrong.wait(60)
     said = wrong.log_path.read_text()
     assert code != 0 and "is not the key" in said and "the-team-key" not in said, said[-2000:]
@@ -280,7 +291,7 @@ def test_a_request_the_server_places_itself_reuses_nothing_of_anothers(
     before they go. Bob sends alice's conversation as Messages, the agent as Responses: neither reuses it."""
     secret = conversation("Alice's question about the ledger of 1914")
     system, user = secret[0]["content"], secret[1]["content"]
-    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path)) as wrapper:
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path), env=ADMIN) as wrapper:
         ask(wrapper.url, "alice", secret)
         public = consumers(wrapper)["shared_prefix_tokens"]
         status, _, raw = http("POST", f"{wrapper.url}/v1/messages", {

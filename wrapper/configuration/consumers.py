@@ -61,7 +61,7 @@ def _named_keys(r: Reader, node: yaml.Node, what: str) -> NamedKeys | None:
         r.error(node, f"{what} must be a mapping of consumer name -> its API keys, e.g. {{{example}}}")
         return None
     named: list[tuple[str, tuple[str, ...]]] = []
-    seen_keys: set[str] = set()
+    seen_keys: dict[str, str] = {}  # key -> the consumer it was given to
     ok = True
     for name_node, keys_node in node.value:
         name = _name(r, name_node, what)
@@ -84,10 +84,13 @@ def _named_keys(r: Reader, node: yaml.Node, what: str) -> NamedKeys | None:
                               "it")
                 ok = False
             elif item.value in seen_keys:
-                r.error(item, f"{what}.{name}: a key given to two consumers (its value is not shown)")
+                other = seen_keys[item.value]
+                r.error(item, f"{what}.{name}: " + ("this key is given twice" if other == name else
+                                                    f"this key is {other}'s too: one key, one consumer")
+                        + " (its value is not shown)")
                 ok = False
             else:
-                seen_keys.add(item.value)
+                seen_keys[item.value] = name
                 keys.append(str(item.value))
         if not keys and ok:
             r.error(keys_node, f"{what}.{name}: give at least one key, e.g. {example}")
@@ -118,8 +121,9 @@ def _shares(r: Reader, node: yaml.Node, what: str) -> Shares | None:
         for key, value_node in given.items():
             if key == "slots":
                 value = r.scalar(value_node, f"{what}.{name}.slots", (int,))
-                if isinstance(value, int) and value < 0:
-                    r.error(value_node, f"{what}.{name}.slots must be 0 or more")
+                if isinstance(value, int) and value < 1:
+                    r.error(value_node, f"{what}.{name}.slots must be 1 or more (the slots its conversations may "
+                                        "hold at once)")
                     value = None
             else:
                 value = r.converted(value_node, f"{what}.{name}.{key}", parse_size)
@@ -154,6 +158,11 @@ def _shared_prefix(r: Reader, node: yaml.Node, what: str) -> str | None:
         items = value.get(key)
         if items is not None and (not isinstance(items, list) or not all(isinstance(i, dict) for i in items)):
             r.error(given[key], f"{what}.{key} must be a list of mappings, as in a chat request's body")
+            return None
+    for i, message in enumerate(value.get("messages") or []):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str | list):
+            r.error(given["messages"], f"{what}.messages[{i}] must have a `role` and a `content`, as a chat request's "
+                                       "message: e.g. {role: system, content: \"You are ...\"}")
             return None
     return json.dumps(value, sort_keys=True)
 
@@ -236,5 +245,5 @@ def _presented(headers: Mapping[str, str]) -> str:
 def problems(settings: ConsumerSettings) -> list[str]:
     """What the keys and shares say of each other: a share for a consumer no key names."""
     known = {*named(settings), ANONYMOUS}
-    return [f"consumers.shares.{name}: no consumer of that name (consumers.keys names {', '.join(sorted(known))})"
-            for name, _ in settings.shares if name not in known]
+    return [f"consumers.shares.{name}: no consumer of that name in consumers.keys (a share is for a named consumer "
+            f"or {ANONYMOUS})" for name, _ in settings.shares if name not in known]

@@ -11,7 +11,9 @@ import structlog
 from aiohttp import web
 
 from wrapper.answers.proxy import json_error
+from wrapper.configuration import consumers
 from wrapper.configuration.auth import allowed, presented_bearer, presented_key
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.life.server_life import ServerLife
 from wrapper.life.supervisor import Supervisor
 from wrapper.serving import Serving
@@ -31,19 +33,30 @@ def unauthorized(request: web.Request) -> web.Response | None:
     return None
 
 
-def not_admin(request: web.Request) -> web.Response | None:
-    """POST /wrapper/* needs the admin token; without one configured, those endpoints are off."""
+def not_admin(request: web.Request, because: str = "") -> web.Response | None:
+    """POST /wrapper/* needs the admin token; without one configured, those endpoints are off. `because`: why this
+    endpoint needs it (said first)."""
     admin = request.app[SERVING].current.launch.admin
     was_off = admin.off
     token, why = admin.read()  # read at each call: a token file made after the start turns them on
+    said = f"{because}; " if because else ""
     if token is None:
-        return json_error(403, f"admin endpoints are off: {why}", "permission_error")
+        return json_error(403, f"{said}admin endpoints are off: {why}", "permission_error")
     if was_off is not None:
         log.info("admin.on", why="the admin token can be read now")
     if not allowed((token,), presented_bearer(request)):
-        return json_error(401, "a wrong or missing admin token (Authorization: Bearer <token>)" + admin.unused_env,
-                          "authentication_error")
+        return json_error(401, f"{said}a wrong or missing admin token (Authorization: Bearer <token>)"
+                          + admin.unused_env, "authentication_error")
     return None
+
+
+def not_operator(request: web.Request, what: str) -> web.Response | None:
+    """What tells one consumer's activity (`what`: the status, /metrics, llama-server's /slots) is the admin's under
+    consumers.isolate; else any of llama-server's keys reads it, as before."""
+    if consumers.isolating(CONSUMERS.of(request.app[SERVING].current.config)):
+        return not_admin(request, f"under consumers.isolate {what} is the admin's (it tells what each consumer "
+                                  "keeps and does)")
+    return unauthorized(request)
 
 
 class NotJson(ValueError):

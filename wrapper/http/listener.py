@@ -14,11 +14,9 @@ from wrapper import built_ins
 from wrapper.answers.forwarding import forward_request
 from wrapper.answers.passes import RETRY_AFTER_S
 from wrapper.answers.proxy import BadPath, canonical_path, json_error
-from wrapper.configuration import consumers
-from wrapper.configuration.consumers import CONSUMERS
 from wrapper.configuration.sections import ROUTER
 from wrapper.http import admin, gauges
-from wrapper.http.access import LIFE, SERVING, SUPERVISOR, not_admin, unauthorized
+from wrapper.http.access import LIFE, SERVING, SUPERVISOR, not_operator, unauthorized
 from wrapper.http.admin import AWAKE_SOON
 from wrapper.life.supervisor import Supervisor
 from wrapper.lifecycle import State
@@ -44,7 +42,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return unauthorized(request) or web.json_response(request.app[SUPERVISOR].status())
+    return not_operator(request, "the status") or web.json_response(request.app[SUPERVISOR].status())
 
 
 def _is_slots(path: str) -> bool:
@@ -63,8 +61,7 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         return json_error(400, f"bad request path: {exc}", "invalid_request_error")
     if request.body_exists and (refusal := unauthorized(request)) is not None:
         return refusal  # llama-server would refuse it too, after reading the body: don't even stream it there
-    if _is_slots(path) and consumers.isolating(CONSUMERS.of(serving.current.config)) and \
-            (refusal := not_admin(request)) is not None:
+    if _is_slots(path) and (refusal := not_operator(request, "llama-server's /slots")) is not None:
         return refusal  # what each slot holds and does is no consumer's business under consumers.isolate
     if _is_slot_action(request.method, path) and not serving.current.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
@@ -76,8 +73,8 @@ async def proxied(request: web.Request) -> web.StreamResponse:
 
 async def metrics(request: web.Request) -> web.Response:
     """llama-server's own metrics (when it has them), then the wrapper's families; asks for one of llama-server's
-    API keys like llama-server's own /metrics."""
-    if (refusal := unauthorized(request)) is not None:
+    API keys like llama-server's own /metrics (the admin token under consumers.isolate)."""
+    if (refusal := not_operator(request, "/metrics")) is not None:
         return refusal
     serving = request.app[SERVING]
     awake = serving.current.launch.metrics and serving.current.alive
