@@ -147,7 +147,8 @@ def _entry_row(folder: Path, entry: Entry, slot: int | str, where: str) -> dict[
             "chunks": chunks.get("count") if isinstance(chunks, dict) else 0,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(entry.last_used)),
             "model": entry.record.get("model", {}).get("name"),
-            "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}"}
+            "cache_types": f"{entry.record.get('cache_type_k')}/{entry.record.get('cache_type_v')}",
+            **({"consumer": entry.consumer} if entry.consumer is not None else {})}
 
 
 @slots.command("ls")

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import ROOT, Wrapper, chat_yaml, http, running, wait_for
 from tests.s3server import S3Server
 
@@ -309,3 +311,23 @@ def test_a_request_the_server_places_itself_reuses_nothing_of_anothers(
         assert status == 200, raw[:300]
         usage = json.loads(raw)["usage"]
         assert usage["input_tokens_details"]["cached_tokens"] <= public, usage
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 4])
+def test_with_every_slot_holding_anothers_conversation_nothing_of_it_is_reused(
+        tmp_path: Path, server_bin: str, demo_path: str, parallel: int) -> None:
+    """examples/team.yaml at -np 1, 2 and 4 (one slot more: the lane): alice's conversations fill every slot; bob's
+    copy of one of them takes a slot of hers (kept first, then cut) and reuses nothing past the system prompt, and
+    hers comes back whole from the folder."""
+    argv_np = [server_bin, "-m", demo_path, "-c", str(8192 * (parallel + 1)), "-np", str(parallel)]
+    hers = [conversation(f"Alice's question number {n}") for n in range(parallel + 1)]
+    with running(tmp_path, argv_np, team_yaml(tmp_path), env=ADMIN) as wrapper:
+        for messages in hers:
+            ask(wrapper.url, "alice", messages)
+        public = consumers(wrapper)["shared_prefix_tokens"]
+        copied = ask(wrapper.url, "bob", hers[0])
+        assert copied["cache_n"] <= public, copied
+        (cut,) = wrapper.events("consumers.cut")
+        assert cut["of"] == "alice" and cut["for"] == "bob", cut
+        back = ask(wrapper.url, "alice", hers[0])
+        assert back["cache_n"] >= 0.9 * (back["cache_n"] + back["prompt_n"]), back

@@ -15,8 +15,10 @@ import yaml
 
 from wrapper import built_ins
 from wrapper.cli import logs
+from wrapper.configuration import consumers
 from wrapper.configuration.auth import default_token_file
 from wrapper.configuration.config import HOOK_EVENTS, Config, ConfigError, parse_listen
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.configuration.exits import EXIT_CONFIG, EXIT_FAILED
 from wrapper.configuration.sections import PRIORITY
 from wrapper.configuration.units import parse_duration
@@ -126,6 +128,15 @@ def _lane(config: Config) -> dict[str, Any]:
     return {"enabled": on, "why": why}
 
 
+def _isolation(config: Config) -> dict[str, Any]:
+    """Whether each consumer is served only from what it kept (consumers.isolate, `auto` resolved)."""
+    settings = CONSUMERS.of(config)
+    on = consumers.isolating(settings)
+    why = ("consumers.isolate is " + str(settings.isolate).lower()) if settings.isolate is not None else (
+        f"auto: {len(settings.keys)} consumer(s) named, " + ("more than one" if on else "not more than one"))
+    return {"enabled": on, "why": why}
+
+
 def _resolved(config: Config) -> dict[str, Any]:
     hooks: dict[str, Any] = {}
     for event in HOOK_EVENTS:
@@ -145,6 +156,7 @@ def _resolved(config: Config) -> dict[str, Any]:
         **{section.name: section.shown(config) for section in built_ins.sections()},
         "preemption": dict(zip(("enabled", "why"), built_ins.preemption(config), strict=True)),
         "lane": _lane(config),
+        **({"isolation": _isolation(config)} if consumers.on(CONSUMERS.of(config)) else {}),
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
