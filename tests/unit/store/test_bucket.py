@@ -7,24 +7,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hooks.store.bucket import Bucket, BucketError, Conflict, NotFound, Object, Where, missing_client, parse_url
-from tests.s3server import S3Server, skip_without_weed
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    skip_without_weed()
-    srv = S3Server(tmp_path_factory.mktemp("s3"))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+from tests.s3server import S3Server
 
 
 def bucket_on(server: S3Server, **kwargs: str) -> Bucket:

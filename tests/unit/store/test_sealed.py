@@ -4,8 +4,6 @@ before the key stays readable), and forgotten on every host (`forget_consumer`, 
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,24 +14,12 @@ from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.remote import Remote
 from hooks.store.sealing import Sealer, WrongKey, read_secret
 from hooks.store.tiered import TieredStore
-from tests.s3server import S3Server, skip_without_weed
+from tests.s3server import S3Server
 from tests.slotfiles import kv_state as state
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
 TOKENS = list(range(70_000, 70_090))
 KEY, OTHER_KEY = b"a-key-of-more-than-sixteen-characters", b"another-key-of-more-than-sixteen"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    skip_without_weed()
-    with S3Server(tmp_path_factory.mktemp("s3")) as srv:
-        yield srv
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"t-{uuid.uuid4().hex[:8]}"
 
 
 def host(server: S3Server, folder: Path, prefix: str, name: str, key: bytes | None = None) -> TieredStore:

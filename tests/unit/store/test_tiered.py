@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,23 +18,11 @@ from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.interface import Unreadable
 from hooks.store.remote import Remote
 from hooks.store.tiered import TieredStore
-from tests.s3server import S3Server, skip_without_weed
+from tests.s3server import S3Server
 from tests.slotfiles import kv_state as state
 from wrapper.cli.main import main
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    skip_without_weed()
-    with S3Server(tmp_path_factory.mktemp("s3")) as srv:
-        yield srv
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"t-{uuid.uuid4().hex[:8]}"
 
 
 def host(server: S3Server, folder: Path, prefix: str, name: str = "h") -> TieredStore:
