@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from hooks.conversations.state import Conversations, enabled, state
-from hooks.slots.book import book_of
+from hooks.conversations.step import counted
 from hooks.slots.stores import store_of
 from hooks.store.bucket import BucketError
 from wrapper.configuration import consumers
@@ -58,7 +58,7 @@ async def clear_slots(generation: Generation, conv: Conversations, consumer: str
     slots cleared, and those still in flight."""
     if not generation.alive:
         return [], []  # asleep: what its slots held is in the store, forgotten there
-    book = book_of(generation)
+    book = await counted(generation)  # just started: its restore may have put that consumer's states in slots
     since = before - time.time() + time.monotonic()  # in the clock of `last_used`
 
     def theirs(slot: int) -> bool:

@@ -26,7 +26,7 @@ from hooks.conversations.policy import (
 )
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, enabled, state
-from hooks.slots.book import PINNED, book_of
+from hooks.slots.book import PINNED, SlotBook, book_of
 from hooks.slots.stores import shares_of, store_of
 from hooks.slots.transfer import NotRestored, NotSaved, cost_of, restore_into, save_into
 from hooks.store import Entry, Store, Unreadable, best_of, common_prefix
@@ -50,10 +50,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     store = store_of(generation)
     if not enabled(generation) or store is None or out.payload is None:
         return out
-    book = book_of(generation)
-    if not book.total:  # a new server's first request: a stream it went on with may hold this conversation
-        with contextlib.suppress(LlamaError):
-            book.learnt_total(int((await generation.props()).get("total_slots") or 1))
+    book = await counted(generation)  # a new server's first request: a stream it went on with may hold this
     resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(out.payload) if out.path in paths.CHAT else None
     asker = await asker_of(generation, state(generation).public, out.consumer)
@@ -97,6 +94,16 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         if asker.foreign(book, slot):
             return _uncached(out, asker)
     return _pinned(out, slot)
+
+
+async def counted(generation: Generation) -> SlotBook:
+    """The book, once it knows how many slots the server runs (asked at a new server's first need of it: its start
+    may have restored conversations into them)."""
+    book = book_of(generation)
+    if not book.total:
+        with contextlib.suppress(LlamaError):
+            book.learnt_total(int((await generation.props()).get("total_slots") or 1))
+    return book
 
 
 def _uncached(out: Outgoing, asker: Asker) -> Outgoing:
@@ -156,7 +163,7 @@ async def _clear_for(generation: Generation, conv: Conversations, asker: Asker) 
     """Before a request the server places itself, under isolation: every free slot holding another consumer's
     conversation is kept and cut down to the public beginning (the server would reuse whatever prefix the slot it
     chooses holds)."""
-    book, store = book_of(generation), store_of(generation)
+    book, store = await counted(generation), store_of(generation)
     assert store is not None
     running = await _processing(generation) | conv.placed
     for slot in range(book.total):

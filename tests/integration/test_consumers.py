@@ -331,3 +331,29 @@ def test_with_every_slot_holding_anothers_conversation_nothing_of_it_is_reused(
         assert cut["of"] == "alice" and cut["for"] == "bob", cut
         back = ask(wrapper.url, "alice", hers[0])
         assert back["cache_n"] >= 0.9 * (back["cache_n"] + back["prompt_n"]), back
+
+
+def test_right_after_a_restart_the_restored_slots_are_kept_apart_and_forgotten(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """A start restores what the slots held at the stop, before any request has told the wrapper how many slots
+    there are: bob's first request, one the server places itself, reuses nothing of alice's restored conversation;
+    and a forget that comes first clears her restored slot."""
+    secret = conversation("Alice's question about the ledger of 1915")
+    config = team_yaml(tmp_path)
+    with running(tmp_path, argv(server_bin, demo_path), config, env=ADMIN) as wrapper:
+        ask(wrapper.url, "alice", secret)
+        assert wrapper.stop() == 0  # slots.save: hers is kept, and noted as what slot 0 held
+    with running(tmp_path, argv(server_bin, demo_path), config, env=ADMIN) as wrapper:
+        status, _, raw = http("POST", f"{wrapper.url}/v1/messages", {
+            "model": "demo", "max_tokens": 1, "system": secret[0]["content"],
+            "messages": [{"role": "user", "content": secret[1]["content"]}]},
+            timeout=600, headers={"Authorization": f"Bearer {KEYS['bob']}"})
+        assert status == 200, raw[:300]
+        assert json.loads(raw)["usage"]["cache_read_input_tokens"] <= consumers(wrapper)["shared_prefix_tokens"]
+        again = ask(wrapper.url, "alice", secret)  # hers comes back into a slot, and is noted there at the stop
+        assert again["cache_n"] >= 0.9 * (again["cache_n"] + again["prompt_n"]), again
+        assert wrapper.stop() == 0
+    with running(tmp_path, argv(server_bin, demo_path), config, env=ADMIN) as wrapper:
+        status, answer = delete(wrapper.url, {"Authorization": f"Bearer {KEYS['alice']}"})
+        assert status == 200 and answer["slots"], answer  # her restored slot, cleared
+        assert ask(wrapper.url, "alice", secret)["cache_n"] <= consumers(wrapper)["shared_prefix_tokens"]
