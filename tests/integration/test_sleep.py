@@ -199,7 +199,17 @@ def test_a_pool_of_three_where_the_third_fits_only_if_an_idle_member_sleeps(
         for each in members.values():
             each.wait_ready(180)
         first = chat(members["first"].url, FIRST, max_tokens=16)  # the first's conversation, then it idles
-        chat(members["second"].url, [{"role": "user", "content": "Say hello."}])  # the second idles less long
+        # a member's record learns its idleness by a look every 0.2 s: a request shorter than that may go unseen, its
+        # member then idle since its start (CI once saw the second, whose one short request went unseen, chosen as
+        # the longest idle). The second's request is long enough to be seen, and the third asks once it is.
+        chat(members["second"].url, [{"role": "user", "content": "Say hello, then count to thirty."}],
+             max_tokens=48, ignore_eos=True)  # the second idles less long
+        pids = {name: members[name].process.pid for name in ("first", "second")}
+
+        def idle_since(name: str) -> float:
+            return max((float(r["idle_since"]) for r in pooled.records(pool) if r["pid"] == pids[name]), default=0.0)
+
+        wait_for(lambda: idle_since("second") > idle_since("first") > 0, 30, "the second's request on its record")
         wait_for(lambda: all(r["idle_since"] and time.time() - r["idle_since"] > 1.5 for r in pooled.records(pool)),
                  30, "every member idle for its sleep.when_asked")
         status, long_answer = pooled.chat(members["third"].url, [{"role": "user", "content": HUGE}])
