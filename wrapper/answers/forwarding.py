@@ -61,7 +61,8 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
     if chosen is Way.SHOWN:
         return await _shown(passes, path, watched)
     if chosen is Way.THROUGH:  # a body streamed through cannot be sent again
-        async with _seated(serving, _seat(serving, request, None, path) if seated else None) as admitted:
+        seat = _seat(serving, request, None, path, passes.consumer) if seated else None
+        async with _seated(serving, seat) as admitted:
             if not admitted:
                 return refused(serving, Admission.REFUSED)
             return await passes.through(lambda to: forward(request, to, path),
@@ -70,7 +71,7 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
     if body is None:
         return json_error(413, f"a completion request of more than {BODY_LIMIT >> 20} MiB", "invalid_request_error")
     payload = json_object(body)
-    seat = _seat(serving, request, payload, path) if seated else None
+    seat = _seat(serving, request, payload, path, passes.consumer) if seated else None
     if payload is not None and priority.unsaid(payload):
         body = json.dumps(payload).encode()
     async with _seated(serving, seat) as admitted:
@@ -105,7 +106,8 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
             passes.done(status)
 
 
-def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None, path: str) -> Seat:
+def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None, path: str,
+          consumer: str | None) -> Seat:
     """The request's place in the slots' queue, its class from its header, its body and its key (the queue set for
     the server that serves now)."""
     settings = PRIORITY.of(serving.queue().config)
@@ -115,7 +117,7 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
             _ODD_SEEN.add(mark)
             log.warning("priority.unknown_mark", mark=mark, read_as=klass.value,
                         hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
-    seat = Seat(klass, path, consumer=consumer_of(request.headers, CONSUMERS.of(serving.current.config)))
+    seat = Seat(klass, path, consumer=consumer)
     seat.use.session = priority.session_of(request.headers, payload)
     seat.use.background = klass is priority.Class.BACKGROUND
     return seat
