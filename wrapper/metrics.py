@@ -60,6 +60,8 @@ class Metrics:
         self.conv_entries = Gauge("llama_wrapper_conversation_cache_entries", "Conversations in the cache on disk",
                                   registry=r)
         self.conv_bytes = Gauge("llama_wrapper_conversation_cache_bytes", "Bytes of the cache on disk", registry=r)
+        self.conv_unkept = Gauge("llama_wrapper_conversation_cache_unkept_tokens", "Tokens the slots hold that the "
+                                 "cache does not keep (a crash now would prefill them again)", registry=r)
         self.conv_lookups = Counter("llama_wrapper_conversation_cache_lookups", "Requests that looked for their "
                                     "conversation in the cache: hits and misses by reason", ["result", "reason"],
                                     registry=r)

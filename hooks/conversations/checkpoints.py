@@ -17,11 +17,11 @@ import structlog
 
 from hooks.conversations.forget import follow
 from hooks.conversations.settings import CACHE
-from hooks.conversations.state import Conversations, enabled, state
+from hooks.conversations.state import Conversations, enabled, grown, state
 from hooks.conversations.step import save_slot
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
-from hooks.store import Store, common_prefix, layout
+from hooks.store import Store, layout
 from wrapper.server.generation import Generation, Host
 
 log = structlog.get_logger()
@@ -53,17 +53,6 @@ async def keep_while_idle(host: Host) -> None:
             await _keep_grown(host, generation, conv, store, every)
         except Exception:  # a bug here must not end the checkpoints for the wrapper's life
             log.exception("conversations.checkpoint_failed")
-
-
-def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -> int:
-    """How much a slot holding `held` tokens for `prompt` grew since it was kept as `kept_as` (its prompt then,
-    the tokens it held then): from what it held when this conversation goes on from that one, else from what
-    the two share (another conversation took the slot)."""
-    if kept_as is None:
-        return held
-    kept_prompt, kept_held = kept_as
-    shared = common_prefix(kept_prompt, prompt)
-    return held - (kept_held if shared == len(kept_prompt) else shared)
 
 
 async def _keep_grown(host: Host, generation: Generation, conv: Conversations, store: Store, every: int) -> None:

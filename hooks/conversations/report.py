@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.conversations.state import enabled, state
+from hooks.conversations.state import enabled, state, unkept
+from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store
 from hooks.store.settings import STORE
@@ -42,6 +43,7 @@ def metrics(generation: Generation) -> None:
     if enabled(generation) and store is not None:
         METRICS.conv_entries.set(len(store.entries()))
         METRICS.conv_bytes.set(store.used_bytes())
+        METRICS.conv_unkept.set(sum(unkept(state(generation), book_of(generation)).values()))
         for name, kept in _kept_by_consumer(generation, store).items():
             for tier in ("folder", "bucket"):
                 METRICS.consumer_bytes.labels(consumer=name, tier=tier).set(kept[f"{tier}_bytes"])
@@ -89,12 +91,15 @@ def status(generation: Generation) -> dict[str, Any]:
     total = store.used_bytes()  # on disk here, each chunk once
     METRICS.conv_entries.set(len(entries))
     METRICS.conv_bytes.set(total)
+    at_risk = sum(unkept(conv, book_of(generation)).values())
+    METRICS.conv_unkept.set(at_risk)
     return {
         "on": True, "entries": [{**e.as_dict(), "hits": conv.hits_by_entry.get(e.key, 0)} for e in entries[:50]],
         "count": len(entries), "bytes": total,
         "budget": STORE.of(generation.config).budget,
         "rates": {"prefill_tokens_per_s": rates.prefill_tps, "restore_bytes_per_s": rates.restore_bps,
                   "convert_bytes_per_s": rates.convert_bps},
+        "unkept_tokens": at_risk,
         "hits": conv.hits, "misses": dict(conv.misses), "continued": conv.continued, "decisions": list(conv.decisions),
         "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
         **({"consumers": by} if (by := consumers_status(generation, store)) is not None else {}),

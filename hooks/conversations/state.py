@@ -11,7 +11,9 @@ from hooks.conversations.isolation import PublicPrefix
 from hooks.conversations.rates import KeptRates
 from hooks.conversations.settings import CACHE
 from hooks.decisions import Decisions
+from hooks.slots.book import SlotBook
 from hooks.slots.stores import store_of
+from hooks.store import common_prefix
 from wrapper.kept import Key
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation
@@ -79,3 +81,22 @@ def state(generation: Generation) -> Conversations:
 
 def enabled(generation: Generation) -> bool:
     return CACHE.of(generation.config).enabled and store_of(generation) is not None
+
+
+def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -> int:
+    """How much a slot holding `held` tokens for `prompt` grew since it was kept as `kept_as` (its prompt then,
+    the tokens it held then): from what it held when this conversation goes on from that one, else from what
+    the two share (another conversation took the slot)."""
+    if kept_as is None:
+        return held
+    kept_prompt, kept_held = kept_as
+    shared = common_prefix(kept_prompt, prompt)
+    return held - (kept_held if shared == len(kept_prompt) else shared)
+
+
+def unkept(conv: Conversations, book: SlotBook) -> dict[int, int]:
+    """Each slot's tokens the store does not keep: what a crash now would prefill again (0: its conversation is
+    kept as it stands, restored unchanged or saved since it last grew)."""
+    return {slot: 0 if book.entry_of(slot) is not None else max(0, grown(conv.kept_as.get(slot), tokens,
+                                                                         book.count(slot)))
+            for slot, tokens in book.known().items()}

@@ -94,6 +94,7 @@ def test_a_stream_survives_a_sigkill_as_one_answer_and_the_conversation_comes_ba
         turn = [*first, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
                 {"role": "user", "content": "Go on with the story, please."}]
         wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the conversation kept while idle")
+        assert wrapper.status()["slots"]["conversations"]["unkept_tokens"] == 0  # a crash now costs nothing
         killed_pid = server_pid(wrapper)
         events, before = stream_killed(wrapper, turn, kill_after=20)
         assert before >= 20 and not pid_alive(killed_pid) and server_pid(wrapper) != killed_pid
