@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.conversations.state import enabled, state, unkept
+from hooks.conversations.state import enabled, state, unkept, untracked
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store
@@ -91,7 +91,8 @@ def status(generation: Generation) -> dict[str, Any]:
     total = store.used_bytes()  # on disk here, each chunk once
     METRICS.conv_entries.set(len(entries))
     METRICS.conv_bytes.set(total)
-    at_risk = sum(unkept(conv, book_of(generation)).values())
+    book = book_of(generation)
+    at_risk = sum(unkept(conv, book).values())
     METRICS.conv_unkept.set(at_risk)
     return {
         "on": True, "entries": [{**e.as_dict(), "hits": conv.hits_by_entry.get(e.key, 0)} for e in entries[:50]],
@@ -99,7 +100,7 @@ def status(generation: Generation) -> dict[str, Any]:
         "budget": STORE.of(generation.config).budget,
         "rates": {"prefill_tokens_per_s": rates.prefill_tps, "restore_bytes_per_s": rates.restore_bps,
                   "convert_bytes_per_s": rates.convert_bps},
-        "unkept_tokens": at_risk,
+        "unkept_tokens": at_risk, "untracked_slots": untracked(book),
         "hits": conv.hits, "misses": dict(conv.misses), "continued": conv.continued, "decisions": list(conv.decisions),
         "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
         **({"consumers": by} if (by := consumers_status(generation, store)) is not None else {}),

@@ -45,12 +45,21 @@ def kept(wrapper: Wrapper) -> bool:
     return (slots["conversations"]["unkept_tokens"], store["pending"], store["state"]) == (0, 0, "up")
 
 
-def told(hosts: list[Wrapper | None], session: Session) -> tuple[object, ...]:
-    """What a failed turn's message says: the session's turns and what the host that answered it decided last (the
-    whole logs are printed too, but a CI's report may keep only their ends)."""
-    answered = hosts[session.turns[-1].host]
-    decided = answered.status()["slots"]["conversations"]["decisions"][-3:] if answered is not None else None
-    return session.name, session.turns[-1], decided, session.turns
+def view(host: Wrapper | None) -> dict[str, object] | None:
+    """A host's view, for a failure's message: its bucket index, what its slots hold unkept, its last decisions."""
+    if host is None:
+        return None
+    slots = host.status()["slots"]
+    store, conv = slots["tiers"]["store"], slots["conversations"]
+    return {"store": {k: store[k] for k in ("state", "entries", "pending", "errors", "looked_s_ago")},
+            "unkept": conv["unkept_tokens"], "untracked": conv["untracked_slots"], "decided": conv["decisions"][-3:]}
+
+
+def told(hosts: list[Wrapper | None], session: Session, *before: object) -> str:
+    """What a failed turn's message says: the session, its last turn, what the host that answered it saw and
+    decided, and what the caller adds (the whole logs are printed too, but a CI's report may keep only their ends;
+    a text, which pytest does not shorten as it does an object's repr)."""
+    return repr((session.name, session.turns[-1], view(hosts[session.turns[-1].host]), *before, session.turns))
 
 
 def test_sessions_behind_the_router_survive_a_drained_and_a_killed_host(
@@ -92,6 +101,7 @@ def test_sessions_behind_the_router_survive_a_drained_and_a_killed_host(
             victim = hosts[killed]
             assert victim is not None
             wait_for(lambda: kept(victim), 60, "the checkpoints to reach the bucket")
+            last_seen = view(victim)  # told with a failure below
             victim.signal_group(signal.SIGKILL)
             victim.wait(30)
             hosts[killed] = None
@@ -99,7 +109,7 @@ def test_sessions_behind_the_router_survive_a_drained_and_a_killed_host(
             moved = [s for s in sessions if s.turns[-1].host == killed]
             for session in sessions:
                 turn = session.turn(router, hosts)
-                assert turn.reused >= 0.9, told(hosts, session)
+                assert turn.reused >= 0.9, told(hosts, session, {"killed": killed, "its view": last_seen})
             assert moved and all(s.turns[-1].source in ("bucket", "folder") for s in moved), \
                 [s.turns for s in moved]
             assert all(s.turns[-1].host not in (drained, killed) for s in sessions)

@@ -3,7 +3,7 @@ included."""
 
 from __future__ import annotations
 
-from hooks.conversations.state import Conversations, grown, unkept
+from hooks.conversations.state import Conversations, grown, unkept, untracked
 from hooks.slots import left_in_slot
 from hooks.slots.book import SlotBook
 
@@ -28,6 +28,7 @@ def test_unkept_is_what_each_slot_holds_beyond_what_the_store_keeps() -> None:
     """What a crash now would prefill again (status `unkept_tokens`): nothing for a slot saved since it last grew
     or restored unchanged, all of a conversation never kept, the growth of one kept before."""
     book, conv = SlotBook(), Conversations()
+    book.learnt_total(2)
     book.pinned()
     first = list(range(900))
     book.answered(0, 1200, 0)
@@ -41,6 +42,9 @@ def test_unkept_is_what_each_slot_holds_beyond_what_the_store_keeps() -> None:
     book.answered(0, 1400, 1200)
     book.served(0, following)
     assert unkept(conv, book) == {0: 200, 1: 0}
+    assert untracked(book) == []
+    book.forgotten()  # a request the server placed itself: any slot may hold anything now
+    assert unkept(conv, book) == {} and untracked(book) == [0, 1]
 
 
 def test_what_an_answer_leaves_in_its_slot_is_read_from_its_last_timings() -> None:
