@@ -56,25 +56,47 @@ async def keep_while_idle(host: Host) -> None:
 
 
 async def _keep_grown(host: Host, generation: Generation, conv: Conversations, store: Store, every: int) -> None:
+    """Each slot whose conversation grew by `every` since it was kept, then each slot whose contents the book lost
+    track of (a Messages or Responses request, placed by the server: only a save can tell what it holds)."""
     book = book_of(generation)
     for slot, tokens in book.known().items():
-        if host.in_flight or host.current is not generation:
-            return  # a request came: it goes first
         held = book.count(slot)  # the prompt, and the answer it generated
         growth = grown(conv.kept_as.get(slot), tokens, held)
         if growth < every or book.entry_of(slot) is not None:
             continue  # not grown enough, or the store holds what it holds
-        conv.busy.add(slot)  # a request for this slot waits for the save (the server is busy with it anyway)
-        began = time.monotonic()
-        try:
-            entry = await save_slot(generation, conv, store, slot, "checkpoint")
-        finally:
-            conv.busy.discard(slot)
-            conv.freed.set()
-        conv.kept_as[slot] = (tokens, entry.n_tokens if entry is not None else held)
-        if entry is not None or (key := book.entry_of(slot)) is not None:
-            kept_entry = entry or store.get(str(key))
-            if kept_entry is not None:
-                store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
-        log.info("conversations.checkpoint", slot=slot, tokens=conv.kept_as[slot][1], grown=growth,
-                 written=entry.written if entry is not None else 0, ms=round((time.monotonic() - began) * 1000, 1))
+        if not await _keep(host, generation, conv, store, slot, tokens, growth):
+            return  # a request came: it goes first
+    for slot in book.untracked():
+        if slot not in conv.busy and not await _keep(host, generation, conv, store, slot, None, None):
+            return
+
+
+async def _keep(host: Host, generation: Generation, conv: Conversations, store: Store, slot: int,
+                prompt: list[int] | None, growth: int | None) -> bool:
+    """Save the slot as a checkpoint and note it (what a restart's slots.restore puts back); False when a request
+    came first. `prompt`: the tokens the book knows it holds; None for an untracked slot (what the save finds
+    there), which a save that keeps nothing marks as too short to keep."""
+    if host.in_flight or host.current is not generation:
+        return False
+    book = book_of(generation)
+    conv.busy.add(slot)  # a request for this slot waits for the save (the server is busy with it anyway)
+    began = time.monotonic()
+    try:
+        entry = await save_slot(generation, conv, store, slot, "checkpoint")
+    finally:
+        conv.busy.discard(slot)
+        conv.freed.set()
+    if slot in book.untracked():  # nothing kept (too short, or the save failed: logged): not tried again until
+        book.too_short(slot)  # it serves again
+        return True
+    held = book.count(slot)
+    conv.kept_as[slot] = (prompt if prompt is not None else book.holds(slot),
+                          entry.n_tokens if entry is not None else held)
+    if entry is not None or (key := book.entry_of(slot)) is not None:
+        kept_entry = entry or store.get(str(key))
+        if kept_entry is not None:
+            store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
+    log.info("conversations.checkpoint", slot=slot, tokens=conv.kept_as[slot][1], grown=growth,
+             written=entry.written if entry is not None else 0, ms=round((time.monotonic() - began) * 1000, 1),
+             **({"untracked": True} if prompt is None else {}))
+    return True

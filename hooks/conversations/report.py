@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.conversations.state import enabled, state, unkept, untracked
+from hooks.conversations.state import enabled, state, unkept
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store
@@ -100,7 +100,7 @@ def status(generation: Generation) -> dict[str, Any]:
         "budget": STORE.of(generation.config).budget,
         "rates": {"prefill_tokens_per_s": rates.prefill_tps, "restore_bytes_per_s": rates.restore_bps,
                   "convert_bytes_per_s": rates.convert_bps},
-        "unkept_tokens": at_risk, "untracked_slots": untracked(book),
+        "unkept_tokens": at_risk, "untracked_slots": book.untracked(),
         "hits": conv.hits, "misses": dict(conv.misses), "continued": conv.continued, "decisions": list(conv.decisions),
         "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
         **({"consumers": by} if (by := consumers_status(generation, store)) is not None else {}),

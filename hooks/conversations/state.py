@@ -101,9 +101,3 @@ def unkept(conv: Conversations, book: SlotBook) -> dict[int, int]:
                                                                          book.count(slot)))
             for slot, tokens in book.known().items()}
 
-
-def untracked(book: SlotBook) -> list[int]:
-    """The slots whose contents the book lost track of (a request the server placed itself, an answer not seen):
-    not checkpointed, saved before another conversation takes them; what a crash there would cost is not known."""
-    known = book.known()
-    return [slot for slot in book.slots() if book.partial(slot) and slot not in known]

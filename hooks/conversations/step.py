@@ -124,6 +124,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation):
         return out
     conv = state(generation)
+    await counted(generation)  # the slots it may land in: every one is untracked when its place is not seen
     asker = await asker_of(generation, conv.public, out.consumer)
     conv.unpinned += 1
     conv.placing += 1
@@ -149,6 +150,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         if placed.slot is not None:
             conv.placed.discard(placed.slot)
             conv.background.pop(placed.slot, None)
+            conv.last_used[placed.slot] = time.monotonic()  # a checkpoint waits for a quiet moment after it too
             book.served(placed.slot, None, owner=asker.consumer)  # it holds what that request left: saved before a
             # conversation takes it
         else:

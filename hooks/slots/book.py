@@ -74,6 +74,7 @@ class SlotBook:
     # it left in the slot and those it took from what the slot held, until the request that asked it is released
     _owner: dict[int, str] = field(default_factory=dict)  # the consumer whose conversation it holds (`consumers:`);
     # absent: nobody's (empty) or not known
+    _short: set[int] = field(default_factory=set)  # untracked slots a save found holding too little to keep
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -119,6 +120,11 @@ class SlotBook:
         """Whether the slot holds what a restore put there, no request served since."""
         return slot in self._from_store
 
+    def untracked(self) -> list[int]:
+        """The slots whose contents the book lost track of (a request the server placed itself, an answer not seen),
+        but those a save since found holding too little to keep."""
+        return sorted(s for s in self._partial if s not in self._tokens and s not in self._short)
+
     def owner_of(self, slot: int) -> str | None:
         """The consumer whose conversation the slot holds, when known (`consumers:`)."""
         return self._owner.get(slot)
@@ -161,6 +167,7 @@ class SlotBook:
         the next turn repeats them), or something unknown (None: a request that failed may have left part of
         it). `chain`: the request's; `owner`: its consumer."""
         self._owned(slot, owner)
+        self._short.discard(slot)
         left = self._answer.pop(slot, (0, None))[0]
         if tokens is None:
             self._tokens.pop(slot, None)
@@ -214,6 +221,10 @@ class SlotBook:
         else:
             self._chain[slot] = chain
 
+    def too_short(self, slot: int) -> None:
+        """A save of the untracked slot kept nothing: it holds less than is worth keeping (until it serves again)."""
+        self._short.add(slot)
+
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
         self._tokens[slot], self._entry[slot] = tokens, key
         self._count.pop(slot, None)
@@ -244,6 +255,7 @@ class SlotBook:
         self._chain.clear()
         self._from_store.clear()
         self._owner.clear()
+        self._short.clear()
 
 
 _KEY = Key("slots.book", SlotBook)

@@ -273,6 +273,48 @@ def test_a_crash_between_turns_loses_nothing_when_the_answer_made_the_growth(tmp
         assert wrapper.stop() == 0
 
 
+def _agent_turn(wrapper: Wrapper, path: str, said: list[str]) -> tuple[str, int, int]:
+    """One turn of an agent on the Messages or Responses API (what was said so far, the user's turns first and
+    last): its answer's text, the prompt's tokens and those read from the cache."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(said)]
+    body = {"model": "demo", "max_tokens": 16, "messages": turns} if path == "/v1/messages" else \
+        {"model": "demo", "max_output_tokens": 16, "input": [  # an answer goes back as the output item it was
+            turn if turn["role"] == "user" else {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": turn["content"]}]} for turn in turns]}
+    status, _, raw = http("POST", f"{wrapper.url}{path}", body, timeout=300)
+    assert status == 200, raw[:300]
+    answer = json.loads(raw)
+    usage = answer["usage"]
+    if path == "/v1/messages":
+        text = "".join(block.get("text", "") for block in answer["content"])
+        cached = int(usage.get("cache_read_input_tokens") or 0)
+        return text, int(usage["input_tokens"]) + cached, cached
+    text = "".join(part.get("text", "") for item in answer["output"] if item.get("type") == "message"
+                   for part in item.get("content", []))
+    return text, int(usage["input_tokens"]), int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_crash_between_an_agents_messages_or_responses_turns_loses_nothing(
+        tmp_path: Path, server_bin: str, demo_path: str, path: str, parallel: int) -> None:
+    """llama-server places Messages and Responses requests itself (the wrapper cannot pin them), so the wrapper
+    does not know what the slot holds: once the server is quiet a checkpoint keeps that slot as a save finds it,
+    and a SIGKILL between turns costs the next turn nothing (before, it read the whole conversation again)."""
+    with running(tmp_path, argv(server_bin, demo_path, parallel), config(tmp_path)) as wrapper:
+        said = [QUESTION]
+        text, prompt, _ = _agent_turn(wrapper, path, said)
+        (kept,) = wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the slot kept while idle")
+        assert kept["untracked"] is True and kept["tokens"] >= prompt, kept
+        conversations = wrapper.status()["slots"]["conversations"]
+        assert conversations["untracked_slots"] == [] and conversations["unkept_tokens"] == 0, conversations
+        os.kill(server_pid(wrapper), signal.SIGKILL)  # between turns
+        wait_for(lambda: wrapper.events("wrapper.server_back"), 60, "the server started again")
+        _, again, cached = _agent_turn(wrapper, path, [*said, text, "Go on."])
+        assert cached >= 0.9 * prompt and again > prompt, (cached, again, prompt)
+        assert wrapper.stop() == 0
+
+
 def test_a_crash_while_a_reload_drains_leaves_the_reload_and_the_request_whole(
         tmp_path: Path, server_bin: str, demo_path: str) -> None:
     token = "watchdog-token"

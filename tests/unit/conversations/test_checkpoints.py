@@ -3,7 +3,7 @@ included."""
 
 from __future__ import annotations
 
-from hooks.conversations.state import Conversations, grown, unkept, untracked
+from hooks.conversations.state import Conversations, grown, unkept
 from hooks.slots import left_in_slot
 from hooks.slots.book import SlotBook
 
@@ -42,9 +42,13 @@ def test_unkept_is_what_each_slot_holds_beyond_what_the_store_keeps() -> None:
     book.answered(0, 1400, 1200)
     book.served(0, following)
     assert unkept(conv, book) == {0: 200, 1: 0}
-    assert untracked(book) == []
+    assert book.untracked() == []
     book.forgotten()  # a request the server placed itself: any slot may hold anything now
-    assert unkept(conv, book) == {} and untracked(book) == [0, 1]
+    assert unkept(conv, book) == {} and book.untracked() == [0, 1]
+    book.too_short(1)  # a save of it kept nothing: too little to keep
+    assert book.untracked() == [0]
+    book.served(1, None)  # a request the server placed there
+    assert book.untracked() == [0, 1]
 
 
 def test_what_an_answer_leaves_in_its_slot_is_read_from_its_last_timings() -> None:
