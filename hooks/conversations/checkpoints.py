@@ -22,6 +22,8 @@ from hooks.conversations.step import save_slot
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store, layout
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.server.generation import Generation, Host
 
 log = structlog.get_logger()
@@ -66,8 +68,11 @@ async def _keep_grown(host: Host, generation: Generation, conv: Conversations, s
             continue  # not grown enough, or the store holds what it holds
         if not await _keep(host, generation, conv, store, slot, tokens, growth):
             return  # a request came: it goes first
+    isolating = consumers.isolating(CONSUMERS.of(generation.config))
     for slot in book.untracked():
-        if slot not in conv.busy and not await _keep(host, generation, conv, store, slot, None, None):
+        if slot in conv.busy or (isolating and book.owner_of(slot) is None):
+            continue  # whose it holds is not known: kept as nobody's, no lookup under isolation could use it
+        if not await _keep(host, generation, conv, store, slot, None, None):
             return
 
 
