@@ -30,6 +30,7 @@ log = structlog.get_logger()
 
 CHECKPOINT_IDLE_S = 2.0
 LOOK_EVERY_S = 0.5
+RETRY_S = 30.0  # a slot whose save failed (the disk, the server) is tried again after this long
 
 
 async def keep_while_idle(host: Host) -> None:
@@ -59,18 +60,21 @@ async def keep_while_idle(host: Host) -> None:
 
 async def _keep_grown(host: Host, generation: Generation, conv: Conversations, store: Store, every: int) -> None:
     """Each slot whose conversation grew by `every` since it was kept, then each slot whose contents the book lost
-    track of (a Messages or Responses request, placed by the server: only a save can tell what it holds)."""
+    track of (a Messages or Responses request, placed by the server: only a save can tell what it holds). A slot
+    whose save failed is tried again after RETRY_S."""
     book = book_of(generation)
+    now = time.monotonic()
     for slot, tokens in book.known().items():
         held = book.count(slot)  # the prompt, and the answer it generated
         growth = grown(conv.kept_as.get(slot), tokens, held)
-        if growth < every or book.entry_of(slot) is not None:
-            continue  # not grown enough, or the store holds what it holds
+        if growth < every or book.entry_of(slot) is not None or book.restored_unchanged(slot) \
+                or conv.retry_at.get(slot, 0.0) > now:
+            continue  # not grown enough, the store holds what it holds, or its last save failed a moment ago
         if not await _keep(host, generation, conv, store, slot, tokens, growth):
             return  # a request came: it goes first
     isolating = consumers.isolating(CONSUMERS.of(generation.config))
     for slot in book.untracked():
-        if slot in conv.busy or (isolating and book.owner_of(slot) is None):
+        if slot in conv.busy or conv.retry_at.get(slot, 0.0) > now or (isolating and book.owner_of(slot) is None):
             continue  # whose it holds is not known: kept as nobody's, no lookup under isolation could use it
         if not await _keep(host, generation, conv, store, slot, None, None):
             return
@@ -80,10 +84,11 @@ async def _keep(host: Host, generation: Generation, conv: Conversations, store: 
                 prompt: list[int] | None, growth: int | None) -> bool:
     """Save the slot as a checkpoint and note it (what a restart's slots.restore puts back); False when a request
     came first. `prompt`: the tokens the book knows it holds; None for an untracked slot (what the save finds
-    there), which a save that keeps nothing marks as too short to keep."""
+    there: too little, and it is not tried again until it serves again)."""
     if host.in_flight or host.current is not generation:
         return False
     book = book_of(generation)
+    before = book.changes(slot)
     conv.busy.add(slot)  # a request for this slot waits for the save (the server is busy with it anyway)
     began = time.monotonic()
     try:
@@ -91,16 +96,19 @@ async def _keep(host: Host, generation: Generation, conv: Conversations, store: 
     finally:
         conv.busy.discard(slot)
         conv.freed.set()
-    if slot in book.untracked():  # nothing kept (too short, or the save failed: logged): not tried again until
-        book.too_short(slot)  # it serves again
+    if book.changes(slot) != before:
+        return True  # a request the server placed there ran meanwhile: the next quiet moment keeps what it left
+    key = entry.key if entry is not None else book.entry_of(slot)
+    if key is None:
+        if prompt is not None or slot in book.untracked():  # the save failed or was skipped (logged): again later
+            conv.retry_at[slot] = time.monotonic() + RETRY_S
         return True
-    held = book.count(slot)
+    conv.retry_at.pop(slot, None)
     conv.kept_as[slot] = (prompt if prompt is not None else book.holds(slot),
-                          entry.n_tokens if entry is not None else held)
-    if entry is not None or (key := book.entry_of(slot)) is not None:
-        kept_entry = entry or store.get(str(key))
-        if kept_entry is not None:
-            store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
+                          entry.n_tokens if entry is not None else book.count(slot))
+    kept_entry = entry or store.get(key)
+    if kept_entry is not None:
+        store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
     log.info("conversations.checkpoint", slot=slot, tokens=conv.kept_as[slot][1], grown=growth,
              written=entry.written if entry is not None else 0, ms=round((time.monotonic() - began) * 1000, 1),
              **({"untracked": True} if prompt is None else {}))

@@ -40,6 +40,8 @@ class Conversations:
     misses: dict[str, int] = field(default_factory=dict)
     kept_as: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # slot -> (its prompt, the tokens it
     # held) when it was last kept (checkpoints)
+    retry_at: dict[int, float] = field(default_factory=dict)  # slot -> when a checkpoint tries it again (its save
+    # failed: the disk, the server)
     continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
     public: PublicPrefix = field(default_factory=PublicPrefix)  # consumers.shared_prefix's tokens, once learnt
     forgotten: dict[str, float] = field(default_factory=dict)  # consumer -> the forget whose slots were cleared
@@ -96,8 +98,8 @@ def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -
 
 def unkept(conv: Conversations, book: SlotBook) -> dict[int, int]:
     """Each slot's tokens the store does not keep: what a crash now would prefill again (0: its conversation is
-    kept as it stands, restored unchanged or saved since it last grew)."""
-    return {slot: 0 if book.entry_of(slot) is not None else max(0, grown(conv.kept_as.get(slot), tokens,
-                                                                         book.count(slot)))
-            for slot, tokens in book.known().items()}
+    kept as it stands, restored unchanged or saved since it last grew). Untracked slots are not counted
+    (`SlotBook.untracked`: what they hold is not known)."""
+    return {slot: 0 if book.entry_of(slot) is not None or book.restored_unchanged(slot) else
+            max(0, grown(conv.kept_as.get(slot), tokens, book.count(slot))) for slot, tokens in book.known().items()}
 

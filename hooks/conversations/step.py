@@ -130,10 +130,12 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     conv.placing += 1
     if asker.isolated:
         try:
-            await host.survive(lambda: _clear_for(generation, conv, asker))
+            if not await host.survive(lambda: _clear_for(generation, conv, asker)):
+                out = _uncached(out, asker)  # a slot of another's was not cut: nothing may be reused
         except Exception:  # never fails the request: it is served reusing nothing
             log.exception("conversations.internal_error", step="clear_for")
             out = _uncached(out, asker)
+    conversing = out.path in (*paths.RESPONSES, *paths.MESSAGES)
     placed = _Placed(use=out.use)
     finding = asyncio.create_task(_find_place(generation, conv, placed))
     conv.finding.add(finding)
@@ -147,14 +149,18 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         _settled(conv, placed)
         conv.unpinned -= 1
         book = book_of(generation)
+        now = time.monotonic()
         if placed.slot is not None:
             conv.placed.discard(placed.slot)
             conv.background.pop(placed.slot, None)
-            conv.last_used[placed.slot] = time.monotonic()  # a checkpoint waits for a quiet moment after it too
+            conv.last_used[placed.slot] = now  # a checkpoint waits for a quiet moment after it too
             book.served(placed.slot, None, owner=asker.consumer)  # it holds what that request left: saved before a
             # conversation takes it
+            if not conversing:
+                book.unkeepable(placed.slot)  # embeddings, rerank, infill: no conversation to checkpoint
         else:
             book.forgotten()
+            conv.last_used.update({slot: now for slot in book.slots()})
         conv.freed.set()
 
     out.after.append(ended)
@@ -164,12 +170,16 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
 async def _clear_for(generation: Generation, conv: Conversations, asker: Asker) -> bool:
     """Before a request the server places itself, under isolation: every free slot holding another consumer's
     conversation is kept and cut down to the public beginning (the server would reuse whatever prefix the slot it
-    chooses holds)."""
+    chooses holds); False when one could not be (busy: a save under way), and the request must reuse nothing."""
     book, store = await counted(generation), store_of(generation)
     assert store is not None
     running = await _processing(generation) | conv.placed
+    whole = True
     for slot in range(book.total):
-        if slot in conv.busy or slot in running or not asker.foreign(book, slot):
+        if slot in running or not asker.foreign(book, slot):
+            continue
+        if slot in conv.busy:  # being saved (a checkpoint) or about to serve: not cut, so nothing may be reused
+            whole = False
             continue
         conv.busy.add(slot)
         try:
@@ -179,7 +189,7 @@ async def _clear_for(generation: Generation, conv: Conversations, asker: Asker) 
         finally:
             conv.busy.discard(slot)
             conv.freed.set()
-    return True
+    return whole
 
 
 @dataclass

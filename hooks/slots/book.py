@@ -74,7 +74,11 @@ class SlotBook:
     # it left in the slot and those it took from what the slot held, until the request that asked it is released
     _owner: dict[int, str] = field(default_factory=dict)  # the consumer whose conversation it holds (`consumers:`);
     # absent: nobody's (empty) or not known
-    _short: set[int] = field(default_factory=set)  # untracked slots a save found holding too little to keep
+    _unkeepable: set[int] = field(default_factory=set)  # untracked slots not worth a checkpoint: a save found too
+    # little there, or what is there is no conversation (embeddings, rerank, infill)
+    _changes: dict[int, int] = field(default_factory=dict)  # how often each slot's contents changed (a save tells the
+    # book what it found only when nothing changed while it ran)
+    _epoch: int = 0  # changes of every slot at once (forgotten)
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -123,7 +127,12 @@ class SlotBook:
     def untracked(self) -> list[int]:
         """The slots whose contents the book lost track of (a request the server placed itself, an answer not seen),
         but those a save since found holding too little to keep."""
-        return sorted(s for s in self._partial if s not in self._tokens and s not in self._short)
+        return sorted(s for s in self._partial if s not in self._tokens and s not in self._unkeepable)
+
+    def changes(self, slot: int) -> int:
+        """A count that moves whenever what the slot holds changes (a request served or went on there, a restore, a
+        cut, every slot forgotten)."""
+        return self._epoch + self._changes.get(slot, 0)
 
     def owner_of(self, slot: int) -> str | None:
         """The consumer whose conversation the slot holds, when known (`consumers:`)."""
@@ -167,7 +176,7 @@ class SlotBook:
         the next turn repeats them), or something unknown (None: a request that failed may have left part of
         it). `chain`: the request's; `owner`: its consumer."""
         self._owned(slot, owner)
-        self._short.discard(slot)
+        self._changed(slot)
         left = self._answer.pop(slot, (0, None))[0]
         if tokens is None:
             self._tokens.pop(slot, None)
@@ -190,6 +199,7 @@ class SlotBook:
         if reused is None:
             self.served(slot, None)
             return
+        self._changed(slot)
         if len(self.holds(slot)) > reused:
             self._tokens[slot] = self._tokens[slot][:reused]
         self._counted(slot, left)
@@ -221,9 +231,14 @@ class SlotBook:
         else:
             self._chain[slot] = chain
 
-    def too_short(self, slot: int) -> None:
-        """A save of the untracked slot kept nothing: it holds less than is worth keeping (until it serves again)."""
-        self._short.add(slot)
+    def unkeepable(self, slot: int) -> None:
+        """The untracked slot is not worth a checkpoint until it serves again: a save kept nothing (too short), or
+        the request that left it was no conversation."""
+        self._unkeepable.add(slot)
+
+    def _changed(self, slot: int) -> None:
+        self._changes[slot] = self._changes.get(slot, 0) + 1
+        self._unkeepable.discard(slot)
 
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
         self._tokens[slot], self._entry[slot] = tokens, key
@@ -234,6 +249,7 @@ class SlotBook:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it.
         `owner`: the consumer the entry is of."""
         self._owned(slot, owner)
+        self._changed(slot)
         self._tokens[slot] = tokens
         self._count.pop(slot, None)
         self._chain.pop(slot, None)
@@ -255,7 +271,8 @@ class SlotBook:
         self._chain.clear()
         self._from_store.clear()
         self._owner.clear()
-        self._short.clear()
+        self._unkeepable.clear()
+        self._epoch += 1
 
 
 _KEY = Key("slots.book", SlotBook)

@@ -122,13 +122,18 @@ class Saved:
 
 async def save_into(generation: Generation, store: Store, slot: int, min_tokens: int = 1,
                     max_bytes: int | None = None) -> Saved | None:
-    """What the slot holds, as an entry of the store; None when it holds fewer than `min_tokens`."""
+    """What the slot holds, as an entry of the store; None when it holds fewer than `min_tokens`. The book is told
+    what the slot holds only when nothing changed there while the save ran (a request the server placed itself may
+    have run there meanwhile)."""
     book = book_of(generation)
     began = time.monotonic()
+    before = book.changes(slot)
     with store.part(f"slot{slot}") as part:
         try:
             answer = await generation.client.slot_action(slot, "save", part.name)
             if int(answer.get("n_saved", 0)) < max(1, min_tokens):
+                if slot in book.untracked() and book.changes(slot) == before:
+                    book.unkeepable(slot)  # too little there to keep: not tried again until it serves again
                 return None
             header = kvfile.read(part)  # a file we cannot read back never becomes an entry
             book.learnt_version(header.version)
@@ -136,7 +141,8 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             whose = owned(generation, book.owner_of(slot))
             if (known := store.find(header.tokens, owner_of(whose))) is not None:
                 store.touch(known)
-                book.saved(slot, header.tokens, known.key)
+                if book.changes(slot) == before:
+                    book.saved(slot, header.tokens, known.key)
                 return Saved(known, False, server_ms, _ms(began))
             if max_bytes is not None and header.bytes > max_bytes:
                 raise NotSaved(f"{header.bytes >> 20} MiB is more than store.entry_max or store.budget")
@@ -145,7 +151,8 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
             entry = await _uncancelled(asyncio.to_thread(store.commit, part, header.tokens, record))
         except (LlamaError, kvfile.SlotFileError, Unreadable, OSError) as exc:
             raise NotSaved(f"save failed: {exc}", failed=True) from exc
-    book.saved(slot, header.tokens, entry.key)
+    if book.changes(slot) == before:
+        book.saved(slot, header.tokens, entry.key)
     return Saved(entry, True, server_ms, _ms(began))
 
 

@@ -45,10 +45,13 @@ def test_unkept_is_what_each_slot_holds_beyond_what_the_store_keeps() -> None:
     assert book.untracked() == []
     book.forgotten()  # a request the server placed itself: any slot may hold anything now
     assert unkept(conv, book) == {} and book.untracked() == [0, 1]
-    book.too_short(1)  # a save of it kept nothing: too little to keep
+    book.unkeepable(1)  # a save of it kept nothing: too little to keep
     assert book.untracked() == [0]
+    changes = book.changes(1)
     book.served(1, None)  # a request the server placed there
-    assert book.untracked() == [0, 1]
+    assert book.untracked() == [0, 1] and book.changes(1) > changes
+    book.restored(0, list(range(700)), "e2")  # a start's restore: kept as it stands
+    assert unkept(conv, book) == {0: 0}
 
 
 def test_what_an_answer_leaves_in_its_slot_is_read_from_its_last_timings() -> None:
