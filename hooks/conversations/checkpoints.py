@@ -17,7 +17,7 @@ import structlog
 
 from hooks.conversations.forget import follow
 from hooks.conversations.settings import CACHE
-from hooks.conversations.state import Conversations, enabled, grown, state
+from hooks.conversations.state import Conversations, enabled, state, unkept
 from hooks.conversations.step import save_slot
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
@@ -64,13 +64,11 @@ async def _keep_grown(host: Host, generation: Generation, conv: Conversations, s
     whose save failed is tried again after RETRY_S."""
     book = book_of(generation)
     now = time.monotonic()
-    for slot, tokens in book.known().items():
-        held = book.count(slot)  # the prompt, and the answer it generated
-        growth = grown(conv.kept_as.get(slot), tokens, held)
-        if growth < every or book.entry_of(slot) is not None or book.restored_unchanged(slot) \
-                or conv.retry_at.get(slot, 0.0) > now:
-            continue  # not grown enough, the store holds what it holds, or its last save failed a moment ago
-        if not await _keep(host, generation, conv, store, slot, tokens, growth):
+    known = book.known()
+    for slot, growth in unkept(conv, book).items():
+        if growth < every or conv.retry_at.get(slot, 0.0) > now:
+            continue  # kept as it stands or not grown enough, or its last save failed a moment ago
+        if not await _keep(host, generation, conv, store, slot, known[slot], growth):
             return  # a request came: it goes first
     isolating = consumers.isolating(CONSUMERS.of(generation.config))
     for slot in book.untracked():
