@@ -16,9 +16,9 @@ import time
 import structlog
 
 from hooks.conversations.forget import follow
+from hooks.conversations.moves import save_slot
 from hooks.conversations.settings import CACHE
-from hooks.conversations.state import Conversations, enabled, state, unkept
-from hooks.conversations.step import save_slot
+from hooks.conversations.state import Conversations, enabled, state
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store, layout
@@ -47,7 +47,7 @@ async def keep_while_idle(host: Host) -> None:
         if not every or not enabled(generation) or host.in_flight or not generation.alive:
             continue
         conv = state(generation)
-        if conv.busy or time.monotonic() - max(conv.last_used.values(), default=0.0) < CHECKPOINT_IDLE_S:
+        if conv.leases.busy or conv.leases.quiet_for() < CHECKPOINT_IDLE_S:
             continue
         store = store_of(generation)
         if store is None:
@@ -65,14 +65,15 @@ async def _keep_grown(host: Host, generation: Generation, conv: Conversations, s
     book = book_of(generation)
     now = time.monotonic()
     known = book.known()
-    for slot, growth in unkept(conv, book).items():
+    for slot, growth in book.unkept().items():
         if growth < every or conv.retry_at.get(slot, 0.0) > now:
             continue  # kept as it stands or not grown enough, or its last save failed a moment ago
         if not await _keep(host, generation, conv, store, slot, known[slot], growth):
             return  # a request came: it goes first
     isolating = consumers.isolating(CONSUMERS.of(generation.config))
     for slot in book.untracked():
-        if slot in conv.busy or conv.retry_at.get(slot, 0.0) > now or (isolating and book.owner_of(slot) is None):
+        if not conv.leases.free(slot) or conv.retry_at.get(slot, 0.0) > now \
+                or (isolating and book.owner_of(slot) is None):
             continue  # whose it holds is not known: kept as nobody's, no lookup under isolation could use it
         if not await _keep(host, generation, conv, store, slot, None, None):
             return
@@ -87,27 +88,20 @@ async def _keep(host: Host, generation: Generation, conv: Conversations, store: 
         return False
     book = book_of(generation)
     before = book.changes(slot)
-    conv.busy.add(slot)  # a request for this slot waits for the save (the server is busy with it anyway)
     began = time.monotonic()
-    try:
-        entry = await save_slot(generation, conv, store, slot, "checkpoint")
-    finally:
-        conv.busy.discard(slot)
-        conv.freed.set()
+    async with conv.leases.holding(slot):  # a request for this slot waits for the save (the server is busy anyway)
+        saved = await save_slot(generation, conv, store, slot, "checkpoint")
     if book.changes(slot) != before:
         return True  # a request the server placed there ran meanwhile: the next quiet moment keeps what it left
-    key = entry.key if entry is not None else book.entry_of(slot)
-    if key is None:
+    if saved is None:
         if prompt is not None or slot in book.untracked():  # the save failed or was skipped (logged): again later
             conv.retry_at[slot] = time.monotonic() + RETRY_S
         return True
     conv.retry_at.pop(slot, None)
-    conv.kept_as[slot] = (prompt if prompt is not None else book.holds(slot),
-                          entry.n_tokens if entry is not None else book.count(slot))
-    kept_entry = entry or store.get(key)
-    if kept_entry is not None:
-        store.note(layout.host_id(), {slot: kept_entry})  # what a restart's slots.restore puts back
-    log.info("conversations.checkpoint", slot=slot, tokens=conv.kept_as[slot][1], grown=growth,
-             written=entry.written if entry is not None else 0, ms=round((time.monotonic() - began) * 1000, 1),
+    entry = saved.entry
+    book.kept(slot, prompt if prompt is not None else book.holds(slot), entry.n_tokens)
+    store.note(layout.host_id(), {slot: entry})  # what a restart's slots.restore puts back
+    log.info("conversations.checkpoint", slot=slot, tokens=entry.n_tokens, grown=growth,
+             written=entry.written if saved.new else 0, ms=round((time.monotonic() - began) * 1000, 1),
              **({"untracked": True} if prompt is None else {}))
     return True

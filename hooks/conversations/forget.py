@@ -4,15 +4,13 @@ bucket with the chunks no other entry names, and a tombstone on the bucket so th
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from typing import Any
 
 import structlog
 
-from hooks.conversations.state import Conversations, enabled, state
-from hooks.conversations.step import counted
+from hooks.conversations.moves import erase_forgotten
+from hooks.conversations.state import Conversations, counted, enabled, state
 from hooks.slots.stores import store_of
 from hooks.store.bucket import BucketError
 from wrapper.configuration import consumers
@@ -64,30 +62,24 @@ async def clear_slots(generation: Generation, conv: Conversations, consumer: str
     def theirs(slot: int) -> bool:
         owner = book.owner_of(slot)
         return not book.empty(slot) and (owner == consumer or owner is None) and \
-            conv.last_used.get(slot, 0.0) <= since
+            conv.leases.last_used.get(slot, 0.0) <= since
 
+    leases = conv.leases
     deadline = time.monotonic() + IN_FLIGHT_WAIT_S
-    while any(theirs(s) for s in conv.busy) and time.monotonic() < deadline:
-        conv.freed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(conv.freed.wait(), timeout=1.0)
+    while any(theirs(s) for s in leases.busy) and time.monotonic() < deadline:
+        await leases.until_freed(1.0)
     cleared = []
     for slot in range(book.total):
-        if slot in conv.busy or not theirs(slot):
+        if not leases.free(slot) or not theirs(slot):
             continue
-        conv.busy.add(slot)
-        try:
-            await generation.client.slot_action(slot, "erase")
-        except LlamaError as exc:
-            log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
-            continue
-        finally:
-            conv.busy.discard(slot)
-            conv.freed.set()
-        book.cut(slot, [], "")
-        conv.kept_as.pop(slot, None)
+        async with leases.holding(slot):
+            try:
+                await erase_forgotten(generation, slot)
+            except LlamaError as exc:
+                log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
+                continue
         cleared.append(slot)
-    return cleared, [s for s in conv.busy if theirs(s)]
+    return cleared, [s for s in leases.busy if theirs(s)]
 
 
 async def follow(generation: Generation) -> None:

@@ -1,11 +1,11 @@
 """Each consumer's conversations are its own (`consumers.isolate`): who a request is, what of the slots and the store
-it may be served from, and the cut that leaves a slot holding only the public beginning (`consumers.shared_prefix`)
-before another consumer's request runs there.
+it may be served from, and what a request that may not be pinned is told (to reuse nothing).
 
 llama-server reuses whatever prefix a slot holds, whoever put it there, and answers faster for it: served from
 another's slot, folder or bucket entry, a request's first token would tell its sender what the other asked. So under
 isolation a request is pinned only where what the slot holds beyond the public beginning is its own consumer's (or is
-cut first: saved, then cut down to that beginning), and brought back only from its own consumer's entries."""
+cut first: kept, then cut down to that beginning by hooks/conversations/moves.py's `take`), and brought back only from
+its own consumer's entries."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from hooks.slots.book import SlotBook, book_of
+from hooks.slots.book import SlotBook
 from hooks.store import Entry, common_prefix, owner_of
 from wrapper.configuration import consumers
 from wrapper.configuration.consumers import CONSUMERS
 from wrapper.server.generation import Generation
 from wrapper.server.llama import LlamaError
+from wrapper.steps import Outgoing
 
 log = structlog.get_logger()
 
@@ -89,17 +90,10 @@ async def _tokens_of(generation: Generation, prefix: dict[str, object]) -> list[
     return [int(t) for t in tokenized["tokens"]]
 
 
-async def cut(generation: Generation, slot: int, keep: list[int], asker: Asker) -> None:
-    """Leave the slot holding only `keep` (the public beginning it shares with the request, or nothing): a prefill of
-    those tokens, which llama-server takes from what the slot holds, dropping the rest; an erase when there are none.
-    What it held was saved first (the caller's `_make_room`)."""
-    book = book_of(generation)
-    was = book.owner_of(slot)
-    if len(keep) > 1:
-        await generation.client.prefill(slot, keep)
-    else:
-        await generation.client.slot_action(slot, "erase")
-        keep = []
-    book.cut(slot, keep, PUBLIC)
-    log.info("consumers.cut", slot=slot, of=was if was is not None else "unknown", kept=len(keep),
-             **({"for": asker.consumer} if asker.consumer is not None else {}))
+def uncached(out: Outgoing, asker: Asker) -> Outgoing:
+    """A request the wrapper does not pin: under isolation it is told to reuse nothing (`cache_prompt: false`), since
+    the slot llama-server chooses may hold another consumer's conversation."""
+    if asker.isolated and out.payload is not None:
+        out.payload["cache_prompt"] = False
+        out.body = json.dumps(out.payload).encode()
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hooks.conversations.state import enabled, state, unkept
+from hooks.conversations.state import enabled, state
 from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store import Store
@@ -43,7 +43,7 @@ def metrics(generation: Generation) -> None:
     if enabled(generation) and store is not None:
         METRICS.conv_entries.set(len(store.entries()))
         METRICS.conv_bytes.set(store.used_bytes())
-        METRICS.conv_unkept.set(sum(unkept(state(generation), book_of(generation)).values()))
+        METRICS.conv_unkept.set(sum(book_of(generation).unkept().values()))
         for name, kept in _kept_by_consumer(generation, store).items():
             for tier in ("folder", "bucket"):
                 METRICS.consumer_bytes.labels(consumer=name, tier=tier).set(kept[f"{tier}_bytes"])
@@ -92,7 +92,7 @@ def status(generation: Generation) -> dict[str, Any]:
     METRICS.conv_entries.set(len(entries))
     METRICS.conv_bytes.set(total)
     book = book_of(generation)
-    at_risk = sum(unkept(conv, book).values())
+    at_risk = sum(book.unkept().values())
     METRICS.conv_unkept.set(at_risk)
     return {
         "on": True, "entries": [{**e.as_dict(), "hits": conv.hits_by_entry.get(e.key, 0)} for e in entries[:50]],

@@ -3,43 +3,90 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from hooks.conversations.isolation import PublicPrefix
 from hooks.conversations.rates import KeptRates
 from hooks.conversations.settings import CACHE
 from hooks.decisions import Decisions
-from hooks.slots.book import SlotBook
+from hooks.slots.book import SlotBook, book_of
 from hooks.slots.stores import store_of
-from hooks.store import common_prefix
 from wrapper.kept import Key
 from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation
+from wrapper.server.llama import LlamaError
 
 FAMILY = "conversations"
 
 
 @dataclass
+class Leases:
+    """Which slots a request or a move of ours holds now (a pinned request, a save, a cut), which ones requests the
+    server placed itself were seen in, and when each was last used: the one lease every step, checkpoint and forget
+    takes a slot through."""
+
+    busy: set[int] = field(default_factory=set)  # slots held by a request or a move of ours
+    placed: set[int] = field(default_factory=set)  # the slots requests the server placed itself were seen in
+    background: dict[int, bool] = field(default_factory=dict)  # slot -> whether its last request was an agent's
+    last_used: dict[int, float] = field(default_factory=dict)
+    _freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when a slot is let go
+
+    def free(self, slot: int) -> bool:
+        return slot not in self.busy
+
+    def take(self, slot: int) -> None:
+        self.busy.add(slot)
+
+    def let_go(self, slot: int, used: bool = True) -> None:
+        """The slot is free for another request or move of ours; `used`: a request ran there (the checkpoints'
+        quiet moment counts from now)."""
+        self.busy.discard(slot)
+        if used:
+            self.last_used[slot] = time.monotonic()
+        self._freed.set()
+
+    def used(self, *slots: int) -> None:
+        now = time.monotonic()
+        self.last_used.update({slot: now for slot in slots})
+        self._freed.set()
+
+    @contextlib.asynccontextmanager
+    async def holding(self, slot: int) -> AsyncIterator[None]:
+        """A move's hold on a free slot (a save, a cut, an erase): requests wait for it; it is not a use."""
+        self.take(slot)
+        try:
+            yield
+        finally:
+            self.let_go(slot, used=False)
+
+    async def until_freed(self, timeout: float) -> None:
+        """Until a slot is let go, or `timeout` seconds."""
+        self._freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._freed.wait(), timeout=timeout)
+
+    def quiet_for(self) -> float:
+        """Seconds since a request last used a slot."""
+        return time.monotonic() - max(self.last_used.values(), default=0.0)
+
+
+@dataclass
 class Conversations:
     kept: KeptRates | None = None  # loaded at the first use (the model id is known then)
-    busy: set[int] = field(default_factory=set)  # slots with a request of ours in flight
+    leases: Leases = field(default_factory=Leases)
     unpinned: int = 0  # requests in flight in a slot the server chose (Responses, Messages, infill, embeddings)
-    background: dict[int, bool] = field(default_factory=dict)  # slot -> whether its last request was an agent's
     placing: int = 0  # of those, the ones whose slot is not known yet (pinned requests wait for it, a while)
     settling: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each of them is placed
-    placed: set[int] = field(default_factory=set)  # the slots such requests were seen in, while they run
     finding: set[asyncio.Task[None]] = field(default_factory=set)  # the polls that look for them
-    last_used: dict[int, float] = field(default_factory=dict)
-    freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when one of our requests ends
     decisions: Decisions = field(default_factory=Decisions)
     written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
     hits: int = 0
     hits_by_entry: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
-    kept_as: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # slot -> (its prompt, the tokens it
-    # held) when it was last kept (checkpoints)
     retry_at: dict[int, float] = field(default_factory=dict)  # slot -> when a checkpoint tries it again (its save
     # failed: the disk, the server)
     continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
@@ -85,21 +132,11 @@ def enabled(generation: Generation) -> bool:
     return CACHE.of(generation.config).enabled and store_of(generation) is not None
 
 
-def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -> int:
-    """How much a slot holding `held` tokens for `prompt` grew since it was kept as `kept_as` (its prompt then,
-    the tokens it held then): from what it held when this conversation goes on from that one, else from what
-    the two share (another conversation took the slot)."""
-    if kept_as is None:
-        return held
-    kept_prompt, kept_held = kept_as
-    shared = common_prefix(kept_prompt, prompt)
-    return held - (kept_held if shared == len(kept_prompt) else shared)
-
-
-def unkept(conv: Conversations, book: SlotBook) -> dict[int, int]:
-    """Each slot's tokens the store does not keep: what a crash now would prefill again (0: its conversation is
-    kept as it stands, restored unchanged or saved since it last grew). Untracked slots are not counted
-    (`SlotBook.untracked`: what they hold is not known)."""
-    return {slot: 0 if book.entry_of(slot) is not None or book.restored_unchanged(slot) else
-            max(0, grown(conv.kept_as.get(slot), tokens, book.count(slot))) for slot, tokens in book.known().items()}
-
+async def counted(generation: Generation) -> SlotBook:
+    """The book, once it knows how many slots the server runs (asked at a new server's first need of it: its start
+    may have restored conversations into them)."""
+    book = book_of(generation)
+    if not book.total:
+        with contextlib.suppress(LlamaError):
+            book.learnt_total(int((await generation.props()).get("total_slots") or 1))
+    return book

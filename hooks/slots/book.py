@@ -19,6 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hooks.store import common_prefix
 from wrapper import paths
 from wrapper.kept import Key
 from wrapper.server.generation import Generation
@@ -58,27 +59,44 @@ class SlotsView(Protocol):
 
 
 @dataclass
+class Slot:
+    """What the book knows of one slot: one record, changed only through the book's methods."""
+
+    tokens: list[int] | None = None  # its first tokens as far as they are known (a prompt's, a save's, a restore's)
+    count: int = 0  # how many tokens it holds, when more than `tokens` says (an answer's, whose ids are not known)
+    entry: str | None = None  # the entry holding exactly what the slot holds
+    from_store: bool = False  # it holds what a restore put there, unchanged
+    partial: bool = False  # it holds more than its tokens say (a turn went on there untold, or something unknown):
+    # a conversation taking it saves it first
+    chain: object | None = None  # the conversation cache's chain of its last request (hooks/conversations/chain.py)
+    answer: tuple[int, int | None] | None = None  # the answer just seen there: the tokens it left and those it took
+    # from what the slot held, until the request that asked it is released
+    owner: str | None = None  # the consumer whose conversation it holds (`consumers:`); None: nobody's or not known
+    unkeepable: bool = False  # untracked, and not worth a checkpoint: a save found too little there, or what is
+    # there is no conversation (embeddings, rerank, infill)
+    changes: int = 0  # how often its contents changed (a save tells the book what it found only when nothing
+    # changed while it ran)
+    kept: tuple[list[int], int] | None = None  # (its prompt, the tokens it held) when it was last kept: what a
+    # crash now would not lose of it (a checkpoint, a save as it left)
+
+    @property
+    def held(self) -> int:
+        return max(len(self.tokens or ()), self.count)
+
+
+@dataclass
 class SlotBook:
     _total: int = 0  # -np as the server reports it, once asked
     _exact: bool = False  # every completion is pinned (the conversation cache): the book is what the slots hold
     _state_version: int | None = None  # the slot-file version this server writes, once learnt
-    _tokens: dict[int, list[int]] = field(default_factory=dict)
-    _entry: dict[int, str] = field(default_factory=dict)  # the entry holding exactly what the slot holds
-    _from_store: set[int] = field(default_factory=set)  # slots holding what a restore put there, unchanged
-    _partial: set[int] = field(default_factory=set)  # slots that hold more than their tokens here say (a turn went
-    # on there untold, or something unknown): a conversation taking such a slot saves it first
-    _chain: dict[int, object] = field(default_factory=dict)  # the conversation cache's chain of the slot's last
-    # request (hooks/conversations/chain.py): what it holds goes on from there
-    _count: dict[int, int] = field(default_factory=dict)  # how many tokens it holds, when more than its tokens say
-    _answer: dict[int, tuple[int, int | None]] = field(default_factory=dict)  # the answer just seen there: the tokens
-    # it left in the slot and those it took from what the slot held, until the request that asked it is released
-    _owner: dict[int, str] = field(default_factory=dict)  # the consumer whose conversation it holds (`consumers:`);
-    # absent: nobody's (empty) or not known
-    _unkeepable: set[int] = field(default_factory=set)  # untracked slots not worth a checkpoint: a save found too
-    # little there, or what is there is no conversation (embeddings, rerank, infill)
-    _changes: dict[int, int] = field(default_factory=dict)  # how often each slot's contents changed (a save tells the
-    # book what it found only when nothing changed while it ran)
+    _slots: dict[int, Slot] = field(default_factory=dict)
     _epoch: int = 0  # changes of every slot at once (forgotten)
+
+    def _at(self, slot: int) -> Slot:
+        return self._slots.setdefault(slot, Slot())
+
+    def _of(self, slot: int) -> Slot:
+        return self._slots.get(slot) or Slot()
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -95,59 +113,73 @@ class SlotBook:
         return self._state_version
 
     def holds(self, slot: int) -> list[int]:
-        return self._tokens.get(slot, [])
+        return self._of(slot).tokens or []
 
     def known(self) -> dict[int, list[int]]:
-        return dict(self._tokens)
+        return {slot: record.tokens for slot, record in sorted(self._slots.items()) if record.tokens is not None}
 
     def tokens_per_slot(self) -> dict[int, int]:
-        return {slot: len(tokens) for slot, tokens in self._tokens.items()}
+        return {slot: len(tokens) for slot, tokens in self.known().items()}
 
     def held(self) -> dict[int, int]:
-        return {slot: self.count(slot) for slot in {*self._tokens, *self._count}}
+        return {slot: record.held for slot, record in sorted(self._slots.items())
+                if record.tokens is not None or record.count}
 
     def count(self, slot: int) -> int:
         """How many tokens the slot holds: its tokens, or more when an answer there generated more (whose ids are
         not known: the next turn repeats them)."""
-        return max(len(self._tokens.get(slot, [])), self._count.get(slot, 0))
+        return self._of(slot).held
 
     def entry_of(self, slot: int) -> str | None:
         """The entry that holds exactly what the slot holds, when that is known."""
-        return self._entry.get(slot) if self._exact else None
+        return self._of(slot).entry if self._exact else None
 
     def partial(self, slot: int) -> bool:
         """Whether the slot may hold more than `holds` says: its tokens are only a prefix of what it holds (a turn
         went on there untold), or unknown (a request that failed, or one the server placed itself)."""
-        return slot in self._partial
+        return self._of(slot).partial
 
     def restored_unchanged(self, slot: int) -> bool:
         """Whether the slot holds what a restore put there, no request served since."""
-        return slot in self._from_store
+        return self._of(slot).from_store
 
     def untracked(self) -> list[int]:
         """The slots whose contents the book lost track of (a request the server placed itself, an answer not seen),
         but those a save since found holding too little to keep."""
-        return sorted(s for s in self._partial if s not in self._tokens and s not in self._unkeepable)
+        return [s for s, r in sorted(self._slots.items()) if r.partial and r.tokens is None and not r.unkeepable]
 
     def changes(self, slot: int) -> int:
         """A count that moves whenever what the slot holds changes (a request served or went on there, a restore, a
         cut, every slot forgotten)."""
-        return self._epoch + self._changes.get(slot, 0)
+        return self._epoch + self._of(slot).changes
 
     def owner_of(self, slot: int) -> str | None:
         """The consumer whose conversation the slot holds, when known (`consumers:`)."""
-        return self._owner.get(slot)
+        return self._of(slot).owner
 
     def empty(self, slot: int) -> bool:
         """Whether the slot is known to hold nothing."""
-        return not self.count(slot) and slot not in self._partial
+        record = self._of(slot)
+        return not record.held and not record.partial
 
     def chain_of(self, slot: int) -> object | None:
         """The chain of the request the slot served last, while it holds that request's conversation."""
-        return self._chain.get(slot)
+        return self._of(slot).chain
+
+    def kept_as(self, slot: int) -> tuple[list[int], int] | None:
+        """(its prompt, the tokens it held) when the slot was last kept; None: never since it was forgotten."""
+        return self._of(slot).kept
+
+    def unkept(self) -> dict[int, int]:
+        """Each slot's tokens the store does not keep: what a crash now would prefill again (0: its conversation is
+        kept as it stands, restored unchanged or saved since it last grew). Untracked slots are not counted (what
+        they hold is not known)."""
+        return {slot: 0 if self.entry_of(slot) is not None or record.from_store else
+                max(0, grown(record.kept, tokens, record.held)) for slot, record in sorted(self._slots.items())
+                if (tokens := record.tokens) is not None}
 
     def slots(self) -> range:
-        return range(max(1, self._total, *(s + 1 for s in self._tokens)))
+        return range(max(1, self._total, *(s + 1 for s, r in self._slots.items() if r.tokens is not None)))
 
     # -- what the server said -----------------------------------------------------------------------------------
 
@@ -167,112 +199,97 @@ class SlotBook:
         """An answer came from the slot: it left `left` tokens there (its prompt and what it generated), of which
         `reused` were what the slot held before; which tokens they are is told when the request is released
         (`served`, `continued`)."""
-        self._answer[slot] = (left, reused)
-        self._count[slot] = left
+        record = self._at(slot)
+        record.answer, record.count = (left, reused), left
 
     def served(self, slot: int, tokens: list[int] | None, chain: object | None = None,
                owner: str | None = None) -> None:
         """A request ran there: it holds its tokens and what it generated (as many as its answer left, when seen:
         the next turn repeats them), or something unknown (None: a request that failed may have left part of
         it). `chain`: the request's; `owner`: its consumer."""
-        self._owned(slot, owner)
-        self._changed(slot)
-        left = self._answer.pop(slot, (0, None))[0]
-        if tokens is None:
-            self._tokens.pop(slot, None)
-            self._count.pop(slot, None)
-            self._partial.add(slot)
-        else:
-            self._tokens[slot] = tokens
-            self._counted(slot, left)
-            self._partial.discard(slot)
-        self._set_chain(slot, chain if tokens is not None else None)
-        self._entry.pop(slot, None)
-        self._from_store.discard(slot)
+        record = self._changed(slot)
+        left = record.answer[0] if record.answer is not None else 0
+        record.answer, record.owner, record.tokens = None, owner, tokens
+        record.count = left if tokens is not None and left > len(tokens) else 0
+        record.partial = tokens is None
+        record.chain = chain if tokens is not None else None
+        record.entry, record.from_store = None, False
 
     def continued(self, slot: int, chain: object) -> None:
         """A request that went on from what the slot held ran there (its tokens were not told): the server kept the
         first tokens its answer says it reused of what the slot held, so the book's tokens up to there are still
         what it holds first (the rest is not known token by token). An answer not seen (an error, a cut, no
         timings) leaves it unknown."""
-        left, reused = self._answer.pop(slot, (0, None))
+        record = self._at(slot)
+        left, reused = record.answer if record.answer is not None else (0, None)
         if reused is None:
             self.served(slot, None)
             return
         self._changed(slot)
-        if len(self.holds(slot)) > reused:
-            self._tokens[slot] = self._tokens[slot][:reused]
-        self._counted(slot, left)
-        self._set_chain(slot, chain)
-        self._partial.add(slot)
-        self._entry.pop(slot, None)
-        self._from_store.discard(slot)
+        record.answer = None
+        if record.tokens is not None and len(record.tokens) > reused:
+            record.tokens = record.tokens[:reused]
+        record.count = left if left > len(record.tokens or ()) else 0
+        record.chain, record.partial = chain, True
+        record.entry, record.from_store = None, False
 
     def cut(self, slot: int, tokens: list[int], owner: str | None) -> None:
         """The slot was cut down to `tokens` (a public beginning, or nothing) for `owner`'s request."""
         self.served(slot, tokens, None, owner)
-        self._count.pop(slot, None)
-
-    def _owned(self, slot: int, owner: str | None) -> None:
-        if owner is None:
-            self._owner.pop(slot, None)
-        else:
-            self._owner[slot] = owner
-
-    def _counted(self, slot: int, left: int) -> None:
-        if left > len(self._tokens.get(slot, [])):
-            self._count[slot] = left
-        else:
-            self._count.pop(slot, None)
-
-    def _set_chain(self, slot: int, chain: object | None) -> None:
-        if chain is None:
-            self._chain.pop(slot, None)
-        else:
-            self._chain[slot] = chain
+        self._at(slot).count = 0
 
     def unkeepable(self, slot: int) -> None:
         """The untracked slot is not worth a checkpoint until it serves again: a save kept nothing (too short), or
         the request that left it was no conversation."""
-        self._unkeepable.add(slot)
+        self._at(slot).unkeepable = True
 
-    def _changed(self, slot: int) -> None:
-        self._changes[slot] = self._changes.get(slot, 0) + 1
-        self._unkeepable.discard(slot)
+    def _changed(self, slot: int) -> Slot:
+        record = self._at(slot)
+        record.changes += 1
+        record.unkeepable = False
+        return record
 
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
-        self._tokens[slot], self._entry[slot] = tokens, key
-        self._count.pop(slot, None)
-        self._partial.discard(slot)
+        record = self._at(slot)
+        record.tokens, record.entry, record.count, record.partial = tokens, key, 0, False
+
+    def kept(self, slot: int, prompt: list[int], held: int) -> None:
+        """The slot's conversation is kept as it stands (a checkpoint): `prompt` the tokens the book knew it held
+        first, `held` how many it held."""
+        self._at(slot).kept = (prompt, held)
 
     def restored(self, slot: int, tokens: list[int], key: str | None, owner: str | None = None) -> None:
         """`key` None: what it came from is not an entry (a pair of the earlier layout): the next save writes it.
         `owner`: the consumer the entry is of."""
-        self._owned(slot, owner)
-        self._changed(slot)
-        self._tokens[slot] = tokens
-        self._count.pop(slot, None)
-        self._chain.pop(slot, None)
-        self._partial.discard(slot)
-        self._from_store.add(slot)
-        if key is None:
-            self._entry.pop(slot, None)
-        else:
-            self._entry[slot] = key
+        record = self._changed(slot)
+        record.owner, record.tokens, record.count, record.chain = owner, tokens, 0, None
+        record.partial, record.from_store, record.entry = False, True, key
+
+    def erased(self, slot: int) -> None:
+        """The slot holds nothing now, and nothing of it counts as kept (a forget)."""
+        self.cut(slot, [], "")
+        self._at(slot).kept = None
 
     def forgotten(self) -> None:
         """A request the server put in a slot of its own choosing: any slot may hold something else now (each is
         saved before a conversation takes it)."""
-        self._partial.update(self.slots())
-        self._tokens.clear()
-        self._count.clear()
-        self._answer.clear()
-        self._entry.clear()
-        self._chain.clear()
-        self._from_store.clear()
-        self._owner.clear()
-        self._unkeepable.clear()
+        for slot in self.slots():
+            self._at(slot)
+        for record in self._slots.values():
+            record.tokens, record.count, record.answer, record.entry, record.chain = None, 0, None, None, None
+            record.partial, record.from_store, record.owner, record.unkeepable = True, False, None, False
         self._epoch += 1
+
+
+def grown(kept_as: tuple[list[int], int] | None, prompt: list[int], held: int) -> int:
+    """How much a slot holding `held` tokens for `prompt` grew since it was kept as `kept_as` (its prompt then,
+    the tokens it held then): from what it held when this conversation goes on from that one, else from what
+    the two share (another conversation took the slot)."""
+    if kept_as is None:
+        return held
+    kept_prompt, kept_held = kept_as
+    shared = common_prefix(kept_prompt, prompt)
+    return held - (kept_held if shared == len(kept_prompt) else shared)
 
 
 _KEY = Key("slots.book", SlotBook)

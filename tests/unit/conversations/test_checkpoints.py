@@ -3,9 +3,8 @@ included."""
 
 from __future__ import annotations
 
-from hooks.conversations.state import Conversations, grown, unkept
 from hooks.slots import left_in_slot
-from hooks.slots.book import SlotBook
+from hooks.slots.book import SlotBook, grown
 
 
 def test_a_conversation_never_kept_grew_by_all_it_holds() -> None:
@@ -27,31 +26,31 @@ def test_another_conversation_in_the_slot_grew_from_what_the_two_share() -> None
 def test_unkept_is_what_each_slot_holds_beyond_what_the_store_keeps() -> None:
     """What a crash now would prefill again (status `unkept_tokens`): nothing for a slot saved since it last grew
     or restored unchanged, all of a conversation never kept, the growth of one kept before."""
-    book, conv = SlotBook(), Conversations()
+    book = SlotBook()
     book.learnt_total(2)
     book.pinned()
     first = list(range(900))
     book.answered(0, 1200, 0)
     book.served(0, first)
     book.restored(1, list(range(5000, 5400)), "e1")
-    assert unkept(conv, book) == {0: 1200, 1: 0}
+    assert book.unkept() == {0: 1200, 1: 0}
     book.saved(0, list(range(1200)), "e0")
-    conv.kept_as[0] = (first, 1200)
-    assert unkept(conv, book) == {0: 0, 1: 0}
+    book.kept(0, first, 1200)
+    assert book.unkept() == {0: 0, 1: 0}
     following = [*range(1200), *range(2000, 2100)]
     book.answered(0, 1400, 1200)
     book.served(0, following)
-    assert unkept(conv, book) == {0: 200, 1: 0}
+    assert book.unkept() == {0: 200, 1: 0}
     assert book.untracked() == []
     book.forgotten()  # a request the server placed itself: any slot may hold anything now
-    assert unkept(conv, book) == {} and book.untracked() == [0, 1]
+    assert book.unkept() == {} and book.untracked() == [0, 1]
     book.unkeepable(1)  # a save of it kept nothing: too little to keep
     assert book.untracked() == [0]
     changes = book.changes(1)
     book.served(1, None)  # a request the server placed there
     assert book.untracked() == [0, 1] and book.changes(1) > changes
     book.restored(0, list(range(700)), "e2")  # a start's restore: kept as it stands
-    assert unkept(conv, book) == {0: 0}
+    assert book.unkept() == {0: 0}
 
 
 def test_what_an_answer_leaves_in_its_slot_is_read_from_its_last_timings() -> None:
