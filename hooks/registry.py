@@ -182,6 +182,7 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         before=(Before(conversations.PATHS, conversations.before),
                 Before(paths.SLOT_USERS_UNPINNED, conversations.unpinned)),
         observer=conversations.observer, metrics=conversations.metrics, background=conversations.keep_while_idle,
+        server_line=conversations.server_line,
         keeps_paused=True, families=("llama_wrapper_conversation_cache_",),
         routes=(Route("DELETE", "/wrapper/conversations", forget.forget,
                       "the conversation cache comes with the slot built-ins (on_startup: "

@@ -67,6 +67,17 @@ class Metrics:
                                     registry=r)
         self.conv_bytes_written = Counter("llama_wrapper_conversation_cache_written_bytes",
                                           "Bytes written into the cache", registry=r)
+        self.conv_checkpoints = Counter("llama_wrapper_conversation_cache_checkpoints", "Conversations kept again "
+                                        "while in their slots: after a quiet moment (idle) or right after an answer "
+                                        "(busy)", ["when"], registry=r)
+        self.conv_purged = Counter("llama_wrapper_conversation_cache_purged_tokens", "Tokens llama-server erased "
+                                   "from an idle slot to make room in the shared KV that the cache did not keep (a "
+                                   "loss the wrapper did not prevent)", registry=r)
+        self.conv_room = Counter("llama_wrapper_conversation_cache_room_takes", "Slots the wrapper kept and erased "
+                                 "to make room in the shared KV before a prompt or a restore", registry=r)
+        self.conv_checkpoint_stall = Counter("llama_wrapper_conversation_cache_checkpoint_stall_seconds", "Seconds "
+                                             "llama-server's loop spent writing checkpoints taken while busy "
+                                             "(every slot's decoding waits meanwhile)", registry=r)
         self.store_entries = Gauge("llama_wrapper_store_entries", "Conversations each tier holds", ["tier"],
                                    registry=r)
         self.store_bytes = Gauge("llama_wrapper_store_bytes", "Bytes each tier holds (the bucket's: the states' "

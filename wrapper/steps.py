@@ -16,6 +16,18 @@ Observer = Callable[[str, int, bytes], None]
 """Called with (path, status, the last bytes of the body) once a response has been passed on whole."""
 
 
+LIMITS = ("max_completion_tokens", "max_tokens", "n_predict", "max_output_tokens")  # what it may generate, by API
+
+
+def limit(request: dict[str, Any]) -> int | None:
+    """What the request may generate, whichever key its API names it with."""
+    for key in LIMITS:
+        value = request.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
     """An error in llama-server's own shape, so clients parse it the same way."""
     return {"error": {"code": status, "message": message, "type": kind}}

@@ -13,13 +13,15 @@ from __future__ import annotations
 from hooks.conversations.checkpoints import keep_while_idle
 from hooks.conversations.placed import unpinned
 from hooks.conversations.report import metrics, observer, status
+from hooks.conversations.room import server_line
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import FAMILY
 from hooks.conversations.step import PATHS, before
 from hooks.slots.settings import FAMILY as SLOTS_FAMILY
 from wrapper.configuration.config import Config
 
-__all__ = ["FAMILY", "PATHS", "before", "in_use", "keep_while_idle", "metrics", "observer", "status", "unpinned"]
+__all__ = ["FAMILY", "PATHS", "before", "in_use", "keep_while_idle", "metrics", "observer", "server_line", "status",
+           "unpinned"]
 
 
 def in_use(config: Config) -> bool:

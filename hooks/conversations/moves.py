@@ -10,6 +10,7 @@ when that pays (hooks/conversations/policy.py's rule)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import structlog
@@ -27,6 +28,9 @@ from wrapper.metrics import METRICS
 from wrapper.server.generation import Generation, ServerLost
 
 log = structlog.get_logger()
+
+Room = Callable[[int, bool], Awaitable[bool]]
+"""Room made in the shared KV for a state of that many cells (hooks/conversations/room.py's `make`, for one slot)."""
 
 
 # -- a conversation leaves its slot ---------------------------------------------------------------------------
@@ -145,9 +149,11 @@ def _skip(slot: int, reason: str) -> None:
 
 async def bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
                      tokens: list[int], resuming: bool = False, session: str | None = None,
-                     asker: Asker = NOBODY) -> None:
+                     asker: Asker = NOBODY, room: Room | None = None) -> None:
     """`resuming`: a paused generation goes on; its own state is restored whenever it holds more than the slot (it
-    is the KV its decoding computed: a prefill computes it another way, and the text would drift)."""
+    is the KV its decoding computed: a prefill computes it another way, and the text would drift). `room(cells,
+    ask)`: room made in the shared KV for a state of that many cells before it is restored (`ask`: after the server
+    refused it, asking the server what the slots hold); a refused restore is tried once more after that."""
     settings = CACHE.of(generation.config)
     entry, shared = store.best(tokens) if not asker.isolated else best_of(
         [e for e in store.entries() if asker.sees(e)], tokens)
@@ -177,9 +183,23 @@ async def bring_back(generation: Generation, conv: Conversations, store: Store, 
         else:
             conv.miss(decision.miss or "not cached", asker.consumer)
         return
+    if room is not None and entry.n_tokens > len(tokens):
+        await room(entry.n_tokens, False)
     try:
-        done = await restore_into(generation, store, entry, slot)
+        try:
+            done = await restore_into(generation, store, entry, slot)
+        except NotRestored as exc:
+            if not exc.failed or room is None:
+                raise
+            book_of(generation).cut(slot, [], None)  # a refused restore leaves the slot empty
+            if not await room(entry.n_tokens, True):
+                raise
+            log.info("conversations.restore_again", slot=slot, entry=entry.key, reason=exc.reason,
+                     why="room made in the shared KV")
+            done = await restore_into(generation, store, entry, slot)
     except NotRestored as exc:
+        if exc.failed:
+            book_of(generation).cut(slot, [], None)
         conv.miss("the server refused it" if exc.failed else "not usable", asker.consumer)
         log.info("conversations.entry_skipped", entry=entry.key, reason=exc.reason, removed=exc.damaged)
         if exc.damaged:

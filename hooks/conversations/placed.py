@@ -49,8 +49,8 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     conversing = out.path in (*paths.RESPONSES, *paths.MESSAGES)
     placed = _Placed(use=out.use)
     finding = asyncio.create_task(_find_place(generation, conv, placed))
-    conv.finding.add(finding)
-    finding.add_done_callback(conv.finding.discard)
+    conv.tasks.add(finding)
+    finding.add_done_callback(conv.tasks.discard)
 
     def ended(status: int | None) -> None:
         if placed.done:

@@ -102,6 +102,9 @@ def status(generation: Generation) -> dict[str, Any]:
                   "convert_bytes_per_s": rates.convert_bps},
         "unkept_tokens": at_risk, "untracked_slots": book.untracked(),
         "hits": conv.hits, "misses": dict(conv.misses), "continued": conv.continued, "decisions": list(conv.decisions),
+        "checkpoints": {**conv.checkpoints, "stall_s": round(conv.stall_s, 3)},
+        "purged": {"count": len(conv.purged), "unkept_tokens": sum(p["unkept"] for p in conv.purged),
+                   "last": list(conv.purged)[-5:]},
         "bytes_written": {"total": conv.bytes_written(), "last_hour": conv.bytes_written(3600)},
         **({"consumers": by} if (by := consumers_status(generation, store)) is not None else {}),
     }

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hooks.store.settings import MOVED_FROM_CACHE
-from wrapper.configuration.settings import BOOL, COUNT, NUMBER, SIZE_OR_AUTO, Section, setting
+from wrapper.configuration.settings import BOOL, COUNT, FRACTION, NUMBER, SIZE_OR_AUTO, Section, setting
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,15 @@ class CacheSettings:
     restore_rate: int | None = setting(None, SIZE_OR_AUTO, "bytes per second a restore reads (`auto`: measured; "
                                        "give one for a slow disk)")
     checkpoint_tokens: int = setting(1024, COUNT, "a conversation still in its slot is kept again once it grew by "
-                                     "this many tokens (its answers included) since it was last kept, when no "
-                                     "request has been in flight for 2s: a crash between turns then costs at most "
-                                     "the prefill of this many tokens (0: kept only when it leaves its slot, and at "
-                                     "a stop)")
+                                     "this many tokens (its answers included) since it was last kept: right after "
+                                     "the answer that grew it (within `cache.checkpoint_share`), else once no "
+                                     "request has been in flight for 2s. A crash then costs at most the prefill of "
+                                     "this many tokens and the turn under way (0: kept only when it leaves its slot, "
+                                     "and at a stop)")
+    checkpoint_share: float = setting(0.05, FRACTION, "the most of a busy server's time the checkpoints taken right "
+                                      "after an answer may hold llama-server's loop (a save stops every slot's "
+                                      "decoding while it writes): after one that held it t seconds, the next waits "
+                                      "t / this (0: checkpoints only after 2s of quiet)")
 
 
 CACHE = Section("cache", CacheSettings, "the conversation cache", moved=MOVED_FROM_CACHE)

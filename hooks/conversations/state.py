@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from hooks.conversations.isolation import PublicPrefix
 from hooks.conversations.rates import KeptRates
@@ -33,6 +34,7 @@ class Leases:
     placed: set[int] = field(default_factory=set)  # the slots requests the server placed itself were seen in
     background: dict[int, bool] = field(default_factory=dict)  # slot -> whether its last request was an agent's
     last_used: dict[int, float] = field(default_factory=dict)
+    keeping: set[int] = field(default_factory=set)  # of the busy ones, those a checkpoint saves right after an answer
     _freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when a slot is let go
 
     def free(self, slot: int) -> bool:
@@ -69,6 +71,14 @@ class Leases:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._freed.wait(), timeout=timeout)
 
+    async def until_kept(self, timeout: float) -> None:
+        """Until no checkpoint holds a slot (a save holds the server's loop anyway), `timeout` seconds at most: a
+        request that goes on from a slot being kept waits for it rather than go elsewhere."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while self.keeping and (left := until - loop.time()) > 0:
+            await self.until_freed(left)
+
     def quiet_for(self) -> float:
         """Seconds since a request last used a slot."""
         return time.monotonic() - max(self.last_used.values(), default=0.0)
@@ -81,7 +91,8 @@ class Conversations:
     unpinned: int = 0  # requests in flight in a slot the server chose (Responses, Messages, infill, embeddings)
     placing: int = 0  # of those, the ones whose slot is not known yet (pinned requests wait for it, a while)
     settling: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as each of them is placed
-    finding: set[asyncio.Task[None]] = field(default_factory=set)  # the polls that look for them
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # its own, referenced until they end: the polls
+    # that look for a placed request's slot, the checkpoints right after an answer
     decisions: Decisions = field(default_factory=Decisions)
     written: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=10_000))
     hits: int = 0
@@ -90,6 +101,11 @@ class Conversations:
     retry_at: dict[int, float] = field(default_factory=dict)  # slot -> when a checkpoint tries it again (its save
     # failed: the disk, the server)
     continued: int = 0  # requests that went on in the slot holding their conversation (no lookup)
+    checkpoints: dict[str, int] = field(default_factory=lambda: {"idle": 0, "busy": 0})
+    stall_s: float = 0.0  # the seconds busy checkpoints held the server's loop
+    purged: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))  # slots llama-server erased
+    # itself to make room (its log said so): a loss the wrapper did not prevent
+    busy_checkpoint_at: float = 0.0  # (monotonic) the next busy checkpoint may start then (`cache.checkpoint_share`)
     public: PublicPrefix = field(default_factory=PublicPrefix)  # consumers.shared_prefix's tokens, once learnt
     forgotten: dict[str, float] = field(default_factory=dict)  # consumer -> the forget whose slots were cleared
 

@@ -9,11 +9,14 @@ from dataclasses import dataclass
 
 import structlog
 
+from hooks.conversations import room
 from hooks.conversations.chain import Messages, messages_of
+from hooks.conversations.checkpoints import after_answer
 from hooks.conversations.isolation import NOBODY, Asker, asker_of, uncached
 from hooks.conversations.moves import bring_back, leave, save_slot, take
 from hooks.conversations.placed import processing, settled
 from hooks.conversations.policy import choose_slot, goes_on_in, within_slot_shares
+from hooks.conversations.room import answer_room
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, counted, enabled, state
 from hooks.slots.book import PINNED, book_of
@@ -24,12 +27,13 @@ from wrapper.configuration import argv as args
 from wrapper.configuration.consumers import CONSUMERS
 from wrapper.server.generation import Generation, Host, ServerLost
 from wrapper.server.llama import LlamaError
-from wrapper.steps import Outgoing
+from wrapper.steps import Outgoing, limit
 
 log = structlog.get_logger()
 
 PATHS = paths.CONVERSING
 WAIT_FOR_SLOT_S = 600.0
+KEPT_WAIT_S = 30.0  # a checkpoint under way is waited for this long at most (the server's loop is busy with it)
 
 
 async def before(host: Host, out: Outgoing) -> Outgoing:
@@ -38,6 +42,8 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation) or store is None or out.payload is None:
         return out
     book = await counted(generation)  # a new server's first request: a stream it went on with may hold this
+    await state(generation).leases.until_kept(KEPT_WAIT_S)  # a checkpoint right after the last answer: it may be this
+    # conversation's slot, which this request must not leave for another
     resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(out.payload) if out.path in paths.CHAT else None
     asker = await asker_of(generation, state(generation).public, out.consumer)
@@ -64,7 +70,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     if slot is None:
         return uncached(out, asker)
     reserved = _Reserved(slot, messages, asker.consumer)
-    out.after.append(lambda status: _release(generation, conv, reserved, tokens, status))
+    out.after.append(lambda status: _release(host, generation, conv, store, reserved, tokens, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
         out.use.tokens, out.use.slot = len(tokens), slot
@@ -72,7 +78,8 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
             out.use.prompt, out.use.counted = len(tokens), True
     try:
         session = out.use.session if out.use is not None else None
-        made = await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens,
+        answer = answer_room(limit(out.payload))
+        made = await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens, answer,
                                                                     resuming, session, asker))
         if made is None:
             log.error("conversations.server_lost", slot=slot)  # the entry set aside, the server started again
@@ -138,7 +145,7 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
     book.pinned()
     conv.continued += 1
     reserved = _Reserved(slot, messages, asker.consumer, continued=True)
-    out.after.append(lambda status: _release(generation, conv, reserved, None, status))
+    out.after.append(lambda status: _release(host, generation, conv, store, reserved, None, status))
     out.keep.append(lambda: _keep(host, generation, conv, store, reserved))
     if out.use is not None:
         out.use.tokens, out.use.slot = book.count(slot), slot
@@ -147,9 +154,11 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
 
 
 async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,
-                                    tokens: list[int], resuming: bool, session: str | None, asker: Asker) -> bool:
-    """False when the slot holds another consumer's conversation that could not be kept (so not cut either): the
-    request must not be pinned there."""
+                                    tokens: list[int], answer: int, resuming: bool, session: str | None,
+                                    asker: Asker) -> bool:
+    """Keep what leaves the slot, make room in the shared KV for the prompt and its answer (`answer` cells), and
+    bring its conversation back. False when the slot holds another consumer's conversation that could not be kept
+    (so not cut either): the request must not be pinned there."""
     try:
         book = book_of(generation)
         if asker.foreign(book, slot):  # another consumer's: kept, then cut down to the public beginning they share
@@ -158,7 +167,12 @@ async def _make_room_and_bring_back(generation: Generation, conv: Conversations,
                 return False
         else:
             await leave(generation, conv, store, slot, tokens)
-        await bring_back(generation, conv, store, slot, tokens, resuming, session, asker)
+        await room.make(generation, conv, store, slot, len(tokens) + answer)
+
+        async def room_for(cells: int, ask: bool) -> bool:  # a restore of a longer state, or one the server refused
+            return await room.make(generation, conv, store, slot, max(cells, len(tokens) + answer), ask)
+
+        await bring_back(generation, conv, store, slot, tokens, resuming, session, asker, room_for)
     except ServerLost:
         book_of(generation).forgotten()  # before the server is started again: its start restores what it can
         raise
@@ -225,8 +239,8 @@ class _Reserved:
     released: bool = False
 
 
-def _release(generation: Generation, conv: Conversations, reserved: _Reserved, tokens: list[int] | None,
-             status: int | None) -> None:
+def _release(host: Host, generation: Generation, conv: Conversations, store: Store, reserved: _Reserved,
+             tokens: list[int] | None, status: int | None) -> None:
     """The request is answered (or cut) on the server it was stepped on: that slot holds something new. (A request
     that goes on on another server — after a crash, a reload's hand-over, a growth — runs the steps again there, and
     that run tells its own server's book: wrapper/answers/passes.py.)"""
@@ -242,6 +256,8 @@ def _release(generation: Generation, conv: Conversations, reserved: _Reserved, t
     else:  # no answer: unknown
         book.served(reserved.slot, None, owner=reserved.consumer)
     _let_go(conv, reserved)
+    if answered:
+        after_answer(host, generation, conv, store, reserved.slot)  # an agent's next turn leaves no quiet moment
 
 
 def _let_go(conv: Conversations, reserved: _Reserved) -> None:

@@ -26,13 +26,13 @@ import structlog
 from aiohttp import web
 
 from wrapper.answers.answer import Answer
-from wrapper.answers.apis.api import LIMITS, Api
+from wrapper.answers.apis.api import Api
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
 from wrapper.server.generation import Host
 from wrapper.serving import GONE_WHY, Loss
-from wrapper.steps import CannotGrow, Grown, Growth
+from wrapper.steps import CannotGrow, Grown, Growth, limit
 
 log = structlog.get_logger()
 
@@ -204,6 +204,5 @@ def overflowed(payload: dict[str, Any]) -> bool:
 def prompt_and_limit(payload: dict[str, Any], asked: dict[str, Any], headroom: int) -> int:
     """The prompt's tokens plus what the request may generate (its max_tokens, else the headroom)."""
     prompt = int(payload["error"]["n_prompt_tokens"])
-    limit = next((asked[k] for k in LIMITS
-                  if isinstance(asked.get(k), int) and not isinstance(asked.get(k), bool) and asked[k] > 0), None)
-    return prompt + (limit if limit is not None else headroom)
+    asked_for = limit(asked)
+    return prompt + (asked_for if asked_for is not None else headroom)

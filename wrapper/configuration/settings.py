@@ -87,8 +87,17 @@ def _positive(r: Reader, node: yaml.Node, what: str) -> float | None:
     return float(value) if value is not None else None
 
 
+def _fraction(r: Reader, node: yaml.Node, what: str) -> float | None:
+    value = r.scalar(node, what, (int, float))
+    if value is not None and not 0 <= value < 1:
+        r.error(node, f"{what} must be at least 0 and below 1 (a share: 0.05 is 5 %)")
+        return None
+    return float(value) if value is not None else None
+
+
 BOOL = Kind("boolean", _scalar(bool))
 NUMBER = Kind("number > 0", _positive)
+FRACTION = Kind("number in [0, 1)", _fraction)
 COUNT = Kind("integer ≥ 0", _count)
 DURATION = Kind("duration", _converted(parse_duration), lambda v: f"{v:g}s")
 POSITIVE_DURATION = Kind("duration > 0", _positive_duration, lambda v: f"{v:g}s")

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any, ClassVar, Protocol
 
 from wrapper.answers.part import Carry, Part
+from wrapper.steps import LIMITS, limit
 
 GOES_ON_NOT = {
     "api": "its API's answers are not paused (chat completions' and /completion's are; the others go on after a "
@@ -24,7 +25,6 @@ GOES_ON_NOT = {
 }
 """Why an answer cannot go on from what its client has, by code (the priority.not_paused reason)."""
 
-LIMITS = ("max_completion_tokens", "max_tokens", "n_predict", "max_output_tokens")  # what it may generate, by API
 
 
 class Verdict(Enum):
@@ -132,15 +132,6 @@ class Said(Protocol):
 
     @property
     def tool_calls(self) -> list[dict[str, Any]]: ...
-
-
-def limit(request: dict[str, Any]) -> int | None:
-    """What the request may generate, whichever key its API names it with."""
-    for key in LIMITS:
-        value = request.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def less(request: dict[str, Any], generated: int) -> dict[str, Any]:
