@@ -7,13 +7,12 @@ COMPLETIONS = (NATIVE_COMPLETION, "/completions", "/v1/completions")  # a prompt
 CHAT = ("/chat/completions", "/v1/chat/completions")  # messages, through the chat template
 INFILL = ("/infill",)
 GENERATING = (*COMPLETIONS, *CHAT, *INFILL)  # fill a slot's context: a request that overflows it can be grown for
-CONVERSING = (*COMPLETIONS, *CHAT)  # a conversation whose tokens can be told before it is sent (the cache pins it)
-CONTINUABLE = (NATIVE_COMPLETION, *CHAT)  # an answer cut by a full context can be continued after a growth
 RESPONSES = ("/v1/responses", "/responses")  # OpenAI Responses: `input` items
 MESSAGES = ("/v1/messages",)  # Anthropic Messages
-ASSISTANT_MESSAGE = (*CHAT, *RESPONSES, *MESSAGES)  # an answer is an assistant message: text, reasoning, tool calls
-SLOT_USERS_UNPINNED = (*INFILL, *RESPONSES, *MESSAGES, "/embedding", "/embeddings", "/v1/embeddings", "/rerank",
-                       "/reranking", "/v1/rerank", "/v1/reranking")  # take a slot the cache does not choose
+CONVERSING = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a conversation whose tokens can be told before it is
+# sent: the cache keeps it (Messages drops `id_slot`: it is prepared where the server's own rule places it)
+SLOT_USERS_UNPINNED = (*INFILL, "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank",
+                       "/v1/reranking")  # take a slot the cache does not choose
 CARRYING_MEDIA = (*COMPLETIONS, *CHAT, *RESPONSES, *MESSAGES)  # a request here may carry an image or audio
 DESCRIBING = ("/props", "/models", "/v1/models")  # what the server says it can do (modalities, capabilities)
 ANSWERED_ASLEEP = DESCRIBING  # GETs answered from memory while asleep (and never keeping the server awake)

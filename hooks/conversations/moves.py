@@ -16,7 +16,7 @@ from dataclasses import replace
 import structlog
 
 from hooks.conversations.isolation import NOBODY, PUBLIC, Asker
-from hooks.conversations.policy import Candidate, Rule, decide, dropped
+from hooks.conversations.policy import KEPT, Candidate, Rule, decide, needs_no_keeping
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations
 from hooks.slots.book import book_of
@@ -41,31 +41,14 @@ async def leave(generation: Generation, conv: Conversations, store: Store, slot:
     """Before `tokens` go into the slot (a request's prompt, or the beginning a cut leaves): keep what they drop of
     what it holds. False when that was worth keeping and could not be kept (a save failed or was skipped)."""
     book = book_of(generation)
-    settings = CACHE.of(generation.config)
-    count = book.count(slot)  # its prompt and the answer it generated
-    if book.partial(slot):  # it may hold more than the book says: saved (a state too short is not kept)
-        return await save_slot(generation, conv, store, slot, why) is not None or _worthless(generation, slot)
-    if count < settings.min_tokens:
-        _dropped(slot, count, f"shorter than cache.min_tokens ({settings.min_tokens})")
+    reason = needs_no_keeping(book, slot, tokens, CACHE.of(generation.config).min_tokens,
+                              lambda key: store.get(key) is not None)
+    if reason is not None:
+        if reason != KEPT and (held := book.count(slot)):
+            log.debug("conversations.dropped", slot=slot, tokens=held, why=reason)
         return True
-    if (lost := dropped(book.holds(slot), count, tokens)) < settings.min_tokens:
-        _dropped(slot, lost, f"what it drops is shorter than cache.min_tokens ({settings.min_tokens})")
-        return True  # this request goes on with it: it does not leave
-    if (key := book.entry_of(slot)) is not None and store.get(key) is not None:
-        return True  # unchanged since it was saved or restored: the store holds it
-    return await save_slot(generation, conv, store, slot, why) is not None
-
-
-def _worthless(generation: Generation, slot: int) -> bool:
-    """After a save of an untracked slot wrote nothing: whether that is because it held too little (the book says
-    so), not because the save failed."""
-    book = book_of(generation)
-    return slot not in book.untracked() or book.empty(slot)
-
-
-def _dropped(slot: int, tokens: int, why: str) -> None:
-    if tokens:
-        log.debug("conversations.dropped", slot=slot, tokens=tokens, why=why)
+    saved, failed = await _save(generation, conv, store, slot, why)
+    return saved is not None or not failed  # not failed: it held too little to keep
 
 
 async def take(generation: Generation, conv: Conversations, store: Store, slot: int, keep: list[int], why: str,
@@ -111,11 +94,17 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     """Save what a slot holds into the cache: what keeps it (`new` False when the store held it already), or None
     when it is not kept (too short, a failure or a skip: logged). `min_tokens`: a shorter state is not kept (default
     `cache.min_tokens`)."""
+    return (await _save(generation, conv, store, slot, why, min_tokens))[0]
+
+
+async def _save(generation: Generation, conv: Conversations, store: Store, slot: int, why: str,
+                min_tokens: int | None = None) -> tuple[Saved | None, bool]:
+    """save_slot's answer, and whether not keeping it was a failure or a skip (not: it held too little)."""
     limits = STORE.of(generation.config)
     store.sweep()
     if store.free_bytes() < limits.min_free:
         _skip(slot, f"less than store.min_free ({limits.min_free >> 20} MiB) is free on disk")
-        return None
+        return None, True
     try:
         saved = await save_into(generation, store, slot,
                                 CACHE.of(generation.config).min_tokens if min_tokens is None else min_tokens,
@@ -125,9 +114,9 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
             log.warning("conversations.save_failed", slot=slot, error=exc.reason)
         else:
             _skip(slot, exc.reason)
-        return None
+        return None, True
     if saved is None or not saved.new:
-        return saved
+        return saved, False
     entry = saved.entry
     conv.written.append((time.time(), entry.written))
     METRICS.conv_bytes_written.inc(entry.written)
@@ -137,7 +126,7 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
              written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted],
              **({"consumer": entry.consumer} if entry.consumer is not None else {}))
-    return saved
+    return saved, False
 
 
 def _skip(slot: int, reason: str) -> None:

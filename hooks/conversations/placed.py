@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import structlog
 
 from hooks.conversations.isolation import Asker, asker_of, uncached
-from hooks.conversations.moves import take
+from hooks.conversations.moves import leave, take
 from hooks.conversations.policy import UNTOLD, placed_in
 from hooks.conversations.state import Conversations, counted, enabled, state
 from hooks.slots.book import book_of
@@ -39,13 +39,13 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     asker = await asker_of(generation, conv.public, out.consumer)
     conv.unpinned += 1
     conv.placing += 1
-    if asker.isolated:
-        try:
-            if not await host.survive(lambda: _clear_for(generation, conv, asker)):
-                out = uncached(out, asker)  # a slot of another's was not cut: nothing may be reused
-        except Exception:  # never fails the request: it is served reusing nothing
-            log.exception("conversations.internal_error", step="clear_for")
-            out = uncached(out, asker)
+    try:
+        if asker.isolated and not await host.survive(lambda: clear_for(generation, conv, asker)):
+            out = uncached(out, asker)  # a slot of another's was not cut: nothing may be reused
+        await host.survive(lambda: keep_idle(generation, conv))
+    except Exception:  # never fails the request: it is served reusing nothing of another's
+        log.exception("conversations.internal_error", step="clear_for")
+        out = uncached(out, asker)
     conversing = out.path in (*paths.RESPONSES, *paths.MESSAGES)
     placed = _Placed(use=out.use)
     finding = asyncio.create_task(_find_place(generation, conv, placed))
@@ -77,7 +77,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     return out
 
 
-async def _clear_for(generation: Generation, conv: Conversations, asker: Asker) -> bool:
+async def clear_for(generation: Generation, conv: Conversations, asker: Asker) -> bool:
     """Before a request the server places itself, under isolation: every free slot holding another consumer's
     conversation is kept and cut down to the public beginning (the server would reuse whatever prefix the slot it
     chooses holds); False when one could not be (busy: a save under way; or what it holds could not be kept), and the
@@ -99,14 +99,31 @@ async def _clear_for(generation: Generation, conv: Conversations, asker: Asker) 
     return whole
 
 
+async def keep_idle(generation: Generation, conv: Conversations) -> None:
+    """Before a request whose prompt is not known goes where the server puts it (any idle slot, whose conversation it
+    then replaces): every idle slot holding what the store does not keep is kept first (moves.leave, as if nothing of
+    it were reused)."""
+    book, store = book_of(generation), store_of(generation)
+    assert store is not None
+    leases = conv.leases
+    running = await processing(generation) | leases.placed
+    for slot, unkept in book.unkept().items():
+        if unkept and slot not in running and leases.free(slot):
+            async with leases.holding(slot):
+                await leave(generation, conv, store, slot, [], "a request the server places itself")
+
+
 @dataclass
 class _Placed:
-    """Where the server put a request of its own choosing, once seen."""
+    """Where the server put a request of its own choosing, once seen (a steered one: where else than foretold)."""
 
     slot: int | None = None
     done: bool = False
     settled: bool = False  # its place is known, or will not be: pinned requests need not wait for it
     use: SlotUse | None = None  # the seat's, told the slot once seen (the status shows it)
+
+
+Placement = _Placed
 
 
 def _settled(conv: Conversations, placed: _Placed) -> None:
@@ -135,6 +152,51 @@ async def _find_place(generation: Generation, conv: Conversations, placed: _Plac
                 leases.placed.add(seen)
                 if placed.use is not None:
                     placed.use.slot = seen
+                return
+    finally:
+        _settled(conv, placed)
+
+
+def steered(generation: Generation, conv: Conversations, out: Outgoing, slot: int) -> Placement:
+    """A request the server places itself (Messages: it drops `id_slot`) that the step prepared in `slot` (the slot
+    the server's own rule gives it: its conversation restored there, what it drops kept, room made): pinned requests
+    wait until it is seen there; seen in another slot (the rule misjudged), that slot is untracked and so said."""
+    placed = _Placed(use=out.use)
+    conv.placing += 1
+    task = asyncio.create_task(_watch(generation, conv, placed, slot))
+    conv.tasks.add(task)
+    task.add_done_callback(conv.tasks.discard)
+
+    def ended(status: int | None) -> None:
+        placed.done = True
+        task.cancel()
+        _settled(conv, placed)
+        if placed.slot is not None and placed.slot != slot:
+            conv.leases.placed.discard(placed.slot)
+            conv.leases.used(placed.slot)
+            book_of(generation).served(placed.slot, None)
+
+    out.after.insert(0, ended)
+    return placed
+
+
+async def _watch(generation: Generation, conv: Conversations, placed: _Placed, slot: int) -> None:
+    leases = conv.leases
+    try:
+        for _ in range(PLACE_TRIES):
+            await asyncio.sleep(PLACE_POLL_S)
+            if placed.done:
+                return
+            running = await processing(generation)
+            if slot in running:
+                return
+            elsewhere = placed_in(running, leases.placed | leases.busy)
+            if elsewhere not in (None, UNTOLD) and not placed.done:
+                placed.slot = elsewhere
+                leases.placed.add(elsewhere)
+                log.warning("conversations.placed_elsewhere", slot=elsewhere, prepared=slot,
+                            hint="llama-server placed a Messages request in another slot than its rule foretold: "
+                                 "that slot is untracked until saved")
                 return
     finally:
         _settled(conv, placed)

@@ -27,6 +27,26 @@ def dropped(known: list[int], count: int, tokens: list[int]) -> int:
     return max(0, count - kept)
 
 
+KEPT = "kept as it stands"  # unchanged since it was saved or restored: the store holds it
+
+
+def needs_no_keeping(book: SlotBook, slot: int, tokens: list[int], min_tokens: int,
+                     stored: Callable[[str], bool]) -> str | None:
+    """Why what `slot` drops when it is left holding `tokens` (a request's prompt, or the beginning a cut keeps) need
+    not be saved first (KEPT, or why it is worth nothing); None: it must be. `stored(key)`: whether the store holds that
+    entry. A slot whose contents the book does not fully know is always saved (a save tells what it held)."""
+    if book.partial(slot):
+        return None
+    count = book.count(slot)  # its prompt and the answer it generated
+    if count < min_tokens:
+        return f"shorter than cache.min_tokens ({min_tokens})"
+    if dropped(book.holds(slot), count, tokens) < min_tokens:
+        return f"what it drops is shorter than cache.min_tokens ({min_tokens})"  # the request goes on with it
+    if (key := book.entry_of(slot)) is not None and stored(key):
+        return KEPT
+    return None
+
+
 def goes_on_in(book: SlotBook, busy: Collection[int], asked: int | None, messages: Messages, min_tokens: int,
                longer_kept: Callable[[list[int], int], bool]) -> int | None:
     """The free slot holding the conversation a chat request goes on from (the longest, when two do): the slot whose
@@ -86,6 +106,27 @@ def within_slot_shares(free: list[int], owners: Mapping[int, str | None], consum
     protected = {s for s in free if (owner := owners.get(s)) and owner != consumer and owner in shares
                  and held[owner] <= shares[owner]}
     return free, protected
+
+
+SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's default --slot-prompt-similarity
+
+
+def server_places(tokens: list[int], idle: Mapping[int, list[int] | None], last_used: Mapping[int, float],
+                  similarity: float = SLOT_PROMPT_SIMILARITY) -> int | None:
+    """Where llama-server puts a request it places itself (no `id_slot`: Messages), by its own rule
+    (`get_available_slot`): the idle slot whose tokens share the largest fraction of the prompt, when that is more than
+    `similarity` (the first of equals); else the least recently used idle slot (the last of equals). `idle`: each idle
+    slot's tokens; None for a slot whose tokens are not known, and then None: it cannot be told."""
+    if not tokens or not idle or any(held is None for held in idle.values()):
+        return None
+    best, best_share = None, 0.0
+    for slot, held in sorted(idle.items()):
+        share = common_prefix(held or [], tokens) / len(tokens) if held else 0.0
+        if share > best_share and share > similarity:
+            best, best_share = slot, share
+    if best is not None:
+        return best
+    return max(sorted(idle), key=lambda s: (-last_used.get(s, -1.0), s))
 
 
 UNTOLD = -1  # placed_in: which slot is whose cannot be told

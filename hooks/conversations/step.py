@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -14,8 +15,15 @@ from hooks.conversations.chain import Messages, messages_of
 from hooks.conversations.checkpoints import after_answer
 from hooks.conversations.isolation import NOBODY, Asker, asker_of, uncached
 from hooks.conversations.moves import bring_back, leave, save_slot, take
-from hooks.conversations.placed import processing, settled
-from hooks.conversations.policy import choose_slot, goes_on_in, within_slot_shares
+from hooks.conversations.placed import Placement, clear_for, processing, settled, steered, unpinned
+from hooks.conversations.policy import (
+    SLOT_PROMPT_SIMILARITY,
+    choose_slot,
+    goes_on_in,
+    server_places,
+    within_slot_shares,
+)
+from hooks.conversations.prompts import chat_body
 from hooks.conversations.room import answer_room
 from hooks.conversations.settings import CACHE
 from hooks.conversations.state import Conversations, counted, enabled, state
@@ -41,11 +49,15 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     store = store_of(generation)
     if not enabled(generation) or store is None or out.payload is None:
         return out
+    chat = out.payload if out.path in paths.CHAT else chat_body(out.path, out.payload)
+    if out.path in (*paths.RESPONSES, *paths.MESSAGES) and chat is None:
+        return await unpinned(host, out)  # a shape whose prompt cannot be told here: the server places it
+    steering = out.path in paths.MESSAGES  # the server drops its id_slot: prepared where its own rule puts it
     book = await counted(generation)  # a new server's first request: a stream it went on with may hold this
     await state(generation).leases.until_kept(KEPT_WAIT_S)  # a checkpoint right after the last answer: it may be this
     # conversation's slot, which this request must not leave for another
     resuming = out.use is not None and out.use.pauses > 0
-    messages = messages_of(out.payload) if out.path in paths.CHAT else None
+    messages = messages_of(chat) if chat is not None and not steering else None
     asker = await asker_of(generation, state(generation).public, out.consumer)
     if messages is not None and not resuming and book.total and not state(generation).unpinned:
         asked = out.payload.get("id_slot")
@@ -54,14 +66,20 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         if slot is not None:
             return _continued(host, generation, conv, store, out, slot, messages, asker)
     try:
-        tokens = await _tokens(generation, out)
+        tokens = await _tokens(generation, out, chat)
     except (LlamaError, ValueError, TypeError) as exc:
         log.debug("conversations.no_tokens", path=out.path, error=str(exc))
+        if steering or out.path in paths.RESPONSES:
+            return await unpinned(host, out)
         book.forgotten()
         return uncached(out, asker)  # the server tokenizes it its own way; this request is not pinned
-    book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     conv = state(generation)
-    asked = out.payload.get("id_slot")
+    if steering and asker.isolated and not await host.survive(lambda: clear_for(generation, conv, asker)):
+        return uncached(out, asker)  # a slot of another's was not cut: wherever it goes, nothing may be reused
+    asked = out.payload.get("id_slot") if not steering else await _foretold(generation, conv, tokens)
+    if steering and asked is None:
+        return await unpinned(host, out)  # where the server puts it cannot be told (a slot it does not know)
+    book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself
     background = out.use is not None and out.use.background
@@ -90,7 +108,24 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         log.exception("conversations.internal_error", slot=slot)
         if asker.foreign(book, slot):
             return uncached(out, asker)
+    if steering:
+        reserved.placement = steered(generation, conv, out, slot)
+        PINNED.set(slot)
+        return out
     return _pinned(out, slot)
+
+
+async def _foretold(generation: Generation, conv: Conversations, tokens: list[int]) -> int | None:
+    """The slot llama-server will put a request it places itself in, by its own rule (policy.server_places); None
+    when that cannot be told (an idle slot whose tokens are not known)."""
+    book = book_of(generation)
+    running = await processing(generation) | conv.leases.placed
+    idle = {s: None if book.partial(s) else book.holds(s) for s in range(max(1, book.total)) if s not in running}
+    try:
+        similarity = float(args.get(generation.launch.argv, args.SLOT_PROMPT_SIMILARITY) or SLOT_PROMPT_SIMILARITY)
+    except ValueError:
+        return None
+    return server_places(tokens, idle, conv.leases.last_used, similarity)
 
 
 def _pinned(out: Outgoing, slot: int) -> Outgoing:
@@ -179,12 +214,14 @@ async def _make_room_and_bring_back(generation: Generation, conv: Conversations,
     return True
 
 
-async def _tokens(generation: Generation, out: Outgoing) -> list[int]:
+async def _tokens(generation: Generation, out: Outgoing, chat: dict[str, Any] | None) -> list[int]:
+    """The request's prompt as llama-server tokenizes it: a chat body (a chat request's, or what the server makes of
+    a Responses or Messages one) through its template, else its prompt."""
     payload = out.payload
     assert payload is not None
     client = generation.client
-    if out.path in paths.CHAT:
-        template = await client.call("POST", "/apply-template", payload)
+    if chat is not None:
+        template = await client.call("POST", "/apply-template", chat)
         text = template["prompt"]
     else:
         prompt = payload.get("prompt")
@@ -237,6 +274,7 @@ class _Reserved:
     consumer: str | None = None  # whose request it is (`consumers:`): what it leaves in the slot is its
     continued: bool = False  # it went on in the slot holding its conversation, its tokens not told
     released: bool = False
+    placement: Placement | None = None  # a request the server placed itself where it was prepared (Messages)
 
 
 def _release(host: Host, generation: Generation, conv: Conversations, store: Store, reserved: _Reserved,
@@ -246,6 +284,9 @@ def _release(host: Host, generation: Generation, conv: Conversations, store: Sto
     that run tells its own server's book: wrapper/answers/passes.py.)"""
     if reserved.released:
         return  # paused: what the slot holds was kept, and the book says what it is
+    if reserved.placement is not None and reserved.placement.slot not in (None, reserved.slot):
+        _let_go(conv, reserved)  # it ran elsewhere (placed.steered told the book): this slot holds what it held
+        return
     answered = status is not None and status < 400
     chain = reserved.messages.chain() if reserved.messages is not None and answered else None
     book = book_of(generation)

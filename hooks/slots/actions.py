@@ -26,6 +26,8 @@ from hooks.slots.transfer import NotRestored, NotSaved, restore_into, save_into,
 from hooks.store import Entry, Noted, Store, Unreadable, layout
 from hooks.store.settings import STORE
 from wrapper.actions import ActionError
+from wrapper.configuration import consumers
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.kept import Key
 from wrapper.metrics import METRICS
 from wrapper.progress import PROGRESS
@@ -281,6 +283,10 @@ async def _restore_one(generation: Generation, store: Store, held: Noted) -> dic
     if held.entry is None:
         return _skipped(entry, f"its state {held.key} is gone (evicted, or replaced by a longer state of its "
                                "conversation, which the conversation cache brings back)")
+    if held.entry.consumer is None and consumers.isolating(CONSUMERS.of(generation.config)):
+        return _skipped(entry, "nobody's (kept before `consumers:` named its consumer): under consumers.isolate no "
+                               "request may reuse it, so it is left in the store and the slot kept free",
+                        expected=True)
     try:
         done = await restore_into(generation, store, held.entry, held.slot)
     except NotRestored as exc:

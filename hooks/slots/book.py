@@ -26,6 +26,8 @@ from wrapper.server.generation import Generation
 from wrapper.steps import Observer
 
 _TIMINGS = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in ("cache_n", "prompt_n", "predicted_n")}
+_USAGE = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)')
+          for key in ("cache_read_input_tokens", "input_tokens", "output_tokens", "cached_tokens")}
 _ID_SLOT = re.compile(rb'"id_slot"\s*:\s*(\d+)')
 
 PINNED: ContextVar[int | None] = ContextVar("pinned", default=None)
@@ -33,19 +35,41 @@ PINNED: ContextVar[int | None] = ContextVar("pinned", default=None)
 is seen: a task the request starts copies it)."""
 
 
+def _last(found: dict[str, list[bytes]], key: str) -> int | None:
+    return int(found[key][-1]) if found.get(key) else None
+
+
+def _usage(tail: bytes) -> tuple[int, int] | None:
+    """(left, reused) from a Messages or Responses answer's usage, when it has no `timings`: Messages counts the
+    prompt as `cache_read_input_tokens` + `input_tokens`, Responses as `input_tokens` of which `cached_tokens`."""
+    found = {key: pattern.findall(tail) for key, pattern in _USAGE.items()}
+    read, given, output = (_last(found, k) for k in ("cache_read_input_tokens", "input_tokens", "output_tokens"))
+    if given is None or output is None:
+        return None
+    if read is not None:
+        return read + given + output, read
+    cached = _last(found, "cached_tokens")
+    return (given + output, cached) if cached is not None else None
+
+
 def left_in_slot(tail: bytes) -> int | None:
     """The tokens a completion answer leaves in its slot, from its end (the last `timings`: cache_n + prompt_n +
-    predicted_n, what it generated included); None without timings."""
+    predicted_n, what it generated included; else a Messages or Responses answer's usage); None without them."""
     found = {key: pattern.findall(tail) for key, pattern in _TIMINGS.items()}
     if not found["prompt_n"]:
-        return None
+        usage = _usage(tail)
+        return usage[0] if usage is not None else None
     return sum(int(values[-1]) for values in found.values() if values)
 
 
 def reused_of(tail: bytes) -> int | None:
-    """The tokens a completion answer took from what its slot held (its last `cache_n`); None without timings."""
+    """The tokens a completion answer took from what its slot held (its last `cache_n`, else its usage's cached
+    tokens); None without them."""
     found = _TIMINGS["cache_n"].findall(tail)
-    return int(found[-1]) if found else None
+    if found:
+        return int(found[-1])
+    usage = _usage(tail)
+    return usage[1] if usage is not None else None
 
 
 class SlotsView(Protocol):

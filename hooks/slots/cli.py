@@ -21,7 +21,9 @@ from hooks.store.bucket import BucketError
 from hooks.store.opening import folder_only, opened
 from hooks.store.sealing import WrongKey
 from hooks.store.settings import STORE, StoreSettings, bucket_for
+from wrapper.configuration import consumers
 from wrapper.configuration.config import Config, ConfigError, parse_config
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.configuration.exits import EXIT_CONFIG, EXIT_FAILED
 from wrapper.launching.commands import Commands
 
@@ -161,6 +163,10 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
     and with a config whose `store.url` names a bucket: `store` or `both`)."""
     root = _slots_dir(directory, config_path)
     rows = _rows(_stores(root, config_path))
+    if config_path and consumers.on(CONSUMERS.of(_config(config_path))):
+        for row in rows:  # kept before `consumers:` named whose: under isolation no request may reuse it
+            if "entry" in row and "consumer" not in row:
+                row["nobodys"] = True
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
@@ -169,15 +175,20 @@ def list_slots(directory: str | None, config_path: str | None, as_json: bool) ->
         click.echo(f"no saved slots in {root}")
         return
     table = [(str(row["model_id"]), str(row["slot"]), str(row.get("tokens", "?")), f"{row['bytes'] / 1e6:.1f} MB",
-              str(row.get("cache_types", "?")), str(row.get("where", "local")), Path(row["file"]).name,
+              str(row.get("cache_types", "?")), str(row.get("where", "local")), _whose(row), Path(row["file"]).name,
               str(row.get("model", "?")), str(row.get("problem") or row.get("saved_at"))) for row in rows]
-    header = ("MODEL ID", "SLOT", "TOKENS", "SIZE", "K/V", "WHERE", "FILE", "MODEL", "SAVED")
+    header = ("MODEL ID", "SLOT", "TOKENS", "SIZE", "K/V", "WHERE", "WHOSE", "FILE", "MODEL", "SAVED")
     widths = [max(len(cells[i]) for cells in (header, *table)) for i in range(len(header) - 1)]
     right = {1, 2, 3}  # numbers
     for cells in (header, *table):  # SAVED last: a problem there may be long
         click.echo(" ".join(cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
                             for i, cell in enumerate(cells[:-1])) + " " + cells[-1])
     click.echo(f"\n{root}/<model id>/<file> is what `llama-wrapper slots inspect` reads")
+
+
+def _whose(row: dict[str, Any]) -> str:
+    """The consumer an entry is of; `nobody's` for one kept before `consumers:` named it (a config with consumers)."""
+    return str(row.get("consumer") or ("nobody's" if row.get("nobodys") else "-"))
 
 
 @slots.command()

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import Wrapper, chat_yaml, http, running, wait_for
+from tests.helpers import ROOT, Wrapper, chat_yaml, http, running, wait_for
 from tests.killing import content, server_pid, streamed
 
 LOG = " ".join(f"Line {i}: the river carried stones of many colours past the mill." for i in range(150))
@@ -21,20 +23,43 @@ LOG = " ".join(f"Line {i}: the river carried stones of many colours past the mil
 
 class Agent:
     """An agent's loop: each turn is sent the moment the last answer ended (Claude Code, Codex and opencode do
-    that), so the server is never quiet between them."""
+    that), so the server is never quiet between them; on chat completions, the Responses API (Codex) or the Messages
+    API (Claude Code)."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, api: str = "chat") -> None:
+        self.url, self.api = url, api
         self.messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a coding agent. Work through the task step by step."},
             {"role": "user", "content": "Here is the build log:\n" + LOG}]
 
     def turn(self, max_tokens: int = 24) -> dict[str, Any]:
-        status, _, raw = http("POST", f"{self.url}/v1/chat/completions",
-                              {"messages": self.messages, "max_tokens": max_tokens, "temperature": 0}, timeout=600)
+        """One turn: the answer, with `reused` (the share of its prompt read from the slot) whatever its API."""
+        system, rest = self.messages[0]["content"], self.messages[1:]
+        path, body = {
+            "chat": ("/v1/chat/completions", {"messages": self.messages, "max_tokens": max_tokens}),
+            "messages": ("/v1/messages", {"model": "demo", "system": system, "messages": rest,
+                                          "max_tokens": max_tokens}),
+            "responses": ("/v1/responses", {"model": "demo", "instructions": system, "max_output_tokens": max_tokens,
+                                            "input": [m if m["role"] == "user" else {
+                                                "type": "message", "role": "assistant",
+                                                "content": [{"type": "output_text", "text": m["content"]}]}
+                                                for m in rest]}),
+        }[self.api]
+        status, _, raw = http("POST", f"{self.url}{path}", {**body, "temperature": 0}, timeout=600)
         assert status == 200, raw[:300]
         answer: dict[str, Any] = json.loads(raw)
-        self.went_on(answer["choices"][0]["message"]["content"])
+        if self.api == "chat":
+            said, answer["reused"] = answer["choices"][0]["message"]["content"], reused(answer["timings"])
+        elif self.api == "messages":
+            usage = answer["usage"]
+            said = "".join(block.get("text", "") for block in answer["content"])
+            answer["reused"] = usage["cache_read_input_tokens"] / (usage["cache_read_input_tokens"]
+                                                                   + usage["input_tokens"])
+        else:
+            usage = answer["usage"]
+            said = "".join(part.get("text", "") for item in answer["output"] for part in item.get("content", []))
+            answer["reused"] = usage["input_tokens_details"]["cached_tokens"] / usage["input_tokens"]
+        self.went_on(said)
         return answer
 
     def went_on(self, said: str) -> None:
@@ -96,27 +121,131 @@ def test_an_agent_loop_killed_mid_stream_goes_on_from_its_checkpoint(
         assert len(content(events)) > 0
 
 
-def conversations_in_turn(url: str, count: int, rounds: int) -> list[list[float]]:
+def conversations_in_turn(url: str, count: int, rounds: int, api: str = "chat") -> list[list[float]]:
     """`count` agents' conversations of ~2.9k tokens each, taken in turn for `rounds` rounds: what each turn reused."""
     agents = []
     for n in range(count):
-        agent = Agent(url)
+        agent = Agent(url, api)
         agent.messages[1]["content"] = f"Agent {n}'s build log:\n" + " ".join(
             f"Line {i}: agent {n} saw stone {i * (n + 3)} pass the mill." for i in range(200))
         agents.append(agent)
-    return [[reused(agent.turn(max_tokens=16)["timings"]) for agent in agents] for _ in range(rounds)]
+    return [[float(agent.turn(max_tokens=16)["reused"]) for agent in agents] for _ in range(rounds)]
 
 
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 def test_conversations_in_a_full_shared_kv_are_kept_not_purged(
-        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+        tmp_path: Path, server_bin: str, demo_path: str, api: str) -> None:
     """Three conversations of ~2.9k tokens on `-np 2 -c 8192` (three slots with the lane, one KV of 8,192 cells):
     two fit, the third needs room. The wrapper makes it before each prompt (the least valuable slot kept, then
     erased) and restores each conversation at its turn: every turn of rounds 2-3 reuses ≥ 90 %, and llama-server never
-    purges a slot itself (before: 0 % from round 2 on, `purging slot` in its log)."""
+    purges a slot itself (before: 0 % from round 2 on, `purging slot` in its log). On the Messages and Responses APIs
+    too: their prompts are told as llama-server makes them (hooks/conversations/prompts.py), Responses pinned by its
+    `id_slot`, Messages prepared in the slot the server's own rule gives it."""
     with running(tmp_path, [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"], chat_yaml(tmp_path)) as wrapper:
-        rounds = conversations_in_turn(wrapper.url, 3, 3)
+        rounds = conversations_in_turn(wrapper.url, 3, 3, api)
         assert all(r >= 0.9 for r in rounds[1] + rounds[2]), rounds
         purged = [e["line"] for e in wrapper.events("server.output") if "purging slot" in e.get("line", "")]
         assert not purged, purged
         assert wrapper.events("conversations.taken"), "no room was made"
         assert wrapper.status()["slots"]["conversations"]["purged"]["count"] == 0
+
+
+TEAM = {name: f"sk-{name}-key" for name in ("alice", "bob", "ci-agent", "carol", "dave", "erin")}
+PUBLIC = "You are the team assistant. Answer briefly."  # examples/team.yaml's shared_prefix
+
+
+def team_yaml(tmp_path: Path) -> str:
+    """examples/team.yaml as it is, its three keys given and three more consumers beside them."""
+    text = (ROOT / "examples" / "team.yaml").read_text()
+    for name in ("alice", "bob"):
+        text = text.replace(f"change-me-{name}-key", TEAM[name])
+    text = text.replace("change-me-agent-key", TEAM["ci-agent"])
+    more = "".join(f'    {name}: ["{TEAM[name]}"]\n' for name in ("carol", "dave", "erin"))
+    text = text.replace(f'    ci-agent: ["{TEAM["ci-agent"]}"]\n', f'    ci-agent: ["{TEAM["ci-agent"]}"]\n{more}')
+    assert text.count("sk-") == 7 and f'content: "{PUBLIC}"' in text
+    return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots"))
+
+
+def asked(url: str, who: str, api: str, messages: list[dict[str, Any]]) -> float:
+    """One turn of `messages` as `who` on chat or Messages: the share of its prompt read from the cache."""
+    if api == "chat":
+        body: dict[str, Any] = {"messages": messages}
+        path, headers = "/v1/chat/completions", {"Authorization": f"Bearer {TEAM[who]}"}
+    else:
+        body = {"model": "demo", "system": messages[0]["content"], "messages": messages[1:]}
+        path, headers = "/v1/messages", {"X-Api-Key": TEAM[who]}
+    status, _, raw = http("POST", f"{url}{path}", {**body, "max_tokens": 4, "temperature": 0}, timeout=600,
+                          headers=headers)
+    assert status == 200, raw[:300]
+    answer: dict[str, Any] = json.loads(raw)
+    if api == "chat":
+        return reused(answer["timings"])
+    read, rest = int(answer["usage"]["cache_read_input_tokens"]), int(answer["usage"]["input_tokens"])
+    return read / (read + rest)
+
+
+def test_six_consumers_probing_each_other_lose_no_owner_anything(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """examples/team.yaml's shape with six consumers on `-np 2`: alice's conversation sits in a slot; the others send
+    hers (chat and Messages) and their own (Messages: placed by the server, which used to cut her slot without
+    keeping it). Each probe reuses no more than the public beginning; alice's own next turn reuses ≥ 90 % — after
+    the probes, after a restart, after another consumer's forget — on chat and on Messages."""
+    env = {"LLAMA_WRAPPER_ADMIN_TOKEN": "team-admin-token"}
+    argv = [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"]
+    hers = [{"role": "system", "content": PUBLIC}, {"role": "user", "content": "Alice's log:\n" + LOG}]
+    public_share = 0.05  # the public beginning is ~20 of ~2.4k tokens
+    config = team_yaml(tmp_path)
+    with running(tmp_path, argv, config, env=env) as wrapper:
+        assert asked(wrapper.url, "alice", "chat", hers) < public_share
+        for who, api in (("bob", "chat"), ("carol", "messages"), ("dave", "messages")):  # once each: a probe
+            assert asked(wrapper.url, who, api, hers) < public_share, (who, api)  # leaves the prober its own copy
+        for who in ("erin", "ci-agent"):
+            own = [{"role": "system", "content": PUBLIC},
+                   {"role": "user", "content": f"{who}'s notes:\n" + LOG.replace("stones", f"{who}'s stones")}]
+            asked(wrapper.url, who, "messages", own)
+        assert asked(wrapper.url, "alice", "chat", hers) >= 0.9
+        assert asked(wrapper.url, "alice", "messages", hers) >= 0.9
+        cut = [e for e in wrapper.events("consumers.cut") if e.get("of") == "alice"]
+        saved = [e for e in wrapper.events("conversations.saved") if e.get("consumer") == "alice"]
+        assert not cut or saved, (cut, saved)
+        wrapper.stop()
+    with running(tmp_path, argv, config, env=env) as wrapper:
+        assert asked(wrapper.url, "alice", "messages", hers) >= 0.9
+        assert asked(wrapper.url, "erin", "messages", hers) < public_share
+        status, _, raw = http("DELETE", f"{wrapper.url}/wrapper/conversations",
+                              headers={"Authorization": f"Bearer {TEAM['erin']}"})
+        assert status == 200, raw
+        assert asked(wrapper.url, "alice", "chat", hers) >= 0.9
+        assert asked(wrapper.url, "ci-agent", "chat", hers) < public_share
+
+
+def test_nobodys_conversations_are_not_restored_into_slots_under_isolation(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """Conversations kept before `consumers:` was set are nobody's: no lookup under isolation may use them. A start
+    with examples/team.yaml on the folder examples/chat.yaml filled leaves them in the store (`slots ls` says so) and
+    its slots free, so the consumers do not take slots from each other (the README's try: 0, 0, 28 — not 0, 15, 15)."""
+    argv = [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"]
+    with running(tmp_path, argv, chat_yaml(tmp_path)) as wrapper:
+        for n in range(3):
+            http("POST", f"{wrapper.url}/v1/chat/completions", {"messages": [
+                {"role": "user", "content": f"Question {n}: " + LOG[:1500]}], "max_tokens": 4}, timeout=600)
+        assert wrapper.stop() == 0
+    env = {"LLAMA_WRAPPER_ADMIN_TOKEN": "team-admin-token"}
+    config = team_yaml(tmp_path)
+    with running(tmp_path, argv, config, env=env) as wrapper:
+        skipped = [e for e in wrapper.events("slots.restore_skipped") if "nobody's" in e.get("reason", "")]
+        assert len(skipped) == 3, wrapper.events("slots.restore_skipped")
+        ask = [{"role": "system", "content": PUBLIC}, {"role": "user", "content": "Draft my resignation letter."}]
+        cached = []
+        for who in ("alice", "bob", "alice"):
+            status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions", {"messages": ask, "max_tokens": 1},
+                                  headers={"Authorization": f"Bearer {TEAM[who]}"}, timeout=600)
+            assert status == 200, raw
+            cached.append(json.loads(raw)["timings"]["cache_n"])
+        assert cached[0] == 0 and cached[1] == 0 and cached[2] > 20, cached
+        config_path = tmp_path / "team.yaml"
+        config_path.write_text(config)
+        listed = subprocess.run([sys.executable, "-m", "wrapper.cli", "slots", "ls", "--config", str(config_path),
+                                 "--json"], capture_output=True, text=True, cwd=ROOT, check=True)
+        rows = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert sum(1 for row in rows if row.get("nobodys")) >= 3, rows

@@ -23,6 +23,7 @@ CACHE_IDLE_SLOTS = ("--cache-idle-slots",)
 NO_CACHE_IDLE_SLOTS = ("--no-cache-idle-slots",)
 CACHE_RAM = ("-cram", "--cache-ram")
 CACHE_REUSE = ("--cache-reuse",)
+SLOT_PROMPT_SIMILARITY = ("-sps", "--slot-prompt-similarity")
 MMPROJ = ("-mm", "--mmproj", "-mmu", "--mmproj-url")
 SPEC = ("-md", "--model-draft", "--spec-draft-model", "-hfd", "--hf-repo-draft", "--spec-type",
         "--spec-draft-n-max", "--spec-default")  # speculative decoding (a draft model, or a --spec-type)
