@@ -115,6 +115,8 @@ async def _save(generation: Generation, conv: Conversations, store: Store, slot:
         else:
             _skip(slot, exc.reason)
         return None, True
+    if saved is not None and saved.entry.n_tokens:
+        conv.kv_per_token = saved.entry.bytes / saved.entry.n_tokens
     if saved is None or not saved.new:
         return saved, False
     entry = saved.entry
@@ -201,6 +203,8 @@ async def bring_back(generation: Generation, conv: Conversations, store: Store, 
         kept.rates.learn_convert(entry.bytes, done.conversion["ms"] / 1000)
         log.info("conversations.converted", entry=entry.key, ms=done.conversion["ms"], to=done.conversion["to"])
     kept.rates.learn_restore(done.entry.bytes, done.total_ms / 1000)
+    if done.entry.n_tokens:
+        conv.kv_per_token = done.entry.bytes / done.entry.n_tokens
     kept.save()
     store.touch(done.entry)
     conv.hit(done.entry.key, consumer=asker.consumer)

@@ -105,6 +105,7 @@ class Conversations:
     stall_s: float = 0.0  # the seconds busy checkpoints held the server's loop
     purged: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))  # slots llama-server erased
     # itself to make room (its log said so): a loss the wrapper did not prevent
+    kv_per_token: float | None = None  # bytes a token's KV takes in a state file, from the last save or restore
     busy_checkpoint_at: float = 0.0  # (monotonic) the next busy checkpoint may start then (`cache.checkpoint_share`)
     public: PublicPrefix = field(default_factory=PublicPrefix)  # consumers.shared_prefix's tokens, once learnt
     forgotten: dict[str, float] = field(default_factory=dict)  # consumer -> the forget whose slots were cleared

@@ -15,7 +15,7 @@ from hooks.conversations.chain import Messages, messages_of
 from hooks.conversations.checkpoints import after_answer
 from hooks.conversations.isolation import NOBODY, Asker, asker_of, uncached
 from hooks.conversations.moves import bring_back, leave, save_slot, take
-from hooks.conversations.placed import Placement, clear_for, processing, settled, steered, unpinned
+from hooks.conversations.placed import Placement, clear_for, keep_idle, processing, settled, steered, unpinned
 from hooks.conversations.policy import (
     SLOT_PROMPT_SIMILARITY,
     choose_slot,
@@ -76,9 +76,13 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     conv = state(generation)
     if steering and asker.isolated and not await host.survive(lambda: clear_for(generation, conv, asker)):
         return uncached(out, asker)  # a slot of another's was not cut: wherever it goes, nothing may be reused
-    asked = out.payload.get("id_slot") if not steering else await _foretold(generation, conv, tokens)
-    if steering and asked is None:
+    foretold = await _foretold(generation, conv, tokens) if steering else None
+    asked = foretold if steering else out.payload.get("id_slot")
+    if steering and foretold is None:
         return await unpinned(host, out)  # where the server puts it cannot be told (a slot it does not know)
+    if foretold is not None and common_prefix(book.holds(foretold), tokens) <= len(tokens) * SLOT_PROMPT_SIMILARITY:
+        await host.survive(lambda: keep_idle(generation, conv))  # foretold by the least recent use, which the
+        # wrapper only approximates: every idle slot it may land in is kept first
     book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself
@@ -208,6 +212,7 @@ async def _make_room_and_bring_back(generation: Generation, conv: Conversations,
             return await room.make(generation, conv, store, slot, max(cells, len(tokens) + answer), ask)
 
         await bring_back(generation, conv, store, slot, tokens, resuming, session, asker, room_for)
+        room.compact_soon(generation, conv, store, slot, CACHE.of(generation.config).min_tokens)
     except ServerLost:
         book_of(generation).forgotten()  # before the server is started again: its start restores what it can
         raise

@@ -236,6 +236,8 @@ class SlotBook:
         record.answer, record.owner, record.tokens = None, owner, tokens
         record.count = left if tokens is not None and left > len(tokens) else 0
         record.partial = tokens is None
+        if tokens is None or (record.kept is not None and common_prefix(record.kept[0], tokens) < len(record.kept[0])):
+            record.kept = None  # not known, or another conversation: nothing of what it holds counts as kept
         record.chain = chain if tokens is not None else None
         record.entry, record.from_store = None, False
 
@@ -258,9 +260,11 @@ class SlotBook:
         record.entry, record.from_store = None, False
 
     def cut(self, slot: int, tokens: list[int], owner: str | None) -> None:
-        """The slot was cut down to `tokens` (a public beginning, or nothing) for `owner`'s request."""
+        """The slot was cut down to `tokens` (a public beginning, or nothing) for `owner`'s request: nothing of what
+        it holds now counts as kept (the entry it was kept as may be another consumer's, and forgotten)."""
         self.served(slot, tokens, None, owner)
-        self._at(slot).count = 0
+        record = self._at(slot)
+        record.count, record.kept = 0, None
 
     def unkeepable(self, slot: int) -> None:
         """The untracked slot is not worth a checkpoint until it serves again: a save kept nothing (too short), or
@@ -276,6 +280,7 @@ class SlotBook:
     def saved(self, slot: int, tokens: list[int], key: str) -> None:
         record = self._at(slot)
         record.tokens, record.entry, record.count, record.partial = tokens, key, 0, False
+        record.kept = (tokens, len(tokens))
 
     def kept(self, slot: int, prompt: list[int], held: int) -> None:
         """The slot's conversation is kept as it stands (a checkpoint): `prompt` the tokens the book knew it held
@@ -288,11 +293,11 @@ class SlotBook:
         record = self._changed(slot)
         record.owner, record.tokens, record.count, record.chain = owner, tokens, 0, None
         record.partial, record.from_store, record.entry = False, True, key
+        record.kept = (tokens, len(tokens))
 
     def erased(self, slot: int) -> None:
-        """The slot holds nothing now, and nothing of it counts as kept (a forget)."""
+        """The slot holds nothing now (a forget)."""
         self.cut(slot, [], "")
-        self._at(slot).kept = None
 
     def forgotten(self) -> None:
         """A request the server put in a slot of its own choosing: any slot may hold something else now (each is
@@ -302,6 +307,7 @@ class SlotBook:
         for record in self._slots.values():
             record.tokens, record.count, record.answer, record.entry, record.chain = None, 0, None, None, None
             record.partial, record.from_store, record.owner, record.unkeepable = True, False, None, False
+            record.kept = None
         self._epoch += 1
 
 

@@ -109,6 +109,8 @@ def one_run(server: str, model: str, share: float, turns: int) -> dict[str, Any]
             saves = [e for e in wrapper.events("conversations.saved") if e.get("why") == "checkpoint"]
             gaps = [b - a for a, b in itertools.pairwise(person.arrivals)]
             pause = killed_mid_turn(wrapper, messages)
+            load = float(wrapper.events("child.ready")[-1]["load_s"])
+            restored = sum(float(e.get("total_ms") or 0) for e in wrapper.events("slots.restored")) / 1000
         finally:
             wrapper.kill()
     server_s = sum(float(e.get("server_ms") or e["ms"]) for e in saves) / 1000
@@ -116,7 +118,7 @@ def one_run(server: str, model: str, share: float, turns: int) -> dict[str, Any]
     return {"share": share, "tokens_per_s": len(gaps) / sum(gaps), "longest_gap": max(gaps),
             "checkpoints": conv["checkpoints"], "stall_s": conv["checkpoints"]["stall_s"], "busy_s": took,
             "ms_per_mb": 1000 * server_s / megabytes if megabytes else float("nan"),
-            "unkept": conv["unkept_tokens"], "pause": pause}
+            "unkept": conv["unkept_tokens"], "pause": pause, "load": load, "restored": restored}
 
 
 def main() -> None:
@@ -128,16 +130,17 @@ def main() -> None:
     print(f"checkpoints under load ({Path(model).name}, -np 2, an agent's {options.turns} turns of ~1.2k tokens each "
           "back to back, a person's stream in the other slot throughout):")
     print(f"{'checkpoint_share':>16} {'person tok/s':>12} {'longest gap':>11} {'busy':>4} {'idle':>4} {'stall s':>7} "
-          f"{'of busy time':>12} {'ms/MB':>6} {'unkept':>6} {'pause':>6}")
+          f"{'of busy time':>12} {'ms/MB':>6} {'unkept':>6} {'pause':>6} {'load+restore':>12}")
     for run in runs:
         print(f"{run['share']:>16} {run['tokens_per_s']:>12.1f} {run['longest_gap'] * 1000:>9.0f}ms "
               f"{run['checkpoints']['busy']:>4} {run['checkpoints']['idle']:>4} {run['stall_s']:>7.3f} "
               f"{run['stall_s'] / run['busy_s']:>12.2%} {run['ms_per_mb']:>6.2f} {run['unkept']:>6} "
-              f"{run['pause']:>5.2f}s")
+              f"{run['pause']:>5.2f}s {run['load'] + run['restored']:>11.2f}s")
     on, off = runs
     print(f"ratios (on / off): the person's decode rate x{on['tokens_per_s'] / off['tokens_per_s']:.3f}; what a crash "
           f"at the end would read again {on['unkept']} against {off['unkept']} tokens; the agent's pause at a kill "
-          f"mid-turn x{on['pause'] / off['pause']:.2f}")
+          f"mid-turn x{on['pause'] / off['pause']:.2f} (with them {on['pause']:.2f} s against the new server's load "
+          f"and restore {on['load'] + on['restored']:.2f} s: the rest, the prefill of what came since the checkpoint)")
 
 
 if __name__ == "__main__":

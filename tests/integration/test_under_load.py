@@ -122,7 +122,7 @@ def test_an_agent_loop_killed_mid_stream_goes_on_from_its_checkpoint(
 
 
 def conversations_in_turn(url: str, count: int, rounds: int, api: str = "chat") -> list[list[float]]:
-    """`count` agents' conversations of ~2.9k tokens each, taken in turn for `rounds` rounds: what each turn reused."""
+    """`count` agents' conversations of ~3.7k tokens each, taken in turn for `rounds` rounds: what each turn reused."""
     agents = []
     for n in range(count):
         agent = Agent(url, api)
@@ -135,7 +135,7 @@ def conversations_in_turn(url: str, count: int, rounds: int, api: str = "chat") 
 @pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 def test_conversations_in_a_full_shared_kv_are_kept_not_purged(
         tmp_path: Path, server_bin: str, demo_path: str, api: str) -> None:
-    """Three conversations of ~2.9k tokens on `-np 2 -c 8192` (three slots with the lane, one KV of 8,192 cells):
+    """Three conversations of ~3.7k tokens on `-np 2 -c 8192` (three slots with the lane, one KV of 8,192 cells):
     two fit, the third needs room. The wrapper makes it before each prompt (the least valuable slot kept, then
     erased) and restores each conversation at its turn: every turn of rounds 2-3 reuses ≥ 90 %, and llama-server never
     purges a slot itself (before: 0 % from round 2 on, `purging slot` in its log). On the Messages and Responses APIs
@@ -249,3 +249,20 @@ def test_nobodys_conversations_are_not_restored_into_slots_under_isolation(
                                  "--json"], capture_output=True, text=True, cwd=ROOT, check=True)
         rows = [json.loads(line) for line in listed.stdout.splitlines()]
         assert sum(1 for row in rows if row.get("nobodys")) >= 3, rows
+
+
+def test_an_idle_kept_conversation_leaves_the_shared_kv_while_another_decodes(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """`-np 1` with the lane: two slots on one KV, and a decode's attention spans both slots' cells (16 tokens took
+    650 ms beside an idle 1.4k-token slot, 450 ms beside an empty one). A conversation kept in the store and idle is
+    erased while the other decodes (its restore costs milliseconds), and comes back whole at its next turn."""
+    with running(tmp_path, [server_bin, "-m", demo_path, "-c", "8192", "-np", "1"], chat_yaml(tmp_path)) as wrapper:
+        first, second = Agent(wrapper.url), Agent(wrapper.url)
+        second.messages[1]["content"] = "Here is another log:\n" + LOG.replace("stones", "fish")
+        first.turn()
+        second.turn()
+        compacted = wait_for(lambda: [e for e in wrapper.events("conversations.taken")
+                                      if "idle beside a decoding slot" in e.get("why", "")], 30, "a compaction")
+        assert compacted[0]["kept"] == 0, compacted
+        assert first.turn()["reused"] >= 0.9
+        assert second.turn()["reused"] >= 0.9

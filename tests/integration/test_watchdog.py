@@ -298,14 +298,15 @@ def _agent_turn(wrapper: Wrapper, path: str, said: list[str]) -> tuple[str, int,
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
 def test_a_crash_between_an_agents_messages_or_responses_turns_loses_nothing(
         tmp_path: Path, server_bin: str, demo_path: str, path: str, parallel: int) -> None:
-    """llama-server places Messages and Responses requests itself (the wrapper cannot pin them), so the wrapper
-    does not know what the slot holds: once the server is quiet a checkpoint keeps that slot as a save finds it,
-    and a SIGKILL between turns costs the next turn nothing (before, it read the whole conversation again)."""
+    """The wrapper tells a Messages or Responses request's prompt as llama-server makes it (Responses pinned,
+    Messages prepared where the server's rule puts it), so its slot is tracked like a chat request's and a checkpoint
+    keeps it (before: untracked until a quiet moment, and before that a crash read the whole conversation again); a
+    SIGKILL between turns costs the next turn nothing."""
     with running(tmp_path, argv(server_bin, demo_path, parallel), config(tmp_path)) as wrapper:
         said = [QUESTION]
         text, prompt, _ = _agent_turn(wrapper, path, said)
-        (kept,) = wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the slot kept while idle")
-        assert kept["untracked"] is True and kept["tokens"] >= prompt, kept
+        (kept,) = wait_for(lambda: wrapper.events("conversations.checkpoint"), 30, "the slot kept")
+        assert "untracked" not in kept and kept["tokens"] >= prompt, kept
 
         def safe() -> bool:  # every slot kept or known to hold too little (the others are saved one by one)
             conversations = wrapper.status()["slots"]["conversations"]

@@ -24,7 +24,7 @@ from wrapper.answers.apis.api import Api, less
 from wrapper.answers.continuation import SoFar, greedy
 from wrapper.answers.events import Events
 from wrapper.answers.part import Carry, Had, Part
-from wrapper.answers.proxy import Outcome, Pass, broken_off, json_error, json_object
+from wrapper.answers.proxy import Outcome, Pass, broken_off, json_object
 from wrapper.answers.route import Shape
 
 SEED_LIMIT = 1 << 31  # a seed of the wrapper's own: below llama-server's "random" value (0xFFFFFFFF)
@@ -171,7 +171,7 @@ class Answer:
         """It cannot go on (a paused answer the steps refused to resume): a 503 when nothing reached the client,
         else its stream ends with an error event saying why."""
         if self.response is None or self.interrupted is None:
-            return json_error(503, why, "unavailable_error")
+            return web.json_response(self.api.error_body(503, why, "unavailable_error"), status=503)
         return await broken_off(self.interrupted, self.response, why)
 
     # -----------------------------------------------------------------------------------------------------------

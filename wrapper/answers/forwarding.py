@@ -64,19 +64,20 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         seat = _seat(serving, request, None, path, passes.consumer) if seated else None
         async with _seated(serving, seat) as admitted:
             if not admitted:
-                return refused(serving, Admission.REFUSED)
+                return refused(serving, Admission.REFUSED, path)
             return await passes.through(lambda to: forward(request, to, path),
                                         watched and request.method in ("GET", "HEAD"))
     body = await _read_whole(request, BODY_LIMIT)
     if body is None:
-        return json_error(413, f"a completion request of more than {BODY_LIMIT >> 20} MiB", "invalid_request_error")
+        return json_error(413, f"a completion request of more than {BODY_LIMIT >> 20} MiB", "invalid_request_error",
+                          path=path)
     payload = json_object(body)
     seat = _seat(serving, request, payload, path, passes.consumer) if seated else None
     if payload is not None and priority.unsaid(payload):
         body = json.dumps(payload).encode()
     async with _seated(serving, seat) as admitted:
         if not admitted:
-            return refused(serving, Admission.REFUSED)
+            return refused(serving, Admission.REFUSED, path)
         passes.seat = seat
         status: int | None = None
         try:

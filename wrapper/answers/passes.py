@@ -82,7 +82,7 @@ class Passes:
             return None
         admission = await self.serving.gate.enter(counted=False)
         if admission is not Admission.ADMITTED:
-            return refused(self.serving, admission)
+            return refused(self.serving, admission, self.path)
         for step in self.steps:
             stepped = await step.run(self.host, out)
             if isinstance(stepped, Reply):
@@ -190,7 +190,7 @@ class Passes:
         serving, request, seat = self.serving, self.request, self.seat
         admission = await serving.gate.enter(active=self.active)
         if admission is not Admission.ADMITTED:
-            return answered(request, refused(serving, admission))
+            return answered(request, refused(serving, admission, self.path))
         if restep and self._moved():
             serving.gate.leave()
             return None
@@ -217,7 +217,8 @@ class Passes:
                 return answered(request, await broken_off(request, started, "llama-wrapper is stopping: the answer "
                                                           "was cut at the drain deadline"))
             return answered(request, json_error(503, "llama-wrapper is stopping: the request was cut at the drain "
-                                                "deadline", "unavailable_error", {"Retry-After": RETRY_AFTER_S}))
+                                                "deadline", "unavailable_error", {"Retry-After": RETRY_AFTER_S},
+                                                self.path))
         finally:
             serving.gate.leave(exchange)
 
@@ -294,13 +295,13 @@ def _caught(request: web.Request, catching: Catching, path: str, body: bytes, ev
     return catch(request, to, catching, path, body, events, going_on)
 
 
-def refused(serving: Serving, admission: Admission) -> web.Response:
-    """The gate's refusal, for the client: asleep and not woken, held too long, or stopping."""
+def refused(serving: Serving, admission: Admission, path: str) -> web.Response:
+    """The gate's refusal, for the client (in its API's shape): asleep and not woken, held too long, or stopping."""
     if admission is Admission.NOT_WOKEN:
-        return json_error(503, f"llama-wrapper is asleep and could not wake llama-server: {serving.gate.wake_failed}",
-                          "unavailable_error", {"Retry-After": RETRY_AFTER_S})
-    if admission is Admission.TIMED_OUT:
-        return json_error(503, f"llama-wrapper is {serving.state} and held this request for "
-                          f"reload.hold_timeout ({serving.current.config.reload_hold_timeout:g}s)", "unavailable_error",
-                          {"Retry-After": RETRY_AFTER_S})
-    return json_error(503, f"llama-wrapper is {serving.state}", "unavailable_error", {"Retry-After": RETRY_AFTER_S})
+        why = f"llama-wrapper is asleep and could not wake llama-server: {serving.gate.wake_failed}"
+    elif admission is Admission.TIMED_OUT:
+        why = (f"llama-wrapper is {serving.state} and held this request for reload.hold_timeout "
+               f"({serving.current.config.reload_hold_timeout:g}s)")
+    else:
+        why = f"llama-wrapper is {serving.state}"
+    return json_error(503, why, "unavailable_error", {"Retry-After": RETRY_AFTER_S}, path)

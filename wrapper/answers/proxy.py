@@ -18,6 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from wrapper.answers import apis
 from wrapper.answers.events import Events
 from wrapper.steps import Observer, error_body
 
@@ -42,8 +43,12 @@ class BadPath(ValueError):
     """A request path no server should act on (control characters after decoding)."""
 
 
-def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, kind), status=status, headers=headers)
+def json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None,
+               path: str | None = None) -> web.Response:
+    """An error answered whole: llama-server's shape, or the shape of the API a request on `path` speaks (Anthropic's
+    on /v1/messages, so that its client says why)."""
+    body = apis.of(path).error_body(status, message, kind) if path is not None else error_body(status, message, kind)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def canonical_path(raw_path: str) -> str:
@@ -77,13 +82,14 @@ async def _once(raw: bytes) -> AsyncIterator[bytes]:
 
 
 async def broken_off(request: web.BaseRequest, response: web.StreamResponse, why: str) -> web.StreamResponse:
-    """Headers are gone already: an event stream is told `why` in an error event (OpenAI's clients raise it; it has no
+    """Headers are gone already: an event stream is told `why` in its API's error event (OpenAI's `data:` line with an
+    `error`, Anthropic's `event: error`, the Responses API's `error` event: each one's client raises it; it has no
     final event) and ends there, as llama-server ends a stream after an error, so that a client reading the whole
     body gets the error too; any other answer is cut (the connection closed) so that it is seen truncated."""
     if response.content_type == "text/event-stream":
-        event = {"error": {"code": 502, "message": why, "type": "server_error"}}
+        event = apis.of(request.path).error_event(502, why, "server_error")
         with contextlib.suppress(ConnectionError, RuntimeError):  # a client gone already
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write(event)
             await response.write_eof()
             return response
     if request.transport is not None:
@@ -142,7 +148,7 @@ class Pass:
         said = why or f"llama-server could not be reached: {self.error}"
         if self.response is not None and self.response.prepared:
             return await broken_off(self.request, self.response, said)
-        return json_error(502, said, "bad_gateway")
+        return json_error(502, said, "bad_gateway", path=self.request.path)
 
 
 def answered(request: web.BaseRequest, response: web.StreamResponse) -> Pass:

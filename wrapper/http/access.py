@@ -26,10 +26,11 @@ LIFE: web.AppKey[ServerLife] = web.AppKey("life", ServerLife)
 
 
 def unauthorized(request: web.Request) -> web.Response | None:
-    """llama-server's own 401 when it has API keys and the request brings none of them."""
+    """llama-server's own 401 when it has API keys and the request brings none of them (in the shape of the API the
+    request speaks)."""
     keys = request.app[SERVING].current.launch.keys
     if keys and not allowed(keys, presented_key(request)):
-        return json_error(401, "Invalid API Key", "authentication_error")
+        return json_error(401, "Invalid API Key", "authentication_error", path=request.path)
     return None
 
 

@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any, ClassVar, Protocol
 
 from wrapper.answers.part import Carry, Part
-from wrapper.steps import LIMITS, limit
+from wrapper.steps import LIMITS, error_body, limit
 
 GOES_ON_NOT = {
     "api": "its API's answers are not paused (chat completions' and /completion's are; the others go on after a "
@@ -64,6 +64,15 @@ class Api:
     def event(self, payload: dict[str, Any]) -> bytes:
         """A rewritten event, framed as the API frames it."""
         return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+    def error_body(self, status: int, message: str, kind: str) -> dict[str, Any]:
+        """An error answered whole, in this API's shape (OpenAI's and llama-server's: `{"error": {...}}`)."""
+        return error_body(status, message, kind)
+
+    def error_event(self, status: int, message: str, kind: str) -> bytes:
+        """The event a stream of this API ends with when the wrapper cannot finish it (OpenAI's clients raise on a
+        `data:` line whose object has an `error`)."""
+        return b"data: " + json.dumps(self.error_body(status, message, kind), ensure_ascii=False).encode() + b"\n\n"
 
     def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
         """Make `payload`'s id and counts the whole answer's; whether anything changed."""

@@ -80,10 +80,23 @@ class _Reader(TypedReader):
                 self.ids[opened["id"]] = self.shown.id
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+"""Anthropic's error types by status (its SDK raises by status; the type and message say why); else api_error."""
+
+
 class Messages(TypedApi):
     name = "messages"
     paths = ("/v1/messages",)
     reading = _Reader
+
+    def error_body(self, status: int, message: str, kind: str) -> dict[str, Any]:
+        """Anthropic's shape: `{"type": "error", "error": {"type": ..., "message": ...}}`."""
+        return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+    def error_event(self, status: int, message: str, kind: str) -> bytes:
+        """Anthropic's `event: error` (its SDK raises on it; an OpenAI-shaped `data:` line it ignores)."""
+        return self.event(self.error_body(status, message, kind))
 
     def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
         usage = payload.get("usage") if payload.get("type") == "message_delta" else None

@@ -16,6 +16,7 @@ from typing import Any
 from wrapper.answers.apis.api import Verdict
 from wrapper.answers.apis.typed import Shown, TypedApi, TypedReader
 from wrapper.answers.part import Carry, Part
+from wrapper.steps import error_body
 
 
 class _Reader(TypedReader):
@@ -91,6 +92,13 @@ class Responses(TypedApi):
     paths = ("/v1/responses", "/responses")
     reading = _Reader
     seeded = True
+
+    def error_event(self, status: int, message: str, kind: str) -> bytes:
+        """The Responses API's `error` event (type, code, message, param), which also carries OpenAI's `error` object:
+        the openai SDK raises on a stream event that has one, as it does on llama-server's own stream errors."""
+        code = "server_error" if status >= 500 else kind
+        return self.event({"type": "error", "code": code, "message": message, "param": None,
+                           **error_body(status, message, kind)})
 
     def carried(self, payload: dict[str, Any], carry: Carry) -> bool:
         response = payload.get("response") if payload.get("type") == "response.completed" else None

@@ -54,7 +54,8 @@ class Script:
         return Pass(Outcome.ANSWERED, REQUEST, web.json_response(payload, status=status))
 
 
-REQUEST = cast(web.BaseRequest, SimpleNamespace(transport=None))  # the client's request: never closed here
+# the client's request: never closed here
+REQUEST = cast(web.BaseRequest, SimpleNamespace(transport=None, path="/v1/chat/completions"))
 
 
 @dataclass
