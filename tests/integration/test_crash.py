@@ -7,6 +7,7 @@ call killed at every delta of its arguments ends as one whole call; every genera
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +122,22 @@ def _arguments(parts: list[dict[str, Any]]) -> str:
     return "".join((c.get("function") or {}).get("arguments") or "" for c in parts)
 
 
+def _had(parts: list[dict[str, Any]], k: int) -> str:
+    """The arguments of a call's first `k` deltas that carried some: what its client had when the kill came."""
+    return _arguments([c for c in parts if (c.get("function") or {}).get("arguments")][:k])
+
+
 @pytest.mark.parametrize("case", sorted(CALLS))
 def test_a_tool_call_killed_at_every_delta_ends_as_one_whole_call(tmp_path: Path, server_bin: str, demo_path: str,
                                                                   case: str) -> None:
     """tool_choice required, temperature 0, -np 1. Killed after each of the call's argument deltas in turn, the
-    client gets one call — one id, its name once, whole valid JSON arguments, finish_reason tool_calls — and the
-    text before it once. It got `{\\n    "` and then 243 deltas of plain text: the server started again was given
-    the text before the call as a prefix, and answered text.
+    client gets one call — one id, its name once, whole valid JSON arguments that begin with what it had, the same
+    keys as the uncut call's, finish_reason tool_calls — and the text before it once. It got `{\\n    "` and then
+    243 deltas of plain text: the server started again was given the text before the call as a prefix, and
+    answered text. The call goes on from its arguments (the template's markup in the assistant prefill:
+    wrapper/answers/calls.py); the prefill is read again, which computes its KV another way than decoding did, so
+    what follows may drift from the uncut call (whitespace, another word): how many kill points gave the uncut
+    call exactly is printed.
 
     The kill comes when the client has read the k-th delta; llama-server may have generated further by then, or
     finished (a busy machine reads late). Every answer must be whole whatever the moment; a kill that came after
@@ -142,6 +152,7 @@ def test_a_tool_call_killed_at_every_delta_ends_as_one_whole_call(tmp_path: Path
         n_deltas = sum(1 for c in _calls(alone) if (c.get("function") or {}).get("arguments"))
         assert n_deltas >= 3 and json.loads(whole), f"the demo model made no call: {content(alone)[:200]!r}"
         cut: set[int] = set()  # the k whose kill cut the answer in the middle
+        exact = 0
         for k in range(1, n_deltas + 1):
             for _ in range(TRIES):
                 resumed = len(wrapper.events("wrapper.stream_resumed"))
@@ -154,15 +165,182 @@ def test_a_tool_call_killed_at_every_delta_ends_as_one_whole_call(tmp_path: Path
                 parts = _calls(events)
                 assert len({c["id"] for c in parts if "id" in c}) == 1, (k, parts)  # one id, the first
                 assert sum(1 for c in parts if (c.get("function") or {}).get("name")) == 1, (k, parts)  # name once
-                assert _arguments(parts) == whole, (k, _arguments(parts), whole)  # the same call, valid JSON
+                arguments = _arguments(parts)
+                assert arguments.startswith(_had(parts, k)), (k, arguments)  # what the client had stands
+                assert set(json.loads(arguments)) == set(json.loads(whole)), (k, arguments, whole)  # whole, valid
                 assert content(events) == content(alone), k  # the text before it once
                 final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
                 assert final["choices"][0]["finish_reason"] == "tool_calls", (k, final)
                 if len(wrapper.events("wrapper.stream_resumed")) > resumed:
                     cut.add(k)
+                    exact += arguments == whole
                     break
-        print(f"{case}: killed after each of {n_deltas} argument deltas; cut in the middle after {sorted(cut)}")
+        print(f"{case}: killed after each of {n_deltas} argument deltas; cut in the middle after {sorted(cut)}; "
+              f"the uncut call exactly after {exact}")
         assert set(range(1, n_deltas // 2 + 1)) <= cut, cut
+        assert wrapper.stop() == 0
+
+
+# -- a tool call cut by max_tokens ------------------------------------------------------------------------------
+
+WRITE_FILE: dict[str, Any] = {"type": "function", "function": {
+    "name": "write_file", "description": "Write a file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+        "required": ["path", "content"]}}}
+LENGTH_CUT: dict[str, tuple[str, dict[str, Any]]] = {
+    # Llama 3.1's JSON call, a line of text before it: a write_file whose content runs on
+    "llama-3.1": ("meta-llama-Llama-3.1-8B-Instruct",
+                  {"messages": [{"role": "user", "content": "Read the file README.md please."}],
+                   "tools": [WRITE_FILE]}),
+    "qwen-style": CALLS["qwen-style"],
+}
+
+
+def _budget(wrapper: Wrapper, body: dict[str, Any], path: str, tokens: Callable[[Events], int],
+            arguments: Callable[[Events], list[str]]) -> int:
+    """A max_tokens that ends the request's call in the middle of its arguments: the whole answer's tokens less
+    half of its call's argument deltas and the few that close a call (`}`, `</tool_call>`, the end)."""
+    whole = streamed(wrapper, body, path=path)
+    pieces = arguments(whole)
+    assert len(pieces) >= 6, f"the demo model made no call: {whole[-3:]}"
+    return tokens(whole) - len(pieces) // 2 - 4
+
+
+def _usage(events: Events) -> int:
+    return next(int(e["usage"]["completion_tokens"]) for e in events if e.get("usage"))
+
+
+def _argument_pieces(events: Events) -> list[str]:
+    return [a for c in _calls(events) if (a := (c.get("function") or {}).get("arguments"))]
+
+
+@pytest.mark.parametrize("case", sorted(LENGTH_CUT))
+def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_call(
+        tmp_path: Path, server_bin: str, demo_path: str, case: str) -> None:
+    """An agent's call that meets its max_tokens in its arguments (finish_reason length), llama-server SIGKILLed
+    after each of its argument deltas in turn: the client gets what the uncut run gives it — the text before the
+    call once, one call (one id, its name once) whose arguments begin with what it had and run to the same budget,
+    finish_reason length, the same completion tokens. It got the call's first part and ~1,000 characters of plain
+    text: the call was generated again from the start, the new server's KV computed another way, and the
+    generation went elsewhere; now it goes on from the call's arguments (wrapper/answers/calls.py). What follows
+    the prefill may drift from the uncut run (its KV computed another way than decoding did): how many kill points
+    gave the uncut call exactly is printed."""
+    template, request = LENGTH_CUT[case]
+    body = {**request, "tool_choice": "required", "temperature": 0, "stream_options": {"include_usage": True}}
+    with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file",
+                                models.template(server_bin, template)), chat_yaml(tmp_path, RESTARTS)) as wrapper:
+        body["max_tokens"] = _budget(wrapper, {**body, "max_tokens": 200}, "/v1/chat/completions", _usage,
+                                     _argument_pieces)
+        streamed(wrapper, body)  # the prompt in the slot, as for the killed runs after it
+        alone = streamed(wrapper, body)
+        whole = _arguments(_calls(alone))
+        finals = [e["choices"][0]["finish_reason"] for e in alone if e.get("choices") and
+                  e["choices"][0].get("finish_reason")]
+        assert finals == ["length"] and whole and not _is_json(whole), (finals, whole)  # cut in its arguments
+        exact = 0
+        for k in range(1, len(_argument_pieces(alone)) + 1):
+            resumed = len(wrapper.events("wrapper.stream_resumed"))
+
+            def at_delta(seen: Events, k: int = k) -> bool:
+                return len(_argument_pieces(seen)) >= k
+
+            events = streamed(wrapper, body, at_delta)
+            one_answer(events)
+            parts = _calls(events)
+            arguments = _arguments(parts)
+            assert len({c["id"] for c in parts if "id" in c}) == 1, (k, parts)
+            assert sum(1 for c in parts if (c.get("function") or {}).get("name")) == 1, (k, parts)
+            assert arguments.startswith(_had(parts, k)), (k, arguments)  # what the client had stands ...
+            assert arguments.count('"path"') <= 1 and arguments[:1] == "{", (k, arguments)  # ... and goes on
+            assert content(events) == content(alone), k  # the text before it, once: no text after the call
+            final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
+            assert final["choices"][0]["finish_reason"] == "length", (k, final)
+            # the same budget, counted once: what the prefill holds is counted as the tokenizer reads it, which may
+            # differ by a token from how the model wrote it
+            assert abs(_usage(events) - body["max_tokens"]) <= 2, (k, _usage(events))
+            if len(wrapper.events("wrapper.stream_resumed")) > resumed:
+                exact += arguments == whole
+        assert not wrapper.events("wrapper.call_made_again")  # the template's markup was learnt every time
+        n = len(_argument_pieces(alone))
+        print(f"{case}: a call cut by max_tokens {body['max_tokens']}, killed after each of {n} argument deltas: "
+              f"the uncut call exactly after {exact}")
+        assert wrapper.stop() == 0
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_a_responses_and_a_messages_tool_call_cut_by_max_tokens_go_on_from_their_arguments(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """Llama 3.1's template, the write_file call cut by its budget (Codex's Responses API, Claude Code's Messages
+    API), killed a third of the way into the call's arguments and again two thirds in: one function_call item / one
+    tool_use block, its arguments beginning with what the client had, no text after it, the uncut run's ending
+    (incomplete / max_tokens) and its token count."""
+    template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")
+    function = WRITE_FILE["function"]
+    responses = {"input": "Read the file README.md please.", "temperature": 0, "tool_choice": "required",
+                 "tools": [{"type": "function", **function}]}
+    messages = {"messages": [{"role": "user", "content": "Read the file README.md please."}], "temperature": 0,
+                "tool_choice": {"type": "any"}, "tools": [{"name": function["name"],
+                                                          "description": function["description"],
+                                                          "input_schema": function["parameters"]}]}
+
+    def of(events: Events, kind: str) -> list[dict[str, Any]]:
+        return [e for e in events if e.get("type") == kind]
+
+    def responses_arguments(events: Events) -> list[str]:
+        return [e["delta"] for e in of(events, "response.function_call_arguments.delta") if e["delta"]]
+
+    def messages_arguments(events: Events) -> list[str]:
+        return [e["delta"]["partial_json"] for e in of(events, "content_block_delta")
+                if e["delta"]["type"] == "input_json_delta" and e["delta"]["partial_json"]]
+
+    def responses_end(events: Events) -> tuple[Any, ...]:
+        (done,) = of(events, "response.completed")
+        items = [i for i in done["response"]["output"] if i["type"] == "function_call"]
+        text = "".join(e["delta"] for e in of(events, "response.output_text.delta"))
+        return done["response"]["status"], done["response"]["usage"]["output_tokens"], len(items), text
+
+    def messages_end(events: Events) -> tuple[Any, ...]:
+        (stopped,) = of(events, "message_delta")
+        uses = [e for e in of(events, "content_block_start") if e["content_block"]["type"] == "tool_use"]
+        text = "".join(e["delta"].get("text") or "" for e in of(events, "content_block_delta"))
+        return stopped["delta"]["stop_reason"], stopped["usage"]["output_tokens"], len(uses), text
+
+    apis = (("/v1/responses", responses, "max_output_tokens", responses_arguments, responses_end),
+            ("/v1/messages", messages, "max_tokens", messages_arguments, messages_end))
+    with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file", template),
+                 chat_yaml(tmp_path, RESTARTS)) as wrapper:
+        for path, request, limit_key, arguments_of, end in apis:
+            def tokens(events: Events, end: Callable[[Events], tuple[Any, ...]] = end) -> int:
+                return int(end(events)[1])
+
+            budget = _budget(wrapper, {**request, limit_key: 200}, path, tokens, arguments_of)
+            body = {**request, limit_key: budget}
+            streamed(wrapper, body, path=path)
+            alone = streamed(wrapper, body, path=path)
+            pieces = arguments_of(alone)
+            assert end(alone)[2] == 1 and not _is_json("".join(pieces)), (path, end(alone))
+            for k in (len(pieces) // 3, 2 * len(pieces) // 3):
+                resumed = len(wrapper.events("wrapper.stream_resumed"))
+                def at(seen: Events, k: int = k, of: Callable[[Events], list[str]] = arguments_of) -> bool:
+                    return len(of(seen)) >= k
+
+                events = streamed(wrapper, body, at, path=path)
+                assert not of(events, "error"), (path, k, events[-3:])
+                arguments = "".join(arguments_of(events))
+                assert arguments.startswith("".join(pieces[:k])), (path, k, arguments)  # what the client had
+                assert arguments.count('"path"') <= 1, (path, k, arguments)
+                (ending, tokens_used, calls, text), uncut = end(events), end(alone)
+                assert (ending, calls, text) == (uncut[0], uncut[2], uncut[3]), (path, k, end(events), uncut)
+                assert abs(tokens_used - uncut[1]) <= 2, (path, k, tokens_used, uncut)
+                assert len(wrapper.events("wrapper.stream_resumed")) > resumed, (path, k)
+        assert not wrapper.events("wrapper.call_made_again")
         assert wrapper.stop() == 0
 
 

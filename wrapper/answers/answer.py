@@ -80,6 +80,14 @@ class Answer:
                 self.carry = self._carry(self.had.generated_again)
         self.sent = self._body(self.request)
 
+    def call_goes_on(self, prefill: str, tokens: int) -> None:
+        """A stream cut in a tool call goes on from the call's arguments so far, as its model wrote them (`prefill`,
+        `tokens` of it), not from the start."""
+        self.request, self.had = self.so_far.call_going_on(self.original, prefill, tokens)
+        if self.shape is Shape.STREAM:
+            self.carry = self._carry(0, tokens + len(self.so_far.reasoning))
+        self.sent = self._body(self.request)
+
     def resumed(self, body: bytes) -> None:
         """The body the steps made for the request that goes on after a pause."""
         self.sent = as_stream(body) if self.shape is Shape.GATHERED else body
@@ -176,10 +184,11 @@ class Answer:
 
     # -----------------------------------------------------------------------------------------------------------
 
-    def _carry(self, again: int) -> Carry:
-        """What the next part makes its counts and id from: the client's answer so far, the request's prompt."""
+    def _carry(self, again: int, shown: int | None = None) -> Carry:
+        """What the next part makes its counts and id from: the client's answer so far (`shown` tokens, when they
+        were counted: else its events), the request's prompt."""
         prompt = self.original.get("prompt") if not self.api.message else None
-        return Carry(self.id, self.so_far.tokens, again, self.prompt_tokens or None,
+        return Carry(self.id, self.so_far.tokens if shown is None else shown, again, self.prompt_tokens or None,
                      prompt if isinstance(prompt, str) else None)
 
     def _body(self, request: dict[str, Any]) -> bytes:

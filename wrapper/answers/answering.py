@@ -27,6 +27,7 @@ from aiohttp import web
 
 from wrapper.answers.answer import Answer
 from wrapper.answers.apis.api import Api
+from wrapper.answers.calls import Written
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
@@ -58,6 +59,11 @@ class Passing(Protocol):
 
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         """After a pause: the body to send once it may go on, or why it cannot."""
+        ...
+
+    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+        """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the model serving
+        now writes them (wrapper/answers/calls.py); None when it cannot tell."""
         ...
 
 
@@ -129,6 +135,7 @@ class AnswerLoop:
             return await got.told(self._told_after_loss())
         answer.interrupted_by(got, events)
         if got.outcome is Outcome.CUT:
+            await self._call_goes_on()
             if answer.response is not None:
                 log.info("wrapper.stream_resumed", path=self.path, chars=len(answer.so_far.text),
                          tokens=answer.so_far.tokens, after="reload" if got.handed_over else "loss")
@@ -138,6 +145,23 @@ class AnswerLoop:
             return await answer.broken_off(resumed)
         answer.resumed(resumed)
         return None
+
+    async def _call_goes_on(self) -> None:
+        """A stream cut in a tool call goes on from the call's arguments so far (the same call, the same budget),
+        when the served template says how its model writes a call; else it is generated again from the start."""
+        answer = self.answer
+        if answer.shape is Shape.WHOLE or answer.had is None:
+            return
+        under_way = answer.so_far.call_under_way()
+        if under_way is None:
+            return
+        call, arguments = under_way
+        written = await self.passes.written(call.name, answer.so_far.text, arguments)
+        if written is None:
+            log.info("wrapper.call_made_again", path=self.path, name=call.name,
+                     why="the chat template's markup for a call is not known")
+            return
+        answer.call_goes_on(written.prefill, written.tokens)
 
     async def _goes_on_after(self, cut: Pass) -> bool:
         """Whether to send again (or go on) after a cut: a reload handed it over, or the server was lost under it

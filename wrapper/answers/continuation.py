@@ -109,6 +109,25 @@ class SoFar:
         body = less(api.going_on(request, text, reasoning), k + len(self.reasoning) + self.call_tokens)
         return body, Had(text=text if api.message else "", again=len(self.pieces) - k, reasoning=reasoning)
 
+    def call_under_way(self) -> tuple[Call, str] | None:
+        """The one tool call an answer was cut in, when it may go on from its arguments (wrapper/answers/calls.py):
+        the call and all the arguments its client has — none generated again: after the prefill is read again
+        (its KV computed another way than decoding did), a piece made again may differ, and a call's arguments
+        cannot be shown in two versions. None: an API whose answer is no message, no call, or several (their
+        markup between calls is the template's own: they are generated again from the start)."""
+        if not (self.api.message and self.api.exact) or len(self.calls) != 1:
+            return None
+        (_, call), = self.calls.items()
+        return (call, call.arguments) if call.name else None
+
+    def call_going_on(self, request: dict[str, Any], prefill: str, tokens: int) -> tuple[dict[str, Any], Had]:
+        """The request that goes on from a call under way: its text, the call's markup and its arguments so far as
+        the assistant's `prefill` (`tokens` of it, less from the request's limit, so that it ends where the
+        uncut answer would); the call opens again in it and shows only what the client lacks."""
+        calls = [Call(c.id, c.name, c.arguments) for _, c in sorted(self.calls.items())]
+        body = less(self.api.going_on(request, prefill, self.thought), tokens + len(self.reasoning))
+        return body, Had(text=self.text, reasoning=self.thought, calls=calls)
+
     def grown(self, request: dict[str, Any]) -> tuple[dict[str, Any], Had]:
         """After a growth of the context: the request that goes on from all of the answer, and what it echoes."""
         api, text, reasoning = self.api, self.text, self.thought

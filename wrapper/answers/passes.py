@@ -24,6 +24,8 @@ import structlog
 from aiohttp import web
 
 from wrapper import built_ins
+from wrapper.answers import calls
+from wrapper.answers.calls import Written
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import (
     STARTED,
@@ -242,6 +244,13 @@ class Passes:
         exchange.cancel()
         await asyncio.wait([exchange])
         return exchange.cancelled()
+
+    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+        """An answer so far with a call under way, as the model serving now writes it (wrapper/answers/calls.py):
+        asked of the server once the gate lets requests through (the one started again after a loss)."""
+        if await self.serving.gate.enter(counted=False) is not Admission.ADMITTED:
+            return None
+        return await calls.written(self.serving.current.client, name, text, arguments)
 
     # -- a pause --------------------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from wrapper.answers.answering import MAX_GROWTHS, AnswerLoop
 from wrapper.answers.apis.chat import Chat
+from wrapper.answers.calls import Written
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
@@ -98,6 +99,9 @@ class Passes:
 
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         raise AssertionError("a whole answer is never paused")
+
+    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+        raise AssertionError("a whole answer's call is not continued")
 
 
 def loop(script: Script, growing: Growing | None, body: dict[str, Any], continues: bool = True,
@@ -267,6 +271,7 @@ class Streams:
     sent: list[dict[str, Any]] = field(default_factory=list)
     losses: list[Loss] = field(default_factory=lambda: [Loss.BACK])
     resumes: list[bytes | str] = field(default_factory=list)
+    opening: str | None = None  # how the template writes a call before its arguments (None: not known)
 
     async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
@@ -292,9 +297,15 @@ class Streams:
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         return self.resumes.pop(0)
 
+    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+        if self.opening is None:
+            return None
+        prefill = text + self.opening.replace("NAME", name) + arguments
+        return Written(prefill, len(prefill.split()))  # a token per word, as a tokenizer might count
 
-def streamed(streams: Streams, prompt: int | None = None) -> AnswerLoop:
-    body = {**ASKED, "stream": True, "temperature": 0}
+
+def streamed(streams: Streams, prompt: int | None = None, **more: Any) -> AnswerLoop:
+    body = {**ASKED, "stream": True, "temperature": 0, **more}
     host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
     return AnswerLoop(host, None, Chat(), CHAT, json.dumps(body).encode(), streams, lambda: N_CTX, Shape.STREAM,
                       watched=True, prompt_tokens=prompt)
@@ -356,3 +367,52 @@ async def test_a_stream_cut_twice_by_losses_ends_with_an_error_event() -> None:
     await streamed(streams).run()
     events = streams.client.events()
     assert "lost 2 times" in events[-1]["error"]["message"] and streams.client.ended
+
+
+def call(arguments: str, id: str = "chatcmpl-1", call_id: str | None = None) -> dict[str, Any]:
+    piece: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+    if call_id is not None:
+        piece.update(id=call_id, type="function", function={"name": "write_file", "arguments": arguments})
+    return delta(None, id=id, tool_calls=[piece])
+
+
+def length(id: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "finish_reason": "length", "delta": {}}], "id": id,
+            "usage": {"completion_tokens": 9, "prompt_tokens": 50, "total_tokens": 59}}
+
+
+CALL_CUT = sse(delta(None, role="assistant"), delta("Writing it."), call("{", call_id="call_a"),
+               call('"path"'), call(': "a.txt",'), call(' "content"'), call(': "Once'), call(" upon"))
+CALL_AFTER = sse(delta(None, role="assistant", id="chatcmpl-2"), delta("Writing it.", id="chatcmpl-2"),
+                 call('{"path": "a.txt", "content": "Once upon', id="chatcmpl-2", call_id="call_b"),
+                 call(" a", id="chatcmpl-2"), call(" time", id="chatcmpl-2"),
+                 length("chatcmpl-2"), "[DONE]")
+
+
+def calls_of(client: Client) -> list[dict[str, Any]]:
+    return [c for e in client.events() if "choices" in e for c in e["choices"][0]["delta"].get("tool_calls") or []]
+
+
+async def test_a_stream_cut_in_a_tool_call_goes_on_from_its_arguments_within_the_same_budget() -> None:
+    """Cut in a call's arguments, the answer goes on from them (its text, the template's markup for the call, then
+    all the arguments the client has), not from the start: the call opens again there and the client sees one
+    call, its id and name once, its arguments whole, the limit less what the prefill holds."""
+    streams = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
+    await streamed(streams, tools=[{"type": "function", "function": {"name": "write_file"}}], max_tokens=40).run()
+    went_on = streams.sent[1]
+    prefill = 'Writing it.{"name": "write_file", "parameters": {"path": "a.txt", "content": "Once upon'
+    assert went_on["messages"][-1] == {"role": "assistant", "content": prefill}
+    assert went_on["max_tokens"] == 40 - len(prefill.split())
+    parts = calls_of(streams.client)
+    assert [c.get("id") for c in parts if c.get("id")] == ["call_a"]
+    assert sum(1 for c in parts if c["function"].get("name")) == 1
+    assert "".join(c["function"]["arguments"] for c in parts) == '{"path": "a.txt", "content": "Once upon a time'
+    assert text(streams.client) == "Writing it."
+    finals = [e for e in streams.client.events() if "choices" in e and e["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+
+
+async def test_a_call_whose_markup_is_not_known_is_made_again_from_the_start() -> None:
+    streams = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)])
+    await streamed(streams, tools=[{"type": "function", "function": {"name": "write_file"}}], max_tokens=40).run()
+    assert streams.sent[1]["messages"] == streams.sent[0]["messages"] and streams.sent[1]["max_tokens"] == 40

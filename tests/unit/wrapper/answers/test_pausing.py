@@ -13,6 +13,7 @@ from aiohttp import web
 from wrapper.answers.answering import AnswerLoop
 from wrapper.answers.apis.chat import Chat
 from wrapper.answers.apis.completion import Completion
+from wrapper.answers.calls import Written
 from wrapper.answers.continuation import RESUME_LOOKBACK, SoFar, greedy, resume_point
 from wrapper.answers.events import Events
 from wrapper.answers.part import Carry, Had, Part
@@ -150,6 +151,9 @@ class Passes:
         return Pass(Outcome.PAUSED, self.request)
 
     async def lost(self) -> Loss:
+        raise AssertionError("nothing is cut")
+
+    async def written(self, name: str, text: str, arguments: str) -> Written | None:
         raise AssertionError("nothing is cut")
 
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
