@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,13 +108,19 @@ def run_swap(llama_swap: str, server: str, listen: str) -> None:
     the models' wrappers on the next ports (startPort: PORT+1), their slots in ~/.cache/llama-wrapper/slots."""
     port = int(listen.rsplit(":", 1)[1])
     settings = {**swap.config(server, models.demo(), models.gemma()), "startPort": port + 1}
-    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-wrapper-demo-swap-{os.getuid()}"
-    folder.mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="llama-wrapper-demo-swap-"))
     config = folder / "llama-swap.yaml"
     config.write_text(yaml.safe_dump(settings, sort_keys=False))
     print(f"llama-swap on http://{listen} with {config} (examples/llama-swap.yaml, its macros set): models chat "
           f"and task, their wrappers on ports {port + 1} and {port + 2} once loaded; Ctrl-C stops it", flush=True)
-    os.execv(llama_swap, [llama_swap, "-config", str(config), "-listen", listen])
+    child = subprocess.Popen([llama_swap, "-config", str(config), "-listen", listen])
+    try:
+        _wait_for_a_signal([child])  # Ctrl-C reaches llama-swap too (the terminal's whole group): it stops its models
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        child.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # its config: nothing of the demo is left in the temp folder
 
 
 def _wait_for_a_signal(children: list[subprocess.Popen[bytes]] | None = None) -> None:

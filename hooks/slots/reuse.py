@@ -86,7 +86,8 @@ class ReuseTracker:
         entry["reused_share"] = round(cache_n / restored, 4) if restored else None
         fields = {"slot": slot, "restored_tokens": restored, "cache_n": cache_n, "path": path}
         if restored and cache_n < REUSE_WARNING * restored:
-            log.warning("slots.not_reused", **fields,
-                        hint="the request did not extend the restored conversation, or the server dropped it")
+            log.info("slots.not_reused", **fields,
+                     why="the first request in this slot since its restore was another conversation (as when many "
+                         "share few slots): the restored one was dropped there, and is still in the store")
         else:
             log.info("slots.reused", **fields)

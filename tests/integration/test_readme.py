@@ -221,6 +221,7 @@ def test_the_llama_swap_demo_as_written(tmp_path: Path, demo_path: str, llama_sw
     finally:
         assert demo.stop(), demo.path.read_text()[-3000:]
     assert '"event": "wrapper.stopped"' in demo.path.read_text()  # llama-swap's Ctrl-C stopped chat, saved
+    assert not list(tmp_path.glob("llama-wrapper-demo-swap-*"))  # its temp folder gone with it
 
 
 def test_the_object_store_try_as_written(tmp_path: Path, demo_path: str) -> None:

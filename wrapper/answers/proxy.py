@@ -238,10 +238,22 @@ def _unreachable(request: web.Request, path: str, exc: aiohttp.ClientError,
                  going_on: web.StreamResponse | None) -> Pass:
     """llama-server went away: before the answer began, or in the middle of it."""
     response = going_on if going_on is not None else request.get(STARTED)
-    log.warning("proxy.upstream_error", method=request.method, path=path, error=str(exc),
+    log.warning("proxy.upstream_error", method=request.method, path=path, error=_plainly(exc), detail=str(exc),
                 mid_response=response is not None)
     return Pass(Outcome.CUT, request, response if response is not None and response.prepared else None,
                 error=str(exc))
+
+
+def _plainly(exc: aiohttp.ClientError) -> str:
+    """What went wrong, in words (aiohttp says "TransferEncodingError: 400, message='Not enough data…'" when a
+    stream's connection closes in the middle: no HTTP status 400 was ever sent)."""
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "llama-server's connection closed in the middle of its answer (it stopped or crashed)"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "llama-server closed the connection before it answered (it stopped or crashed)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "llama-server could not be reached"
+    return str(exc)
 
 
 def _catchable(reply: aiohttp.ClientResponse) -> bool:
