@@ -30,6 +30,7 @@ from wrapper.server.llama import LlamaError
 log = structlog.get_logger()
 
 ANSWER_ROOM = 1024  # cells kept for the answer of a request that says no max_tokens (a longer one may still purge)
+TURN_ROOM = 512  # cells a turn's new messages may add to its conversation before its prompt is counted
 _PURGED = re.compile(r"purging slot (\d+) with (\d+) tokens")
 
 
@@ -87,7 +88,11 @@ async def make(generation: Generation, conv: Conversations, store: Store, slot: 
 
 
 async def _held(generation: Generation) -> dict[int, Held]:
-    return {int(s["id"]): Held(int(s.get("n_prompt_tokens") or 0), bool(s.get("is_processing")))
+    """What each slot holds: as `/slots` says, for a slot a task ran in; for one none has (a slot restored at the
+    start: `/slots` shows no tokens there, though it holds them all), as the book says."""
+    book = book_of(generation)
+    return {int(s["id"]): Held(int(s["n_prompt_tokens"]) if "n_prompt_tokens" in s else book.count(int(s["id"])),
+                               bool(s.get("is_processing")))
             for s in await generation.client.slots()}
 
 

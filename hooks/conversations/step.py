@@ -64,6 +64,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         slot = continuing(generation, conv := state(generation), store, messages,
                           asked if isinstance(asked, int) and asked >= 0 else None, asker)
         if slot is not None:
+            await _room_to_go_on(host, generation, conv, store, out, chat, slot)
             return _continued(host, generation, conv, store, out, slot, messages, asker)
     try:
         tokens = await _tokens(generation, out, chat)
@@ -190,6 +191,26 @@ def _continued(host: Host, generation: Generation, conv: Conversations, store: S
         out.use.tokens, out.use.slot = book.count(slot), slot
         out.use.counted = True  # its own prompt is not counted: a resumed answer's usage takes the server's
     return _pinned(out, slot)
+
+
+async def _room_to_go_on(host: Host, generation: Generation, conv: Conversations, store: Store, out: Outgoing,
+                         chat: dict[str, Any] | None, slot: int) -> None:
+    """A conversation that goes on in its slot grows there by its new messages and its answer: when the shared KV may
+    not hold that, its prompt is counted and room made (else llama-server purges another slot: seen after a start
+    that restored 8,098 tokens into -c 8192). The prompt is tokenized only then: this is the fast path."""
+    cells = room.pool(generation)
+    if cells is None or out.payload is None:
+        return
+    book = book_of(generation)
+    answer = answer_room(limit(out.payload))
+    if not any(book.partial(s) for s in book.slots()) and \
+            sum(book.count(s) for s in book.slots()) + room.TURN_ROOM + answer <= cells:
+        return
+    try:
+        tokens = await _tokens(generation, out, chat)
+    except (LlamaError, ValueError, TypeError):
+        return  # not counted: the server decides
+    await host.survive(lambda: room.make(generation, conv, store, slot, len(tokens) + answer))
 
 
 async def _make_room_and_bring_back(generation: Generation, conv: Conversations, store: Store, slot: int,

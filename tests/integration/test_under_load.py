@@ -266,3 +266,82 @@ def test_an_idle_kept_conversation_leaves_the_shared_kv_while_another_decodes(
         assert compacted[0]["kept"] == 0, compacted
         assert first.turn()["reused"] >= 0.9
         assert second.turn()["reused"] >= 0.9
+
+
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def nearly_full(wrapper: Wrapper) -> tuple[list[dict[str, Any]], str]:
+    """On `-c 8192`: a long conversation (~7.8k tokens, answered) and a short one (its first turn: 200 tokens), with
+    fewer than 300 cells to spare; the long one's messages and the short one's answer."""
+    def tokens(messages: list[dict[str, Any]]) -> int:
+        prompt = json.loads(http("POST", f"{wrapper.url}/apply-template", {"messages": messages})[2])["prompt"]
+        said = http("POST", f"{wrapper.url}/tokenize", {"content": prompt, "add_special": True,
+                                                       "parse_special": True})[2]
+        return len(json.loads(said)["tokens"])
+
+    def lines(n: int) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "".join(f"Line {i:04d}: the river carried stones of many colours "
+                                                    "past the mill. " for i in range(n))}]
+
+    per_line = (tokens(lines(200)) - tokens(lines(100))) / 100
+    target = 8192 - 240 - 120  # the short conversation's ~240 cells and a little to spare
+    long_one = lines(100 + int((target - tokens(lines(100))) / per_line))
+    assert abs(tokens(long_one) - target) < 60, tokens(long_one)
+    chat_answer(wrapper.url, long_one, 1)
+    return long_one, chat_answer(wrapper.url, STORY, 200)
+
+
+def no_purge_and_room_made(wrapper: Wrapper) -> None:
+    purged = [e["line"] for e in wrapper.events("server.output") if "purging slot" in e.get("line", "")]
+    assert not purged, purged
+    assert [e for e in wrapper.events("conversations.taken") if "room in the shared KV" in e.get("why", "")]
+    assert wrapper.status()["slots"]["conversations"]["purged"]["count"] == 0
+
+
+def test_a_conversation_going_on_in_its_slot_makes_room_for_what_it_adds(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """`-np 2 -c 8192` nearly full (a long conversation and a short one): the short one's next turn goes on in its
+    slot (no lookup, no restore: the fast path) and grows by its new message and its answer past the free cells. The
+    wrapper counts that turn's prompt and makes room (the long one kept, then erased) before llama-server has to
+    purge; both go on whole. No checkpoints here: one would keep the long conversation, and an idle kept one leaves
+    the KV beside a decode anyway (the compaction above) — the room this turn makes is for what is not kept."""
+    more = "cache: {checkpoint_tokens: 100000}\n"
+    with running(tmp_path, [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"], chat_yaml(tmp_path, more)) \
+            as wrapper:
+        long_one, first = nearly_full(wrapper)
+        turn = [*STORY, {"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+        assert reused(answered(wrapper.url, turn, 200)["timings"]) >= 0.9
+        no_purge_and_room_made(wrapper)
+        assert reused(answered(wrapper.url, long_one, 1)["timings"]) >= 0.9  # back from the store
+
+
+def test_a_start_that_restored_a_nearly_full_kv_makes_room_for_the_next_turn(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """The same two conversations kept at a stop and restored at the next start (8,064 of 8,192 cells): llama-server's
+    `/slots` shows no tokens in a slot no task has run in, though a restore filled it, so room was judged from it and
+    the short one's next turn made llama-server purge the long one (as a new user saw after a start that restored
+    8,098 tokens). What such a slot holds is the book's: room is made first, and both go on whole."""
+    argv = [server_bin, "-m", demo_path, "-c", "8192", "-np", "2"]
+    with running(tmp_path, argv, chat_yaml(tmp_path)) as wrapper:
+        long_one, first = nearly_full(wrapper)
+        assert wrapper.stop() == 0  # both kept at the stop
+    with running(tmp_path, argv, chat_yaml(tmp_path)) as wrapper:
+        restored = wrapper.events("slots.restored")
+        assert sum(e["tokens"] for e in restored) > 8192 - 300, restored
+        turn = [*STORY, {"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+        assert reused(answered(wrapper.url, turn, 200)["timings"]) >= 0.9
+        no_purge_and_room_made(wrapper)
+        assert reused(answered(wrapper.url, long_one, 1)["timings"]) >= 0.9  # back from the store
+
+
+def answered(url: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    status, _, raw = http("POST", f"{url}/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
+                                                                 "temperature": 0, "ignore_eos": True}, timeout=600)
+    assert status == 200, raw[:300]
+    answer: dict[str, Any] = json.loads(raw)
+    return answer
+
+
+def chat_answer(url: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
+    return str(answered(url, messages, max_tokens)["choices"][0]["message"]["content"])
