@@ -62,7 +62,7 @@ class Passing(Protocol):
         ...
 
     async def written(self, name: str, text: str, arguments: str) -> Written | None:
-        """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the model serving
+        """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the template serving
         now writes them (wrapper/answers/calls.py); None when it cannot tell."""
         ...
 
@@ -147,8 +147,9 @@ class AnswerLoop:
         return None
 
     async def _call_goes_on(self) -> None:
-        """A stream cut in a tool call goes on from the call's arguments so far (the same call, the same budget),
-        when the served template says how its model writes a call; else it is generated again from the start."""
+        """A stream cut in a tool call goes on from the call's arguments so far (the same call, its budget less the
+        prefill's tokens), when the served template says how a call is written; else it is generated again from
+        the start."""
         answer = self.answer
         if answer.shape is Shape.WHOLE or answer.had is None:
             return

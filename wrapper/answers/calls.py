@@ -1,5 +1,6 @@
-"""A tool call an answer was cut in, written as its model writes it: so that the answer goes on from the call's
-arguments so far (a trailing assistant message whose text holds them), the way text goes on from its prefix.
+"""A tool call an answer was cut in, written as its chat template writes a call: so that the answer goes on from
+the call's arguments so far (a trailing assistant message whose text holds them), the way text goes on from its
+prefix.
 
 llama-server streams a call parsed (its name, then its arguments as a string diff), never the markup the model
 wrote around them; a trailing assistant message may not carry `tool_calls`. But its text may hold the markup: the
@@ -23,8 +24,9 @@ ASKED = {"role": "user", "content": "?"}
 
 @dataclass(frozen=True)
 class Written:
-    """An answer so far as its model wrote it: its text, the markup that opens the call, the call's arguments so far
-    (the prefill a continuation sends), and how many tokens that is (what the request's limit is reduced by)."""
+    """An answer so far as its template writes it: its text, the markup that opens the call, the call's arguments so
+    far (the prefill a continuation sends), and how many tokens the tokenizer makes of that (what the request's
+    limit is reduced by: a model that wrote the markup otherwise spent a few more or fewer)."""
 
     prefill: str
     tokens: int
@@ -57,7 +59,7 @@ def markup(before: str, after: str, name: str) -> str | None:
 
 
 async def written(client: LlamaClient, name: str, text: str, arguments: str) -> Written | None:
-    """The answer so far (`text`, then a call to `name` with its `arguments` so far) as its model wrote it."""
+    """The answer so far (`text`, then a call to `name` with its `arguments` so far) as the template writes it."""
     opens = await opening(client, name)
     if opens is None:
         return None

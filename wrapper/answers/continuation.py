@@ -122,8 +122,9 @@ class SoFar:
 
     def call_going_on(self, request: dict[str, Any], prefill: str, tokens: int) -> tuple[dict[str, Any], Had]:
         """The request that goes on from a call under way: its text, the call's markup and its arguments so far as
-        the assistant's `prefill` (`tokens` of it, less from the request's limit, so that it ends where the
-        uncut answer would); the call opens again in it and shows only what the client lacks."""
+        the assistant's `prefill` (`tokens` of it as the tokenizer counts them, less from the request's limit, so
+        that it ends about where the uncut answer would); the call opens again in it and shows only what the client
+        lacks."""
         calls = [Call(c.id, c.name, c.arguments) for _, c in sorted(self.calls.items())]
         body = less(self.api.going_on(request, prefill, self.thought), tokens + len(self.reasoning))
         return body, Had(text=self.text, reasoning=self.thought, calls=calls)

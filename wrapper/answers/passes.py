@@ -246,7 +246,7 @@ class Passes:
         return exchange.cancelled()
 
     async def written(self, name: str, text: str, arguments: str) -> Written | None:
-        """An answer so far with a call under way, as the model serving now writes it (wrapper/answers/calls.py):
+        """An answer so far with a call under way, as the template serving now writes it (wrapper/answers/calls.py):
         asked of the server once the gate lets requests through (the one started again after a loss)."""
         if await self.serving.gate.enter(counted=False) is not Admission.ADMITTED:
             return None
