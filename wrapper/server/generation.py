@@ -56,6 +56,10 @@ class Host(Protocol):
         ReloadRefused. Built-ins ask through wrapper/reload_ask.py, which waits for a reload that runs."""
         ...
 
+    def idle_s(self) -> float:
+        """How long nothing has been asked of llama-server (0 while a request is in flight, held or arriving)."""
+        ...
+
     def sleep_soon(self, why: str, idle_for: float) -> bool:
         """Fall asleep now (wrapper/life/sleeping.py), when ready and idle for at least `idle_for` seconds; whether it
         will."""

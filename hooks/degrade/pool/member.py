@@ -259,12 +259,13 @@ async def serve_asks(host: Host, give: Callable[[Host, Request], Any], growing: 
 async def _serve_once(host: Host, pool: Pool, give: Callable[[Host, Request], Any], growing: Callable[[], bool],
                       busy: bool | None) -> bool | None:
     now_busy = host.in_flight > 0
-    if busy and not now_busy:
-        _IDLE_SINCE[0] = time.time()
+    if not now_busy:  # the wrapper's own count (exact): a request shorter than a poll counts too
+        _IDLE_SINCE[0] = time.time() - host.idle_s()
     with pool.locked() as held:
         mine = [a for a in held.asks() if a.giver == os.getpid() and a.state == "asked"]
         me = held.member(os.getpid())
-        if me is not None and (now_busy != busy or not me.serving):
+        if me is not None and (now_busy != busy or not me.serving or (
+                not now_busy and abs(me.idle_since - _IDLE_SINCE[0]) > POLL_S)):
             me.busy, me.serving, busy = now_busy, True, now_busy
             me.idle_since = 0.0 if now_busy else _IDLE_SINCE[0]
             me.sleeps_when_asked = SLEEP.of(host.current.config).when_asked or 0.0

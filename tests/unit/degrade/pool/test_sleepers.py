@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 from hooks.degrade.pool.folder import Member, Pool
-from hooks.degrade.pool.member import fell_asleep, place_sleep_asks
+from hooks.degrade.pool.member import _serve_once, fell_asleep, place_sleep_asks
 from tests.unit.degrade.pool.test_pool import GiB, made, sleepers, write_member
+from wrapper.configuration.config import parse_config
+from wrapper.server.generation import Host
 
 
 def member(pid: int, share: int, idle_s: float | None, when_asked: float = 60.0, **more: object) -> Member:
@@ -62,3 +66,30 @@ def test_a_sleeper_gives_its_share_to_those_that_asked_and_holds_none_while_asle
             sleeper = shares[os.getpid()]
             assert (sleeper.share, sleeper.asleep, sleeper.serving) == (0, True, False)
             assert held.free() == 8 * GiB - 5 * GiB  # nothing counted twice
+
+
+class _Host:
+    """What the pool's serving loop asks of the wrapper: requests in flight now, and how long none has been asked."""
+
+    def __init__(self, in_flight: int, idle_s: float) -> None:
+        self.in_flight, self._idle_s = in_flight, idle_s
+        self.current = SimpleNamespace(config=parse_config("", "<test>"))
+
+    def idle_s(self) -> float:
+        return self._idle_s
+
+
+async def test_a_member_whose_requests_are_all_shorter_than_a_poll_is_not_idle_since_its_start(
+        tmp_path: Path) -> None:
+    """The loop samples `in_flight` every POLL_S: a request that came and went between two samples was never seen,
+    and the member looked idle since its start (an idle member is asked to sleep first). Its idleness is the
+    wrapper's own count (the gate's: exact), so the record says when it was last asked."""
+    made(tmp_path)
+    pool = Pool(tmp_path)
+    with pool.locked() as held:
+        held.put(Member(os.getpid(), "me", GiB, serving=True, idle_since=time.time() - 600))
+    host = cast(Host, _Host(in_flight=0, idle_s=0.05))  # a short request ended 50 ms ago, between two samples
+    await _serve_once(host, pool, lambda host, asked: None, lambda: False, False)
+    with pool.locked() as held:
+        me = held.member(os.getpid())
+        assert me is not None and not me.busy and time.time() - me.idle_since < 5, me
