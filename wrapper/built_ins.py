@@ -14,7 +14,7 @@ import structlog
 from hooks.registry import ACTIONS, BUILTINS, Builtin, why_not_kept
 from hooks.registry import SECTIONS as BUILTIN_SECTIONS
 from hooks.registry import Route as Route  # the wrapper's endpoints serve the built-ins' routes
-from wrapper.actions import BuiltinFn
+from wrapper.actions import ActionError, BuiltinFn
 from wrapper.configuration import consumers
 from wrapper.configuration.config import Config, load_config, parse_config
 from wrapper.configuration.consumers import CONSUMERS
@@ -25,7 +25,7 @@ from wrapper.launching.flags import supported_flags
 from wrapper.launching.launch import Asks, Launch
 from wrapper.launching.launch import prepare as prepare_launch
 from wrapper.queue import priority
-from wrapper.server.generation import Generation, Host
+from wrapper.server.generation import Generation, Host, ServerLeaving
 from wrapper.server.output import server_output_level
 from wrapper.steps import Before, Growth, Observer, Shown
 
@@ -131,7 +131,13 @@ def lane_of(launch: Launch) -> tuple[bool, str]:
 
 def bind(name: str, options: Mapping[str, Any], generation: Generation) -> BuiltinFn:
     action = ACTIONS[name]
-    return lambda: action.run(generation, options)
+
+    async def run() -> str | None:
+        try:
+            return await generation.while_it_stays(action.run(generation, options))
+        except ServerLeaving as exc:
+            raise ActionError(str(exc)) from exc
+    return run
 
 
 def observer(generation: Generation) -> Observer | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hooks.store import layout
-from tests.helpers import Wrapper, http, pid_alive, running, wait_for
+from tests.helpers import Wrapper, chat_yaml, http, pid_alive, running, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,
         "seed": 1, "cache_prompt": False}  # a warm prompt cache changes the numerics: compare cold prefills
@@ -96,6 +97,30 @@ hooks:
     exited = wrapper.events("child.exited")[0]
     assert exited["code"] == 0 and not exited["killed_after_timeout"]
     assert not pid_alive(pid)
+
+
+def test_a_sigterm_to_the_wrapper_and_its_server_together_does_not_hold_the_stop(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """systemd's default KillMode=control-group sends SIGTERM to every process of the unit: the wrapper and its
+    llama-server at once. The server begins its exit ("cleaning up before exit") and answers nothing more, so the
+    stop's slots.save (or the hooks' look at the slots) waited for its hook's timeout (40 s with examples/chat.yaml),
+    holding the server's exit too. The wrapper reads that line and gives them up at once, saying why, and stops as
+    usual."""
+    with Wrapper(tmp_path, [server_bin, "-m", demo_path, "-c", "4096", "-np", "1"], chat_yaml(tmp_path)) as wrapper:
+        wrapper.wait_ready(120)
+        http("POST", f"{wrapper.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                            "max_tokens": 4}, timeout=300)
+        server = wrapper.status()["server"]["pid"]
+        wrapper.process.send_signal(signal.SIGTERM)
+        os.kill(server, signal.SIGTERM)
+        assert wrapper.wait(120) == 0
+    # which comes first is the kernel's choice: the save done before the server's exit began, given up once it
+    # began ("exiting by itself": what every run here saw), or refused once it ended —
+    # never held until its hook's timeout
+    saves = [e for e in wrapper.events("hook.run") if e["action"] == "slots.save"]
+    assert all(e["outcome"] == "ok" or "timed out" not in e["detail"] for e in saves), saves
+    print("the save:", [(e["outcome"], e["detail"][:60]) for e in saves])
+    assert wrapper.events("wrapper.stopped")[0]["exit_status"] == 0
 
 
 def test_sigkill_of_the_wrapper_leaves_no_llama_server(tmp_path: Path, server_bin: str, gemma_path: str) -> None:

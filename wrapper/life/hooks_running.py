@@ -108,6 +108,6 @@ async def _context(event: str, generation: Generation, result: str | None, finis
     needs_slots = any(a.kind != "builtin" for a in generation.config.hooks[event])
     if needs_slots and generation.alive and event in SLOT_EVENTS:
         with contextlib.suppress(LlamaError):
-            slots = await generation.client.slots()
+            slots = await generation.while_it_stays(generation.client.slots())
     pid = generation.child.pid if generation.child else None
     return dict(hook_context.build(event, generation.launch, pid, slots, result, finished, reload, sleep))

@@ -177,6 +177,11 @@ class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
             self.exited.set_result(code)
 
 
+LEAVING = "cleaning up before exit"  # llama-server's line once a signal began its exit: its loop is ending, and
+# what is asked of it meanwhile is never answered (a SIGTERM to the wrapper and to it together: the stop's save
+# waited for its hook's timeout)
+
+
 class Child:
     """A running child: its output drained line by line, its exit awaited once, stopped with one SIGTERM."""
 
@@ -193,6 +198,7 @@ class Child:
         self._exit: asyncio.Future[Exit] = asyncio.ensure_future(self._reap())
         self._closer = asyncio.ensure_future(self._close_when_gone())
         self._killed = False
+        self.leaving = asyncio.Event()  # it said it is exiting by itself (LEAVING): it answers nothing more
 
     @property
     def pid(self) -> int:
@@ -296,4 +302,6 @@ class Child:
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
             self.lines_seen += 1
             self.tail.append(line)
+            if LEAVING in line:
+                self.leaving.set()
             self._on_line(line)

@@ -5,6 +5,7 @@ wrapper only through a generation and the small `Host` protocol."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,10 @@ log = structlog.get_logger()
 
 READY_POLL = 0.1
 T = TypeVar("T")
+
+
+class ServerLeaving(LlamaError):
+    """llama-server began to exit by itself while something was asked of it (Generation.while_it_stays)."""
 
 
 class StartFailed(Exception):
@@ -164,3 +169,26 @@ class Generation:
     @property
     def alive(self) -> bool:
         return self.child is not None and self.child.alive
+
+    async def while_it_stays(self, work: Awaitable[T]) -> T:
+        """`work` against this server, given up (ServerLeaving) once it begins to exit by itself: it got a stop's
+        signal too (systemd sends SIGTERM to every process of a unit), says "cleaning up before exit" and answers
+        nothing more — a stop's save or its hooks' look at the slots would wait for their timeout, or forever."""
+        task = asyncio.ensure_future(work)
+        if self.child is None:
+            return await task
+        leaving = asyncio.ensure_future(self.child.leaving.wait())
+        try:
+            await asyncio.wait([task, leaving], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            leaving.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ServerLeaving("llama-server is exiting by itself (it got the stop's signal too: 'cleaning up before "
+                            "exit') and answers nothing more: not done; what the checkpoints kept stands")
