@@ -36,9 +36,16 @@ class Answer:
         parsed = json_object(body)
         self.json = parsed is not None  # the body is a JSON object: a request that can be sent again changed
         self.original: dict[str, Any] = parsed or {}
-        if parsed is not None and shape is not Shape.WHOLE and _regenerable(api, parsed):
-            parsed["seed"] = secrets.randbelow(SEED_LIMIT)  # made again after a loss, it samples the same tokens
-            body = json.dumps(parsed).encode()
+        self.untimed = False  # the wrapper asked for per-token timings its client did not ask for
+        if parsed is not None and shape is not Shape.WHOLE:
+            seeded = _regenerable(api, parsed)
+            if seeded:
+                parsed["seed"] = secrets.randbelow(SEED_LIMIT)  # made again after a loss, it samples the same tokens
+            if api.timed and parsed.get("tools") and parsed.get("timings_per_token") is not True:
+                parsed["timings_per_token"] = True  # a call cut under way goes on from what was generated, counted
+                self.untimed = True  # (wrapper/answers/calls.py); its client is not shown the count
+            if seeded or self.untimed:
+                body = json.dumps(parsed).encode()
         self.request = self.original  # the request the next pass sends
         self.sent = as_stream(body) if shape is Shape.GATHERED else body  # ... as bytes
         self.prompt_tokens = prompt_tokens  # the request's own prompt, as the steps counted it
@@ -62,7 +69,7 @@ class Answer:
             part = Part(self.had, continuing=self.had is not None)
             return Events(self.api, part, holds=False, frame=self.frame, passes_on=False)
         return Events(self.api, Part(self.had, continuing=self.response is not None), holds=holds,
-                      carry=self.carry, frame=self.frame)
+                      carry=self.carry, frame=self.frame, untimed=self.untimed)
 
     # -- what a pass came to ----------------------------------------------------------------------------------
 

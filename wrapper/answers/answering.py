@@ -61,9 +61,10 @@ class Passing(Protocol):
         """After a pause: the body to send once it may go on, or why it cannot."""
         ...
 
-    async def written(self, name: str, text: str, arguments: str) -> Written | None:
-        """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the template serving
-        now writes them (wrapper/answers/calls.py); None when it cannot tell."""
+    async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
+        """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the model wrote them
+        (`generated` tokens, when llama-server counted them) in the markup of the template serving now
+        (wrapper/answers/calls.py); None when it cannot tell."""
         ...
 
 
@@ -157,11 +158,14 @@ class AnswerLoop:
         if under_way is None:
             return
         call, arguments = under_way
-        written = await self.passes.written(call.name, answer.so_far.text, arguments)
+        written = await self.passes.written(call.name, answer.so_far.text, arguments,
+                                            answer.so_far.generated_in_message)
         if written is None:
             log.info("wrapper.call_made_again", path=self.path, name=call.name,
                      why="the chat template's markup for a call is not known")
             return
+        log.info("wrapper.call_goes_on", path=self.path, name=call.name, tokens=written.tokens,
+                 as_generated=written.counted if answer.so_far.generated is not None else None)
         answer.call_goes_on(written.prefill, written.tokens)
 
     async def _goes_on_after(self, cut: Pass) -> bool:

@@ -9,6 +9,15 @@ reader shows only what the client lacks) and its arguments go on where they were
 is the chat template's own, learnt from the server that serves: a conversation with one call whose arguments are a
 marker, rendered by `/apply-template`, read up to the marker. A template that does not render a call that way (or
 an older server without the endpoint): None, and the call is generated again from the start.
+
+What the client has is not all the model wrote: llama-server's parser drops the whitespace around the text (the
+demo opens its answer with a newline the client never sees) and writes the call's markup as the template does
+(`{"name": …`) where the model may have laid it out (`{\n    "name": …`, the way its arguments are laid out). A
+prefill that differs from what was generated is another context, and the call goes on another way. When
+llama-server counted the tokens generated so far (chat and Responses streams, `timings_per_token`), the prefill
+is the way of writing it whose tokens are that count: the model's own text, token for token, as far as the
+tokenizer can tell (Llama 3.1's template on the demo: the uncut arguments after 16 of 22 kill points, 8 with the
+template's markup). Without a count (Messages streams carry none), the markup is laid out as the arguments are.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ class Written:
 
     prefill: str
     tokens: int
+    counted: bool = False  # `tokens` is llama-server's count of what was generated, which the prefill matched
 
 
 async def opening(client: LlamaClient, name: str) -> str | None:
@@ -58,15 +68,58 @@ def markup(before: str, after: str, name: str) -> str | None:
     return written if name in written else None
 
 
-async def written(client: LlamaClient, name: str, text: str, arguments: str) -> Written | None:
-    """The answer so far (`text`, then a call to `name` with its `arguments` so far) as the template writes it."""
+LEADS = ("", "\n", "\n\n", " ")  # whitespace the parser may have dropped before the text
+JOINTS = ("", "\n", "\n\n", " ")  # ... and between the text and the call
+
+
+async def written(client: LlamaClient, name: str, text: str, arguments: str,
+                  generated: int | None = None) -> Written | None:
+    """The answer so far (`text`, then a call to `name` with its `arguments` so far) as its model wrote it, as far as
+    can be told: `generated`, the tokens llama-server counted for it, when known."""
     opens = await opening(client, name)
     if opens is None:
         return None
-    prefill = text + opens + arguments
+    ways = prefills(text, opens, arguments)
     try:
-        tokenized = await client.call("POST", "/tokenize", {"content": prefill, "add_special": False,
-                                                            "parse_special": True})
-        return Written(prefill, len(tokenized["tokens"]))
+        if generated is None:
+            return Written(ways[0], await _count(client, ways[0]))
+        for prefill in ways:
+            if await _count(client, prefill) == generated:
+                return Written(prefill, generated, counted=True)
     except (LlamaError, KeyError, TypeError):
         return None
+    return Written(ways[0], generated)
+
+
+def prefills(text: str, opens: str, arguments: str) -> list[str]:
+    """The ways the model may have written an answer so far, likeliest first: the call's markup laid out as its
+    arguments are, then as the template writes it; no whitespace dropped, then some dropped before the text (the
+    demo's first newline), then between it and the call."""
+    markups = dict.fromkeys([laid_out(opens, arguments), opens])
+    joints = JOINTS if text else ("",)
+    return list(dict.fromkeys(lead + text + joint + markup + arguments
+                              for markup in markups for joint in joints for lead in LEADS))
+
+
+def laid_out(markup: str, arguments: str) -> str:
+    """The template's `markup` (a JSON object opened up to its arguments' key) laid out as the model laid out the
+    arguments: `{\n        "path"` (keys two levels in, 8 spaces) is JSON indented by 4; arguments on one line,
+    the markup as it is."""
+    brace = markup.find("{")
+    if brace < 0 or not arguments.startswith("{\n"):
+        return markup
+    indent = len(arguments[2:]) - len(arguments[2:].lstrip(" "))
+    try:
+        opened = json.loads(markup[brace:] + "0}")
+    except ValueError:
+        return markup
+    if indent < 2 or indent % 2 or not isinstance(opened, dict):
+        return markup
+    dumped = json.dumps(opened, indent=indent // 2, ensure_ascii=False)
+    end = dumped.rfind("0")
+    return markup[:brace] + dumped[:end] if dumped.endswith("0\n}") else markup
+
+
+async def _count(client: LlamaClient, text: str) -> int:
+    tokenized = await client.call("POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True})
+    return len(tokenized["tokens"])

@@ -46,6 +46,8 @@ class SoFar:
     reasoning: list[str] = field(default_factory=list)
     calls: dict[int, Call] = field(default_factory=dict)
     call_tokens: int = 0  # events that carried a tool call's part
+    generated: int | None = None  # the tokens generated for all of it, as llama-server counted them (None: unknown)
+    counted_from: int | None = 0  # ... before the part under way: what its prefill holds (None: not counted)
 
     @property
     def text(self) -> str:
@@ -76,6 +78,10 @@ class SoFar:
             had.name = had.name or call.name
             had.arguments += call.arguments
         self.call_tokens += part.call_tokens
+        if part.decoded is not None and self.counted_from is not None:
+            self.generated = self.counted_from + part.decoded
+        else:
+            self.generated = None
 
     def going_on(self, request: dict[str, Any], again: bool) -> tuple[dict[str, Any], Had]:
         """The request that goes on after a pause or a loss, and what of its events the client has (`again`: the
@@ -88,6 +94,7 @@ class SoFar:
           repeatable (a seed of its own: wrapper/answers/answer.py), so it comes again as it was.
         - One whose text has not begun goes on within its reasoning."""
         api = self.api
+        self.counted_from = 0  # generated again from the start, unless it goes on from a prefix (below)
         if not (self.pieces or self.reasoning or self.calls):
             return request, Had()
         if not api.exact or self.calls:
@@ -100,14 +107,22 @@ class SoFar:
             if k == 0:  # generated again from the start (the request as it came), none of it shown twice
                 return dict(request), Had(again_reasoning=len(self.reasoning))
             thought = "".join(self.reasoning[:k])
+            self.counted_from = None
             return less(api.going_on(request, "", thought), k), Had(reasoning=thought,
                                                                     again_reasoning=len(self.reasoning) - k)
         k = resume_point(self.pieces) if again else len(self.pieces)
         if k == 0 and not reasoning:  # generated again from the start (the request as it came)
             return dict(request), Had(again=len(self.pieces))
         text = "".join(self.pieces[:k])
+        self.counted_from = None
         body = less(api.going_on(request, text, reasoning), k + len(self.reasoning) + self.call_tokens)
         return body, Had(text=text if api.message else "", again=len(self.pieces) - k, reasoning=reasoning)
+
+    @property
+    def generated_in_message(self) -> int | None:
+        """Of the tokens llama-server counted, those of the message's text and calls (its reasoning's, a token an
+        event, less); None when it did not count them."""
+        return None if self.generated is None else max(0, self.generated - len(self.reasoning))
 
     def call_under_way(self) -> tuple[Call, str] | None:
         """The one tool call an answer was cut in, when it may go on from its arguments (wrapper/answers/calls.py):
@@ -126,11 +141,13 @@ class SoFar:
         that it ends about where the uncut answer would); the call opens again in it and shows only what the client
         lacks."""
         calls = [Call(c.id, c.name, c.arguments) for _, c in sorted(self.calls.items())]
+        self.counted_from = tokens + len(self.reasoning)
         body = less(self.api.going_on(request, prefill, self.thought), tokens + len(self.reasoning))
         return body, Had(text=self.text, reasoning=self.thought, calls=calls)
 
     def grown(self, request: dict[str, Any]) -> tuple[dict[str, Any], Had]:
         """After a growth of the context: the request that goes on from all of the answer, and what it echoes."""
         api, text, reasoning = self.api, self.text, self.thought
+        self.counted_from = None
         return less(api.going_on(request, text, reasoning), self.tokens), \
             Had(text=text, reasoning=reasoning) if api.message else Had()

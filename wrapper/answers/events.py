@@ -8,6 +8,7 @@ asked (a cut, a pause, the end), so that the hot path parses no JSON.
 from __future__ import annotations
 
 import json
+import re
 
 from wrapper.answers.apis.api import Api, Verdict
 from wrapper.answers.part import Carry, Part
@@ -16,11 +17,13 @@ from wrapper.answers.part import Carry, Part
 class Events:
     """`holds`: the end is held back; `carry`: what the earlier parts gave (this part's id and counts are made the
     whole answer's); `frame`: the answer's frame across its parts (the API's); `passes_on` False: nothing goes to the
-    client (a gathered answer), every event is read as it comes."""
+    client (a gathered answer), every event is read as it comes; `untimed`: the wrapper asked for per-token timings
+    the client did not (wrapper/answers/answer.py), and the events before the end are passed on without them."""
 
     def __init__(self, api: Api, part: Part | None = None, holds: bool = True, carry: Carry | None = None,
-                 frame: object | None = None, passes_on: bool = True) -> None:
+                 frame: object | None = None, passes_on: bool = True, untimed: bool = False) -> None:
         self.api = api
+        self.untimed = untimed
         self._part = part or Part()
         self.reader = api.reader(self._part, frame)
         self.holds = holds
@@ -61,8 +64,8 @@ class Events:
             whole = self._buffer[:end + 2]
             if not self.holds or self.api.final.search(whole) is None:  # nothing to hold back: on as it came
                 self._buffer = self._buffer[end + 2:]
-                self._unread.append(whole)
-                return whole
+                self._unread.append(whole)  # read with its timings, when asked
+                return _untimed(self.api, whole) if self.untimed else whole
         self._read()
         out: list[bytes] = []
         while b"\n\n" in self._buffer:
@@ -105,11 +108,27 @@ class Events:
         verdict = self.reader.read(payload)
         if verdict is Verdict.DROPPED:
             return None
+        if self.untimed and payload is not self._part.final and "usage" not in payload and "timings" in payload:
+            del payload["timings"]
+            carried = True
         out = self.api.event(payload) if verdict is Verdict.CHANGED or carried else raw
         if self.holds and self._part.final is payload:
             self.held.append(out)
             return None
         return out
+
+
+_TIMINGS = re.compile(rb',"timings":\{[^{}]*\}|"timings":\{[^{}]*\},')  # llama-server's compact JSON: a flat object
+
+
+def _untimed(api: Api, whole: bytes) -> bytes:
+    """Whole events as their client asked for them: without the per-token timings the wrapper asked for, but for the
+    end's (the final event and the usage carry them whether asked or not)."""
+    if b'"timings":{' not in whole:
+        return whole
+    events = [event + b"\n\n" for event in whole.split(b"\n\n")[:-1]]
+    return b"".join(event if api.final.search(event) or b'"usage"' in event else _TIMINGS.sub(b"", event)
+                    for event in events)
 
 
 def _data(text: str) -> str | None:

@@ -100,17 +100,22 @@ class Part:
         self.id: str | None = None  # the first id its events carried
         self.first: dict[str, Any] | None = None  # its first event (a gathered answer's id, created, model)
         self.final: dict[str, Any] | None = None  # the event that said why the generation stopped
+        self.decoded: int | None = None  # the tokens generated so far, as llama-server counted them (its per-token
+        # timings, when the request asked for them)
         self._skip, self._again = self.had.text, self.had.again
         self._skip_reasoning, self._again_reasoning = self.had.reasoning, self.had.again_reasoning
         self._args_had = {k: call.arguments for k, call in enumerate(self.had.calls)}  # what each call's client
         # has still to come again (the rest of its arguments is shown)
 
     def saw(self, payload: dict[str, Any]) -> None:
-        """Any event: the first one, and the first id."""
+        """Any event: the first one, the first id, and the count of tokens generated that it carries."""
         if self.first is None:
             self.first = payload
         if self.id is None and isinstance(payload.get("id"), str):
             self.id = payload["id"]
+        timings = payload.get("timings")
+        if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+            self.decoded = timings["predicted_n"]
 
     def ended(self, payload: dict[str, Any]) -> None:
         self.final = payload

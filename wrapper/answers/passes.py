@@ -245,12 +245,12 @@ class Passes:
         await asyncio.wait([exchange])
         return exchange.cancelled()
 
-    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+    async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
         """An answer so far with a call under way, as the template serving now writes it (wrapper/answers/calls.py):
         asked of the server once the gate lets requests through (the one started again after a loss)."""
         if await self.serving.gate.enter(counted=False) is not Admission.ADMITTED:
             return None
-        return await calls.written(self.serving.current.client, name, text, arguments)
+        return await calls.written(self.serving.current.client, name, text, arguments, generated)
 
     # -- a pause --------------------------------------------------------------------------------------------------
 

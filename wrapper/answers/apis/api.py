@@ -52,6 +52,7 @@ class Api:
     pausable: ClassVar[bool] = False  # a background answer is paused and goes on exactly (pinned to its slot)
     exact: ClassVar[bool] = True  # it goes on from a prefix exactly; else it is generated again from the start
     seeded: ClassVar[bool] = False  # llama-server takes its request's `seed`: an answer made again comes the same
+    timed: ClassVar[bool] = False  # with `timings_per_token`, its events count the tokens generated so far
     final: ClassVar[re.Pattern[bytes]] = re.compile(rb'"finish_reason"\s*:\s*"|\[DONE\]')  # an event it ends with
 
     def frame(self) -> object | None:

@@ -23,6 +23,7 @@ class Chat(Api):
     growable = True
     pausable = True
     seeded = True
+    timed = True
 
     def reader(self, part: Part, frame: object | None) -> _Reader:
         return _Reader(part)

@@ -92,6 +92,7 @@ class Responses(TypedApi):
     paths = ("/v1/responses", "/responses")
     reading = _Reader
     seeded = True
+    timed = True
 
     def error_event(self, status: int, message: str, kind: str) -> bytes:
         """The Responses API's `error` event (type, code, message, param), which also carries OpenAI's `error` object:

@@ -100,7 +100,7 @@ class Passes:
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         raise AssertionError("a whole answer is never paused")
 
-    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+    async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
         raise AssertionError("a whole answer's call is not continued")
 
 
@@ -297,7 +297,7 @@ class Streams:
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         return self.resumes.pop(0)
 
-    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+    async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
         if self.opening is None:
             return None
         prefill = text + self.opening.replace("NAME", name) + arguments

@@ -54,3 +54,24 @@ def test_completion_events() -> None:
                                                                          "truncated": True}))
     assert b'"a"' in passed and events.final == {"content": "", "stop": True, "truncated": True}
     assert events.part.content == ["a"]
+
+
+def test_timings_the_wrapper_asked_for_are_read_and_not_passed_on_but_the_ends() -> None:
+    """A request offering tools is asked for per-token timings (so that a call cut under way goes on from a prefill
+    of the count generated): its client, which did not ask, gets each event without them but for the end's, which
+    llama-server sends whether asked or not; the part reads the count, first pass (bytes passed on as they came)
+    and continuation (events rewritten) alike."""
+    def timed(payload: dict[str, Any], n: int) -> dict[str, Any]:
+        return {**payload, "id": "c1", "timings": {"predicted_n": n, "predicted_ms": 1.5}}
+
+    llama = [timed(chunk(role=True), 1), timed(chunk("Hel"), 2), timed(chunk("lo"), 3)]
+    end = [{**timed(chunk(finish="length"), 3)}, {"choices": [], "usage": {"completion_tokens": 3}, "timings": {}}]
+    wire = b"".join(event(json.dumps(p, separators=(",", ":")).encode()) for p in [*llama, *end])
+    for part in (Part(), Part(Had(text="He"), continuing=True)):
+        events = Events(Chat(), part, holds=False, untimed=True)
+        passed = b"".join(events.feed(wire[i:i + 11]) for i in range(0, len(wire), 11))
+        sent = [json.loads(line[5:]) for line in passed.decode().splitlines() if line.startswith("data:")]
+        assert [("timings" in p) for p in sent] == [False] * (len(sent) - 2) + [True, True], sent
+        assert events.part.decoded == 3
+    asked = Events(Chat(), holds=False)  # the client asked for them: passed on as they came
+    assert asked.feed(wire) == wire and asked.part.decoded == 3

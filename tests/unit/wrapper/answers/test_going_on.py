@@ -131,3 +131,34 @@ def test_an_answer_lost_before_a_word_began_is_made_again_from_the_start() -> No
     assert body == ASKED and (had.text, had.again, had.reasoning, had.again_reasoning) == ("", 0, "", 1)
     assert shown(after(had), sse(delta(reasoning_content="Okay"), delta(reasoning_content=", so"))) == [
         {"reasoning_content": ", so"}]
+
+
+def test_what_llama_server_counted_is_carried_across_the_parts_of_a_call_that_goes_on() -> None:
+    """The tokens generated for what the client has, as llama-server counted them (per-token timings): a call that
+    goes on from a prefill of `n` tokens counts on from `n`; an answer that goes on from a text prefix the wrapper
+    chose does not know its count (None), one generated again from the start counts from 0."""
+    def timed(n: int, **fields: Any) -> dict[str, Any]:
+        return {**delta(**fields), "timings": {"predicted_n": n}}
+
+    opened = {"index": 0, "id": "call-A", "type": "function", "function": {"name": "write_file", "arguments": "{"}}
+    first = Events(Chat(), holds=False)
+    argument = {"index": 0, "function": {"arguments": "\"a"}}
+    first.feed(sse(timed(1, role="assistant", content=None), timed(3, content="Sure."),
+                   timed(9, tool_calls=[opened]), timed(11, tool_calls=[argument])))
+    so_far = SoFar(Chat())
+    assert so_far.generated is None  # nothing counted yet
+    so_far.took(first.part)
+    assert so_far.generated == so_far.generated_in_message == 11
+    so_far.call_going_on(ASKED, "Sure.{...}{\"a", 11)
+    second = Events(Chat(), Part(Had(text="Sure.", calls=[Call("call-A", "write_file", "{\"a")]), continuing=True))
+    second.feed(sse(timed(1, tool_calls=[opened]), timed(2, tool_calls=[{"index": 0, "function": {"arguments": "b"}}])))
+    so_far.took(second.part)
+    assert so_far.generated == 13  # 11 in the prefill, 2 since
+    so_far.going_on(ASKED, True)  # a call under way generated again from the start: its new part counts from 0
+    assert so_far.counted_from == 0
+    text = SoFar(Chat())
+    text.took(Events(Chat(), holds=False).part)
+    text.pieces = ["Once", " upon", " a"]
+    text.going_on(ASKED, True)  # from a text prefix: its tokens as decoding made them are not known
+    assert text.counted_from is None
+    assert SoFar(Chat()).generated_in_message is None

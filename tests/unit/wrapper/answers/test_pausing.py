@@ -153,7 +153,7 @@ class Passes:
     async def lost(self) -> Loss:
         raise AssertionError("nothing is cut")
 
-    async def written(self, name: str, text: str, arguments: str) -> Written | None:
+    async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
         raise AssertionError("nothing is cut")
 
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
