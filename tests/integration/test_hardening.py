@@ -196,6 +196,10 @@ def test_the_api_key_is_not_given_away(tmp_path: Path, server_bin: str, tiny_pat
         for headers in ({"Authorization": f"Bearer {key}"}, {"X-Api-Key": key}, {"Authorization": "Bearer other"}):
             status, _, raw = http("GET", f"{wrapper.url}/wrapper/status", headers=headers)
             assert status == 200 and key not in raw.decode() and "<redacted>" in raw.decode()
+        for headers in ({"Authorization": f"bearer {key}"}, {"Authorization": key}):  # read as llama-server's check
+            status, _, raw = http("POST", f"{wrapper.url}/completion", {"prompt": "Hi", "n_predict": 2},
+                                  headers=headers)  # agrees: passed on in the form it reads (lower case: 401 before)
+            assert status == 200, (headers, raw[:200])
         assert wrapper.stop() == 0
     assert key not in wrapper.log_path.read_text()
 

@@ -20,6 +20,7 @@ from yarl import URL
 
 from wrapper.answers import apis
 from wrapper.answers.events import Events
+from wrapper.configuration.auth import as_llama_server_reads
 from wrapper.steps import Observer, error_body
 
 log = structlog.get_logger()
@@ -270,6 +271,8 @@ async def _sent(request: web.Request, to: Upstream, path: str,
     if to.heard is not None:
         to.heard()
     headers = _forwardable(request.headers)
+    if (authorization := as_llama_server_reads(request.headers)) is not None:
+        headers["Authorization"] = authorization  # the key as the wrapper read it (wrapper/configuration/auth.py)
     if body is not None:
         headers["Content-Length"] = str(len(body))
     elif request.content_length is not None:

@@ -7,8 +7,6 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from aiohttp import web
-
 from wrapper.configuration import argv as args
 
 SECRET_OPTIONS = (args.API_KEY, ("-hft", "--hf-token"))
@@ -113,15 +111,25 @@ class AdminToken:
                       f"{self.default_file} ({make}); then send Authorization: Bearer <token>")
 
 
-def presented_bearer(request: web.BaseRequest) -> str:
-    value = request.headers.get("Authorization", "")
-    return value[len("Bearer "):] if value.startswith("Bearer ") else ""
+def presented(headers: Mapping[str, str]) -> str:
+    """The key a request presents, read one way for everything a key decides (its consumer, a background key,
+    llama-server's keys, the admin token): `Authorization: Bearer KEY` — the scheme in any case (RFC 9110), or left
+    out as llama-server allows — else `X-Api-Key: KEY` (Anthropic's clients); spaces around it dropped. "" when
+    none is presented."""
+    auth = headers.get("Authorization", "").strip()
+    scheme, _, rest = auth.partition(" ")
+    if scheme.lower() == "bearer":
+        return rest.strip()
+    return auth or headers.get("X-Api-Key", "").strip()
 
 
-def presented_key(request: web.BaseRequest) -> str:
-    """The key a client sent, as llama-server reads it: Authorization (`Bearer ` optional), else X-Api-Key."""
-    value = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
-    return value.removeprefix("Bearer ")
+def as_llama_server_reads(headers: Mapping[str, str]) -> str | None:
+    """The Authorization header to send llama-server for a request's key when it presented it in a form llama-server
+    does not read (`bearer KEY`, spaces around it: llama-server takes `Bearer ` exactly); None when it reads it as
+    sent."""
+    auth = headers.get("Authorization")
+    key = presented(headers)
+    return f"Bearer {key}" if auth is not None and key and auth not in (key, f"Bearer {key}") else None
 
 
 def allowed(keys: Sequence[str], presented: str) -> bool:

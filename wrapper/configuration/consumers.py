@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from wrapper.configuration.auth import presented
 from wrapper.configuration.sections import AUTO_BOOL
 from wrapper.configuration.settings import Kind, Section, setting
 from wrapper.configuration.units import format_size, parse_size
@@ -225,21 +226,13 @@ def consumer_of(headers: Mapping[str, str], settings: ConsumerSettings) -> str |
     not configured."""
     if not on(settings):
         return None
-    key = _presented(headers).encode()
+    key = presented(headers).encode()
     found = ANONYMOUS
     if key:
         for name, keys in settings.keys:
             if any([hmac.compare_digest(key, k.encode()) for k in keys]) and found == ANONYMOUS:
                 found = name
     return found
-
-
-def _presented(headers: Mapping[str, str]) -> str:
-    """The key as llama-server reads it: Authorization (`Bearer ` optional), else X-Api-Key."""
-    auth = headers.get("Authorization", "").strip()
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return auth or headers.get("X-Api-Key", "").strip()
 
 
 def problems(settings: ConsumerSettings) -> list[str]:

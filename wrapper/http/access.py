@@ -12,7 +12,7 @@ from aiohttp import web
 
 from wrapper.answers.proxy import json_error
 from wrapper.configuration import consumers
-from wrapper.configuration.auth import allowed, presented_bearer, presented_key
+from wrapper.configuration.auth import allowed, presented
 from wrapper.configuration.consumers import CONSUMERS
 from wrapper.life.server_life import ServerLife
 from wrapper.life.supervisor import Supervisor
@@ -29,7 +29,7 @@ def unauthorized(request: web.Request) -> web.Response | None:
     """llama-server's own 401 when it has API keys and the request brings none of them (in the shape of the API the
     request speaks)."""
     keys = request.app[SERVING].current.launch.keys
-    if keys and not allowed(keys, presented_key(request)):
+    if keys and not allowed(keys, presented(request.headers)):
         return json_error(401, "Invalid API Key", "authentication_error", path=request.path)
     return None
 
@@ -45,7 +45,7 @@ def not_admin(request: web.Request, because: str = "") -> web.Response | None:
         return json_error(403, f"{said}admin endpoints are off: {why}", "permission_error")
     if was_off is not None:
         log.info("admin.on", why="the admin token can be read now")
-    if not allowed((token,), presented_bearer(request)):
+    if not allowed((token,), presented(request.headers)):
         return json_error(401, f"{said}a wrong or missing admin token (Authorization: Bearer <token>)"
                           + admin.unused_env, "authentication_error")
     return None

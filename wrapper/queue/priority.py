@@ -12,7 +12,6 @@ says nothing). Neither X-Priority nor `service_tier` goes on to llama-server; th
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 from collections.abc import Mapping
 from enum import Enum
@@ -20,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from wrapper.configuration import argv as args
+from wrapper.configuration.auth import allowed, presented
 from wrapper.configuration.sections import ANY_VALUE, HeaderMarks, PrioritySettings
 
 HEADER = "X-Priority"
@@ -59,8 +59,8 @@ def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, setting
     for name, values in header_marks(settings.headers):
         if (value := headers.get(name, "").strip().lower()) and (klass := values.get(value, values.get(ANY_VALUE))):
             return klass
-    key = _api_key(headers)
-    if key and any(hmac.compare_digest(key.encode(), k.encode()) for k in settings.background_keys):
+    key = presented(headers)
+    if key and allowed(settings.background_keys, key):
         return Class.BACKGROUND
     return Class.INTERACTIVE
 
@@ -93,13 +93,6 @@ def odd_marks(headers: Mapping[str, str], payload: dict[str, Any] | None) -> lis
     if tier is not None and tier not in KNOWN_TIERS:
         odd.append(f"{TIER}: {json.dumps(tier)[:40]}")
     return odd
-
-
-def _api_key(headers: Mapping[str, str]) -> str:
-    auth = headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return headers.get("X-Api-Key", "").strip()
 
 
 def unsaid(payload: dict[str, Any]) -> bool:
