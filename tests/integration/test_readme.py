@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +175,10 @@ def test_the_draft_only_while_alone_try_as_written(tmp_path: Path, demo_path: st
     try:
         demo.wait_ready(port)
         assert _status(port)["spec"]["running"] is True
+        started = time.monotonic()
         done = _sh(_block("Tell a long story"), env, port)
         assert done.returncode == 0, done.stderr
+        print(done.stdout, f"the try took {time.monotonic() - started:.1f} s")
         # two streams of 600 tokens (ignore_eos: a sampled story may end early) decode together for longer than
         # spec.calm (10 s): the draft goes off
         wait_for(lambda: _status(port)["spec"]["running"] is False, 120, "the draft to be switched off", 0.5)
@@ -269,10 +272,17 @@ def test_the_person_first_try_as_written(tmp_path: Path, demo_path: str) -> None
     demo = _Try("demo", env, port, tmp_path / "demo.log", "ARGS=-np 1")
     try:
         demo.wait_ready(port)
-        done = _sh(_block("X-Priority: background"), env, port)
+        started = time.monotonic()
+        done = _sh(_block("X-Priority: $mark"), env, port)
         assert done.returncode == 0, done.stderr
-        first, counts = done.stdout.splitlines()
-        assert first.startswith("first byte after ") and counts == "lane 1 paused 0", done.stdout
+        marked, unmarked = done.stdout.splitlines()
+        assert marked.startswith("agents background: the person's first byte after "), done.stdout
+        assert unmarked.startswith("agents interactive: the person's first byte after "), done.stdout
+        # not a timing bound: unmarked, the person's request waits for a slot until a 600-token answer ends (ignore_eos:
+        # it cannot end sooner), marked it is served in the lane beside them — the try's claim, one run measuring both
+        waited = [float(line.rsplit(" ", 1)[1].rstrip("s")) for line in (marked, unmarked)]
+        assert waited[0] < waited[1], done.stdout
+        print(done.stdout, f"the try took {time.monotonic() - started:.1f} s")
     finally:
         assert demo.stop(), demo.path.read_text()[-3000:]
 
