@@ -16,8 +16,9 @@ demo opens its answer with a newline the client never sees) and writes the call'
 prefill that differs from what was generated is another context, and the call goes on another way. When
 llama-server counted the tokens generated so far (chat and Responses streams, `timings_per_token`), the prefill
 is the way of writing it whose tokens are that count: the model's own text, token for token, as far as the
-tokenizer can tell (Llama 3.1's template on the demo: the uncut arguments after 16 of 22 kill points, 8 with the
-template's markup). Without a count (Messages streams carry none), the markup is laid out as the arguments are.
+tokenizer can tell (Llama 3.1's template on the demo, a call cut by its budget: the uncut arguments after 12 of 13
+kills in tests/integration/test_crash.py, 0 of 30 before; a probe of 22 cut points, 16, and 8 with the template's
+markup). Without a count (Messages streams carry none), the markup is laid out as the arguments are.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ ASKED = {"role": "user", "content": "?"}
 
 @dataclass(frozen=True)
 class Written:
-    """An answer so far as its template writes it: its text, the markup that opens the call, the call's arguments so
-    far (the prefill a continuation sends), and how many tokens the tokenizer makes of that (what the request's
-    limit is reduced by: a model that wrote the markup otherwise spent a few more or fewer)."""
+    """An answer so far as its model wrote it, as far as can be told: its text, the markup that opens the call, the
+    call's arguments so far (the prefill a continuation sends), and its tokens (what the request's limit is reduced
+    by): llama-server's count of what was generated when it counted, else the tokenizer's count of the prefill.
+    `counted`: the prefill's tokens are that count (the model's own text, as far as the tokenizer tells)."""
 
     prefill: str
     tokens: int
-    counted: bool = False  # `tokens` is llama-server's count of what was generated, which the prefill matched
+    counted: bool = False
 
 
 async def opening(client: LlamaClient, name: str) -> str | None:
