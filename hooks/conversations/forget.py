@@ -14,7 +14,7 @@ from hooks.conversations.state import Conversations, counted, enabled, state
 from hooks.slots.stores import store_of
 from hooks.store.bucket import BucketError
 from wrapper.configuration import consumers
-from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS
+from wrapper.configuration.consumers import CONSUMERS
 from wrapper.server.generation import Generation, Host
 from wrapper.server.llama import LlamaError
 
@@ -28,7 +28,7 @@ async def forget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]
     generation = host.current
     consumer = str(body.get("consumer") or "")
     settings = CONSUMERS.of(generation.config)
-    if consumer not in (*consumers.named(settings), ANONYMOUS):
+    if not consumers.known(settings, consumer):
         return 404, {"error": {"code": 404, "message": f"no consumer named {consumer!r}", "type": "not_found_error"}}
     store = store_of(generation)
     if not enabled(generation) or store is None:
@@ -61,7 +61,7 @@ async def clear_slots(generation: Generation, conv: Conversations, consumer: str
 
     def theirs(slot: int) -> bool:
         owner = book.owner_of(slot)
-        return not book.empty(slot) and (owner == consumer or owner is None) and \
+        return not book.empty(slot) and (owner is None or consumers.name_of(owner) == consumer) and \
             conv.leases.last_used.get(slot, 0.0) <= since
 
     leases = conv.leases

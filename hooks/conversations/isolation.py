@@ -35,13 +35,24 @@ class Asker:
     isolated: bool = False
     public: list[int] = field(default_factory=list)  # the public beginning's tokens (`consumers.shared_prefix`)
 
+    @property
+    def name(self) -> str | None:
+        """The consumer it is counted as (its `cache_salt` left out)."""
+        return consumers.name_of(self.consumer) if self.consumer is not None else None
+
     def mine(self, owner: str | None) -> bool:
-        """Whether a slot holding `owner`'s conversation may serve this request beyond the public beginning."""
+        """Whether a slot holding `owner`'s conversation may serve this request beyond the public beginning (one of a
+        `cache_salt` only its own salt's, isolated or not)."""
+        if consumers.is_salted(owner):
+            return owner == self.consumer
         return not self.isolated or owner == PUBLIC or (owner is not None and owner == self.consumer)
 
     def sees(self, entry: Entry) -> bool:
         """Whether a lookup for this request may bring `entry` back."""
-        return not self.isolated or (self.consumer is not None and owner_of(entry.record) == self.consumer)
+        owner = owner_of(entry.record)
+        if consumers.is_salted(owner):
+            return owner == self.consumer
+        return not self.isolated or (self.consumer is not None and owner == self.consumer)
 
     def reach(self, tokens: list[int]) -> int:
         """How much of `tokens` is the public beginning (what another consumer's slot may give it)."""
@@ -49,7 +60,12 @@ class Asker:
 
     def foreign(self, book: SlotBook, slot: int) -> bool:
         """Whether the slot holds something this request may not reuse past the public beginning."""
-        return self.isolated and not book.empty(slot) and not self.mine(book.owner_of(slot))
+        return not book.empty(slot) and not self.mine(book.owner_of(slot))
+
+    def wary(self, book: SlotBook) -> bool:
+        """Whether a request the server places itself must first find no slot of another's (under isolation, or
+        beside a `cache_salt`'s conversation)."""
+        return self.isolated or any(self.foreign(book, slot) for slot in range(book.total))
 
 
 NOBODY = Asker()  # consumers not configured
@@ -65,7 +81,7 @@ class PublicPrefix:
 
 async def asker_of(generation: Generation, public: PublicPrefix, consumer: str | None) -> Asker:
     settings = CONSUMERS.of(generation.config)
-    if consumer is None or not consumers.isolating(settings):
+    if consumer is None or not (consumers.isolating(settings) or consumers.is_salted(consumer)):
         return Asker(consumer)
     model = generation.launch.model.id
     if settings.shared_prefix is not None and public.model != model:

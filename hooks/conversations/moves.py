@@ -124,7 +124,7 @@ async def _save(generation: Generation, conv: Conversations, store: Store, slot:
     METRICS.conv_bytes_written.inc(entry.written)
     evicted = store.evict(limits.budget, keep={entry.key}, shares=shares_of(generation.config))
     for each in evicted:
-        METRICS.evicted(each.consumer, "folder")
+        METRICS.evicted(each.named, "folder")
     log.info("conversations.saved", slot=slot, why=why, tokens=entry.n_tokens, bytes=entry.bytes,
              written=entry.written, ms=saved.total_ms, server_ms=saved.server_ms, evicted=[e.key for e in evicted],
              **({"consumer": entry.consumer} if entry.consumer is not None else {}))
@@ -170,9 +170,9 @@ async def bring_back(generation: Generation, conv: Conversations, store: Store, 
         book = book_of(generation)
         if decision.miss == "the slot holds as much" and book.restored_unchanged(slot) \
                 and in_slot >= settings.min_tokens:
-            conv.hit(book.entry_of(slot) or f"slot {slot}", True, asker.consumer)  # the start's restore answers it
+            conv.hit(book.entry_of(slot) or f"slot {slot}", True, asker.name)  # the start's restore answers it
         else:
-            conv.miss(decision.miss or "not cached", asker.consumer)
+            conv.miss(decision.miss or "not cached", asker.name)
         return
     if room is not None and entry.n_tokens > len(tokens):
         await room(entry.n_tokens, False)
@@ -191,13 +191,13 @@ async def bring_back(generation: Generation, conv: Conversations, store: Store, 
     except NotRestored as exc:
         if exc.failed:
             book_of(generation).cut(slot, [], None)
-        conv.miss("the server refused it" if exc.failed else "not usable", asker.consumer)
+        conv.miss("the server refused it" if exc.failed else "not usable", asker.name)
         log.info("conversations.entry_skipped", entry=entry.key, reason=exc.reason, removed=exc.damaged)
         if exc.damaged:
             store.remove(entry)
         return
     except ServerLost:
-        conv.miss("the server died restoring it", asker.consumer)
+        conv.miss("the server died restoring it", asker.name)
         raise
     if isinstance(done.conversion, dict):
         kept.rates.learn_convert(entry.bytes, done.conversion["ms"] / 1000)
@@ -207,7 +207,7 @@ async def bring_back(generation: Generation, conv: Conversations, store: Store, 
         conv.kv_per_token = done.entry.bytes / done.entry.n_tokens
     kept.save()
     store.touch(done.entry)
-    conv.hit(done.entry.key, consumer=asker.consumer)
+    conv.hit(done.entry.key, consumer=asker.name)
     log.info("conversations.restored", slot=slot, entry=done.entry.key, tokens=done.n_restored,
              bytes=done.entry.bytes, ms=done.total_ms,
              **({"consumer": done.entry.consumer} if done.entry.consumer is not None else {}))

@@ -35,12 +35,12 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
     if not enabled(generation):
         return out
     conv = state(generation)
-    await counted(generation)  # the slots it may land in: every one is untracked when its place is not seen
+    book = await counted(generation)  # the slots it may land in: every one is untracked when its place is not seen
     asker = await asker_of(generation, conv.public, out.consumer)
     conv.unpinned += 1
     conv.placing += 1
     try:
-        if asker.isolated and not await host.survive(lambda: clear_for(generation, conv, asker)):
+        if asker.wary(book) and not await host.survive(lambda: clear_for(generation, conv, asker)):
             out = uncached(out, asker)  # a slot of another's was not cut: nothing may be reused
         await host.survive(lambda: keep_idle(generation, conv))
     except Exception:  # never fails the request: it is served reusing nothing of another's

@@ -12,6 +12,7 @@ from hooks.conversations.chain import Chain, Messages
 from hooks.conversations.rates import Rates
 from hooks.slots.book import SlotBook
 from hooks.store.interface import common_prefix
+from wrapper.configuration.consumers import name_of, share_for
 
 ASSUMED_RESTORE_BPS = 1e9  # until a restore is measured
 ASSUMED_CONVERT_BPS = 2e8  # until a conversion is measured
@@ -97,14 +98,17 @@ def within_slot_shares(free: list[int], owners: Mapping[int, str | None], consum
                        shares: Mapping[str, int]) -> tuple[list[int], set[int]]:
     """`consumers.shares.*.slots`: the free slots a request of `consumer` may take (its own alone, when it holds as
     many slots as its share and one of them is free), and those taken last (held by another consumer within its
-    share: it keeps what it has while others are over theirs)."""
-    held = Counter(owner for owner in owners.values() if owner)
-    share = shares.get(consumer) if consumer is not None else None
-    if consumer is not None and share is not None and held[consumer] >= share:
-        own = [s for s in free if owners.get(s) == consumer]
+    share: it keeps what it has while others are over theirs). A consumer's conversations of every `cache_salt` count
+    together; a front-end's user is held to the front-end's share on its own."""
+    named = {slot: name_of(owner) for slot, owner in owners.items() if owner}
+    held = Counter(named.values())
+    me = name_of(consumer) if consumer is not None else None
+    share = share_for(shares, me)
+    if me is not None and share is not None and held[me] >= share:
+        own = [s for s in free if named.get(s) == me]
         free = own or free
-    protected = {s for s in free if (owner := owners.get(s)) and owner != consumer and owner in shares
-                 and held[owner] <= shares[owner]}
+    protected = {s for s in free if (owner := named.get(s)) and owner != me
+                 and (theirs := share_for(shares, owner)) is not None and held[owner] <= theirs}
     return free, protected
 
 

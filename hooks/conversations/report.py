@@ -58,9 +58,9 @@ def _kept_by_consumer(generation: Generation, store: Store) -> dict[str, dict[st
     kept = {name: {"entries": 0, "folder_bytes": 0, "bucket_bytes": 0} for name in names}
     folder, bucket = store.in_tiers()
     for entry in store.entries():
-        if entry.consumer is None:
+        if entry.named is None:
             continue
-        counts = kept.setdefault(entry.consumer, {"entries": 0, "folder_bytes": 0, "bucket_bytes": 0})
+        counts = kept.setdefault(entry.named, {"entries": 0, "folder_bytes": 0, "bucket_bytes": 0})
         counts["entries"] += 1
         counts["folder_bytes"] += entry.bytes if entry.key in folder else 0
         counts["bucket_bytes"] += entry.bytes if entry.key in bucket else 0

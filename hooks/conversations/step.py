@@ -75,7 +75,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         book.forgotten()
         return uncached(out, asker)  # the server tokenizes it its own way; this request is not pinned
     conv = state(generation)
-    if steering and asker.isolated and not await host.survive(lambda: clear_for(generation, conv, asker)):
+    if steering and asker.wary(book) and not await host.survive(lambda: clear_for(generation, conv, asker)):
         return uncached(out, asker)  # a slot of another's was not cut: wherever it goes, nothing may be reused
     foretold = await _foretold(generation, conv, tokens) if steering else None
     asked = foretold if steering else out.payload.get("id_slot")

@@ -170,7 +170,7 @@ async def save(generation: Generation, flush: bool = True) -> str:
             raise ActionError(f"the note of what each slot holds could not be written: {exc}") from exc
         for each in store.evict(STORE.of(generation.config).budget, keep={e.key for e in held.values()},
                                 shares=shares_of(generation.config)):
-            METRICS.evicted(each.consumer, "folder")
+            METRICS.evicted(each.named, "folder")
     saved = [r for r in report if r["outcome"] == "saved"]
     failed = [r for r in report if r["outcome"] == "failed"]
     unchanged = [r for r in report if r["outcome"] == "unchanged"]

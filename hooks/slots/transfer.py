@@ -54,6 +54,8 @@ def owned(generation: Generation, owner: str | None) -> dict[str, Any]:
     known), private to it under `consumers.isolate` (its key and chunks named with it: hooks/store/interface.py)."""
     if not owner:  # not known, or cut down to the public beginning
         return {}
+    if consumers.is_salted(owner):  # a request's cache_salt: private whatever the config says
+        return {"consumer": owner, "private": True}
     settings = CONSUMERS.of(generation.config)
     if not consumers.on(settings):
         return {}

@@ -44,6 +44,7 @@ from hooks.store.interface import (
     key_of,
     owner_of,
 )
+from wrapper.configuration.consumers import share_for
 
 T = TypeVar("T")
 PREFIX = layout.ENTRY_PREFIX
@@ -224,9 +225,9 @@ class DirectoryStore:
 
     @_locked
     def forget(self, consumer: str, before: float | None = None) -> list[Entry]:
-        """Remove every entry of that consumer (saved before `before`, when given), the chunks no other entry names
-        at once, and the notes' lines naming them; what went."""
-        gone = [e for e in self.entries() if e.consumer == consumer and (
+        """Remove every entry of that consumer (of every `cache_salt`; saved before `before`, when given), the chunks
+        no other entry names at once, and the notes' lines naming them; what went."""
+        gone = [e for e in self.entries() if e.named == consumer and (
             before is None or float(e.record.get("saved_at") or 0.0) <= before)]
         names: set[str] = set()
         for entry in gone:
@@ -256,7 +257,7 @@ class DirectoryStore:
         self.chunks.remove(self._on_disk(), self._named())  # chunks no manifest names go first
         used = self.used_bytes()
         # then the least recently used, those of a consumer within its share last
-        for entry in sorted(self.entries(), key=lambda e: (e.consumer in bounded, e.last_used)):
+        for entry in sorted(self.entries(), key=lambda e: (share_for(bounded, e.named) is not None, e.last_used)):
             if used <= budget:
                 break
             if keep and entry.key in keep:

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from wrapper.configuration.consumers import name_of, share_for
+
 
 class Unreadable(Exception):
     """An entry the store cannot hand over whole (damaged, half-written, gone)."""
@@ -95,6 +97,11 @@ class Entry:
         consumer = self.record.get("consumer")
         return consumer if isinstance(consumer, str) else None
 
+    @property
+    def named(self) -> str | None:
+        """The consumer it is counted for (its `cache_salt` left out): what the status, /metrics and shares say."""
+        return name_of(self.consumer) if self.consumer is not None else None
+
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.key, "tokens": self.n_tokens, "bytes": self.bytes, "file": self.name,
                 "last_used": round(self.last_used, 3),
@@ -110,10 +117,19 @@ class Shares:
 
 
 def held_within(entries: list[Entry], shares: Mapping[str, int], keep: set[str]) -> list[Entry]:
-    """The entries to remove so that each consumer keeps within its share: its oldest first (never one of `keep`)."""
+    """The entries to remove so that each consumer keeps within its share: its oldest first (never one of `keep`). A
+    consumer's conversations of every `cache_salt` count together; each user of a front-end (`open-webui/42`) is held
+    to its front-end's share on its own."""
     going = []
-    for consumer, share in shares.items():
-        mine = sorted((e for e in entries if e.consumer == consumer), key=lambda e: e.last_used)
+    held: dict[str, list[Entry]] = {}
+    for entry in entries:
+        if entry.named is not None:
+            held.setdefault(entry.named, []).append(entry)
+    for consumer, theirs in held.items():
+        share = share_for(shares, consumer)
+        if share is None:
+            continue
+        mine = sorted(theirs, key=lambda e: e.last_used)
         total = sum(e.bytes for e in mine)
         for entry in mine:
             if total <= share:

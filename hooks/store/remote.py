@@ -30,6 +30,7 @@ from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_o
 from hooks.store.interface import Entry, Unreadable, owner_of
 from hooks.store.sealing import CHECK_NAME, MAGIC, NONCE, Sealer
 from hooks.store.threads import map_on
+from wrapper.configuration.consumers import name_of
 
 _MANIFEST = re.compile(r"^conv-([0-9a-f]{16})\.json$")
 _TAIL = re.compile(r"^conv-[0-9a-f]{16}-[0-9a-f]{12}\.bin$")
@@ -209,9 +210,10 @@ class Remote:
     # -- forget ---------------------------------------------------------------------------------------------------
 
     def forget(self, consumer: str, before: float | None = None) -> list[Known]:
-        """Delete every manifest of that consumer (saved before `before`, when given) with its tail, and the chunks
-        no other manifest names; what went."""
-        gone = [k for k in self.index.values() if k.record.get("consumer") == consumer and (
+        """Delete every manifest of that consumer (of every `cache_salt`; saved before `before`, when given) with its
+        tail, and the chunks no other manifest names; what went."""
+        gone = [k for k in self.index.values() if isinstance(owner := k.record.get("consumer"), str)
+                and name_of(owner) == consumer and (
             before is None or float(k.record.get("saved_at") or 0.0) <= before)]
         self._delete(gone)
         return gone

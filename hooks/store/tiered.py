@@ -155,7 +155,7 @@ class TieredStore:
         if going:
             removed = await threads.run(self.remote.remove_entries, {e.key for e in going})
             for entry in going:
-                METRICS.evicted(entry.consumer, "bucket")
+                METRICS.evicted(entry.named, "bucket")
             log.info("store.evicted", entries=[e.key for e in going], consumers=sorted({str(e.consumer)
                                                                                      for e in going}),
                      bytes=sum(e.bytes for e in going), removed=removed)

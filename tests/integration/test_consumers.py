@@ -19,6 +19,7 @@ from tests.s3server import S3Server
 
 SYSTEM = "You are the team assistant. Answer briefly."  # examples/team.yaml's shared_prefix
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567", "agent": "sk-agent-89ab"}
+FRONT_END_KEY = "sk-owui-cdef"  # examples/team.yaml's open-webui: one key for all of its users
 CONSUMERS = f"""
 consumers:
   keys: {{alice: ["{KEYS['alice']}"], bob: ["{KEYS['bob']}"], agent: ["{KEYS['agent']}"]}}
@@ -35,6 +36,8 @@ def team_yaml(tmp_path: Path, more: str = "") -> str:
                              ("change-me-agent-key", "agent")):
         assert placeholder in text
         text = text.replace(placeholder, KEYS[who])
+    assert "change-me-open-webui-key" in text and "X-OpenWebUI-User-Id" in text
+    text = text.replace("change-me-open-webui-key", FRONT_END_KEY)
     return text.replace("~/.cache/llama-wrapper/slots", str(tmp_path / "slots")) + more
 STORE = "store: {{url: {url}, refresh: 1s, timeout: 3s}}\n"
 TOKEN = "consumers-admin-token"  # under isolation the status and /metrics are the admin's
@@ -357,3 +360,55 @@ def test_right_after_a_restart_the_restored_slots_are_kept_apart_and_forgotten(
         status, answer = delete(wrapper.url, {"Authorization": f"Bearer {KEYS['alice']}"})
         assert status == 200 and answer["slots"], answer  # her restored slot, cleared
         assert ask(wrapper.url, "alice", secret)["cache_n"] <= consumers(wrapper)["shared_prefix_tokens"]
+
+
+# -- a front-end's users, a request's cache_salt -----------------------------------------------------------------
+
+def ask_as(url: str, headers: dict[str, str], messages: list[dict[str, Any]],
+           **more: Any) -> dict[str, Any]:
+    """As `ask`, with any headers and body fields (a front-end's user, a cache_salt)."""
+    status, _, raw = http("POST", f"{url}/v1/chat/completions",
+                          {"messages": messages, "max_tokens": 1, "temperature": 0, **more}, timeout=600,
+                          headers=headers)
+    assert status == 200, raw[:300]
+    timings = json.loads(raw)["timings"]
+    return {"cache_n": timings["cache_n"], "prompt_n": timings["prompt_n"]}
+
+
+def test_a_front_ends_users_and_a_requests_salt_reuse_only_their_own(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """examples/team.yaml as it is. Through Open WebUI's one key, user u2 sending u1's conversation reuses no more
+    than the public beginning, and so does a request claiming u1's header without the key; u1's own next turn
+    reuses it all, and the status names `open-webui/u1`. `cache_salt`: alice with another salt (or none) reuses no
+    more than the public beginning, with her own all of it; the salt reaches neither llama-server nor the log."""
+    user = {"Authorization": f"Bearer {FRONT_END_KEY}"}
+    u1, u2 = {**user, "X-OpenWebUI-User-Id": "u1"}, {**user, "X-OpenWebUI-User-Id": "u2"}
+    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+    theirs, hers = conversation("U1's question about the ledger of 1907"), conversation("Alice's salted question")
+    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path), env=ADMIN) as wrapper:
+        rows = [("u1 asks", ask_as(wrapper.url, u1, theirs))]
+        public = consumers(wrapper)["shared_prefix_tokens"]
+        rows += [("u2 sends u1's", ask_as(wrapper.url, u2, theirs)),
+                 ("no key, u1's header", ask_as(wrapper.url, {"X-OpenWebUI-User-Id": "u1"}, theirs)),
+                 ("bob, u1's header", ask_as(wrapper.url, {"Authorization": f"Bearer {KEYS['bob']}",
+                                                         "X-OpenWebUI-User-Id": "u1"}, theirs)),
+                 ("u1 goes on", ask_as(wrapper.url, u1, theirs)),
+                 ("alice, salt s1", ask_as(wrapper.url, alice, hers, cache_salt="s1-secret-salt")),
+                 ("alice, salt s2", ask_as(wrapper.url, alice, hers, cache_salt="s2-secret-salt")),
+                 ("alice, no salt", ask_as(wrapper.url, alice, hers)),
+                 ("alice, salt s1 again", ask_as(wrapper.url, alice, hers, cache_salt="s1-secret-salt"))]
+        print(f"\n{'request':<22} {'reused':>7} {'read':>6}   (public beginning {public})")
+        for what, row in rows:
+            print(f"{what:<22} {row['cache_n']:>7} {row['prompt_n']:>6}")
+        for what, row in rows[1:4] + rows[6:8]:
+            assert row["cache_n"] <= public, (what, row, public)
+        for what, row in (rows[4], rows[8]):
+            assert row["cache_n"] >= 0.9 * (row["cache_n"] + row["prompt_n"]), (what, row)
+        by_name = consumers(wrapper)["by_name"]
+        assert "open-webui/u1" in by_name and "open-webui/u2" in by_name, by_name
+        assert not [name for name in by_name if "#" in name], by_name  # a salt's conversations are alice's
+        status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
+                              {"messages": theirs, "max_tokens": 1}, headers={**user, "X-OpenWebUI-User-Id": "a b"})
+        assert status == 400 and b"X-OpenWebUI-User-Id" in raw, raw[:300]
+        assert wrapper.stop() == 0
+    assert "secret-salt" not in wrapper.log_path.read_text()

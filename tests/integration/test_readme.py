@@ -308,9 +308,12 @@ def test_the_each_consumers_own_try_as_written(tmp_path: Path, demo_path: str) -
         demo.wait_ready(port)
         done = _sh(_block("change-me-$who-key"), env, port)
         assert done.returncode == 0, done.stderr
-        alice, bob, again, forgot = done.stdout.splitlines()
+        alice, bob, again, forgot, u1, u2, u1_again = done.stdout.splitlines()
         assert (int(alice), int(bob)) == (0, 0) and int(again) > 20, done.stdout
         answer = json.loads(forgot)
         assert answer["consumer"] == "alice" and answer["slots"], answer
+        # a front-end's users (one key, the user in its header): the same as two consumers of their own
+        assert (int(u1), int(u2)) == (0, 0) and int(u1_again) == int(again), done.stdout
+        print(done.stdout)
     finally:
         assert demo.stop(), demo.path.read_text()[-3000:]

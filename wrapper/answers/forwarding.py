@@ -24,7 +24,7 @@ from wrapper.answers.passes import Passes, refused
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
 from wrapper.configuration import argv as args
-from wrapper.configuration.consumers import CONSUMERS, consumer_of
+from wrapper.configuration.consumers import CONSUMERS, NotAUser, consumer_of, salted
 from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.lifecycle import State
 from wrapper.paths import ANSWERED_ASLEEP
@@ -38,6 +38,7 @@ from wrapper.steps import Outgoing
 log = structlog.get_logger()
 
 ASLEEP = (State.SLEEPING, State.ASLEEP, State.WAKING)
+CACHE_SALT = "cache_salt"  # vLLM's name: the request's conversations private to its consumer and this salt
 
 
 async def forward_request(request: web.Request, serving: Serving, host: Host, path: str) -> web.StreamResponse:
@@ -56,7 +57,10 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         assert remembered is not None
         return _remembered(serving, path, remembered.payload)
     passes = Passes(request, serving, host, path, steps=steps)
-    passes.consumer = consumer_of(request.headers, CONSUMERS.of(generation.config))
+    try:
+        passes.consumer = consumer_of(request.headers, CONSUMERS.of(generation.config))
+    except NotAUser as exc:
+        return json_error(400, str(exc), "invalid_request_error", path=path)
     passes.active = not polled  # what clients poll does not keep the server awake
     if chosen is Way.SHOWN:
         return await _shown(passes, path, watched)
@@ -72,6 +76,13 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         return json_error(413, f"a completion request of more than {BODY_LIMIT >> 20} MiB", "invalid_request_error",
                           path=path)
     payload = json_object(body)
+    salt = payload.pop(CACHE_SALT, None) if payload is not None else None
+    if salt is not None:  # never passed to llama-server, never logged: its digest makes the owner
+        if not isinstance(salt, str) or not salt:
+            return json_error(400, f"{CACHE_SALT}: a non-empty string (a request's conversations are private to its "
+                                   "consumer and that salt)", "invalid_request_error", path=path)
+        passes.consumer = salted(passes.consumer, salt)
+        body = json.dumps(payload).encode()
     seat = _seat(serving, request, payload, path, passes.consumer) if seated else None
     if payload is not None and priority.unsaid(payload):
         body = json.dumps(payload).encode()

@@ -5,6 +5,7 @@ cache (hooks/conversations) keeps them apart."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
@@ -26,6 +27,16 @@ SHARE_KEYS = ("folder", "bucket", "slots")
 
 # consumers.keys as read: (name, (key, ...)), in the config's order
 NamedKeys = tuple[tuple[str, tuple[str, ...]], ...]
+# consumers.by_header as read: (consumer, header), in the config's order
+ByHeader = tuple[tuple[str, str], ...]
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP header's name (a token)
+USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,127}")  # a front-end's user id: a name, an email, a UUID
+USER_OF = "/"  # `open-webui/42`: user 42 of the front-end consumer open-webui
+SALTED = "#"  # `alice#3f9a…`: alice's requests of one cache_salt (a digest of it: the salt is never kept)
+
+
+class NotAUser(ValueError):
+    """A front-end's user header whose value cannot be a name (the request is refused with a 400 that says so)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,27 @@ def _named_keys(r: Reader, node: yaml.Node, what: str) -> NamedKeys | None:
             ok = False
         named.append((name, tuple(keys)))
     return tuple(named) if ok else None
+
+
+def _by_header(r: Reader, node: yaml.Node, what: str) -> ByHeader | None:
+    """consumer -> the header its front-end names its user in."""
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        return ()
+    if not isinstance(node, yaml.MappingNode):
+        r.error(node, f"{what} must be a mapping of consumer name -> the header its users are named in, e.g. "
+                      "{open-webui: X-OpenWebUI-User-Id}")
+        return None
+    out: list[tuple[str, str]] = []
+    for name_node, header_node in node.value:
+        name = _name(r, name_node, what)
+        header = header_node.value if isinstance(header_node, yaml.ScalarNode) else None
+        if name is None:
+            return None
+        if not isinstance(header, str) or not _HEADER.fullmatch(header):
+            r.error(header_node, f"{what}.{name}: the name of an HTTP header, e.g. X-OpenWebUI-User-Id")
+            return None
+        out.append((name, header))
+    return tuple(out)
 
 
 def _shares(r: Reader, node: yaml.Node, what: str) -> Shares | None:
@@ -182,6 +214,7 @@ NAMED_KEYS = Kind("mapping: name → API keys (secret)", _named_keys,
 SHARES = Kind("mapping: name → {folder, bucket, slots}", _shares,
               lambda v: {name: share.shown() for name, share in v} if v else "none")
 SHARED_PREFIX = Kind("{messages, tools} | {prompt}", _shared_prefix, _shown_prefix)
+BY_HEADER = Kind("mapping: consumer → header", _by_header, lambda v: dict(v) if v else "none")
 
 
 @dataclass(frozen=True)
@@ -189,6 +222,10 @@ class ConsumerSettings:
     keys: NamedKeys = setting((), NAMED_KEYS, "a name for each API key (`Authorization: Bearer KEY` or `X-Api-Key: "
                               "KEY`): the consumer a request is, in the status, /metrics and the store (a request "
                               "with no key, or one not named here, is `anonymous`); keys are never shown")
+    by_header: ByHeader = setting((), BY_HEADER, "users behind one consumer's key (a chat front-end's): a request "
+                                  "with that consumer's key and this header is the consumer `<consumer>/<value>`, "
+                                  "private under isolation like any consumer, bounded by the consumer's share; the "
+                                  "header counts only with that key")
     shares: Shares = setting((), SHARES, "what each consumer (or `anonymous`) may keep: `folder` and `bucket` bytes, "
                              "`slots` holding its conversations; one over its share loses its own oldest "
                              "conversations first, one under it keeps what it has")
@@ -222,8 +259,9 @@ def share_of(settings: ConsumerSettings, name: str) -> Share:
 
 
 def consumer_of(headers: Mapping[str, str], settings: ConsumerSettings) -> str | None:
-    """The consumer a request is, by its key (every key compared, each in constant time); None when consumers are
-    not configured."""
+    """The consumer a request is, by its key (every key compared, each in constant time), and for a consumer with
+    `by_header` its user (`open-webui/42`); None when consumers are not configured. NotAUser: a user header whose
+    value cannot be a name."""
     if not on(settings):
         return None
     key = presented(headers).encode()
@@ -232,11 +270,54 @@ def consumer_of(headers: Mapping[str, str], settings: ConsumerSettings) -> str |
         for name, keys in settings.keys:
             if any([hmac.compare_digest(key, k.encode()) for k in keys]) and found == ANONYMOUS:
                 found = name
-    return found
+    header = dict(settings.by_header).get(found)
+    user = headers.get(header, "").strip() if header is not None else ""
+    if not user:
+        return found
+    if not USER.fullmatch(user):
+        raise NotAUser(f"{header}: a user is named by 1 to 128 letters, digits, '_', '.', '@', ':', '+' or '-', "
+                       "beginning with a letter or a digit (it is shown in the status, /metrics and the log)")
+    return f"{found}{USER_OF}{user}"
+
+
+def known(settings: ConsumerSettings, consumer: str) -> bool:
+    """Whether `consumer` is one a request may be: a named one, `anonymous`, or a user of a `by_header` consumer."""
+    front_end, _, user = consumer.partition(USER_OF)
+    if not user:
+        return consumer in (*named(settings), ANONYMOUS)
+    return front_end in dict(settings.by_header) and USER.fullmatch(user) is not None
+
+
+def salted(consumer: str | None, salt: str) -> str:
+    """The owner of a request's conversations when it sets `cache_salt` (vLLM's): its consumer's, private to that
+    salt — a digest of it, so that the salt itself is never kept, shown or logged."""
+    digest = hashlib.sha256(salt.encode()).hexdigest()[:16]
+    return f"{consumer or ANONYMOUS}{SALTED}{digest}"
+
+
+def is_salted(owner: str | None) -> bool:
+    return owner is not None and SALTED in owner
+
+
+def name_of(owner: str) -> str:
+    """The consumer an owner is (its salt left out): what the status, /metrics and the shares count it as."""
+    return owner.split(SALTED, 1)[0]
+
+
+def share_for(shares: Mapping[str, int], owner: str | None) -> int | None:
+    """What an owner may keep of one kind of share: its consumer's own, else (a front-end's user) its front-end's —
+    a share given to `open-webui` bounds each of its users."""
+    if owner is None:
+        return None
+    name = name_of(owner)
+    return shares.get(name, shares.get(name.split(USER_OF, 1)[0]))
 
 
 def problems(settings: ConsumerSettings) -> list[str]:
-    """What the keys and shares say of each other: a share for a consumer no key names."""
+    """What the keys, shares and user headers say of each other: a share or a user header for a consumer no key
+    names."""
     known = {*named(settings), ANONYMOUS}
     return [f"consumers.shares.{name}: no consumer of that name in consumers.keys (a share is for a named consumer "
-            f"or {ANONYMOUS})" for name, _ in settings.shares if name not in known]
+            f"or {ANONYMOUS})" for name, _ in settings.shares if name not in known] + \
+        [f"consumers.by_header.{name}: no consumer of that name in consumers.keys (its users are told apart only "
+         "with its key)" for name, _ in settings.by_header if name not in named(settings)]

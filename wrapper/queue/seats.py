@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from wrapper.configuration.consumers import name_of
 from wrapper.metrics import METRICS
 from wrapper.queue.priority import Class
 from wrapper.steps import SlotUse
@@ -122,7 +123,7 @@ class Seats:
         if seat.klass is Class.INTERACTIVE:
             METRICS.interactive_wait.observe(waited)
         if queued:
-            METRICS.waited(seat.consumer, waited)
+            METRICS.waited(name_of(seat.consumer) if seat.consumer is not None else None, waited)
         seat.since = time.monotonic()
         seat.pause.clear()
         seat.behind = []

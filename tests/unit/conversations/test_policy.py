@@ -141,6 +141,16 @@ def test_a_consumer_at_its_slot_share_takes_its_own_and_one_within_its_share_kee
     assert choose_slot([0, 1], held, [7] * 400, {}, 256, last={1}) == 0  # the longer one, alice's kept
 
 
+def test_a_consumers_salts_count_together_and_a_front_ends_users_each_within_its_share() -> None:
+    """`cache_salt`: alice's conversations of two salts are both hers for her share; `by_header`: a share given to
+    the front-end bounds each of its users on its own."""
+    owners = {0: "alice#1111", 1: "alice#2222", 2: "open-webui/u1", 3: None}
+    shares = {"alice": 2, "open-webui": 1}
+    assert within_slot_shares([0, 1, 3], owners, "alice#3333", shares) == ([0, 1], set())  # at hers: her own
+    assert within_slot_shares([2, 3], owners, "open-webui/u1", shares) == ([2], set())  # u1 at its share
+    assert within_slot_shares([2, 3], owners, "open-webui/u2", shares) == ([2, 3], {2})  # u2 is not: u1's kept last
+
+
 @pytest.mark.parametrize(("processing", "known", "seen"), [
     ({1}, set(), 1),  # the one slot that processes
     ({0, 1}, {0}, 1),  # slot 0 runs a request the wrapper pinned

@@ -6,7 +6,20 @@ import pytest
 
 from wrapper import built_ins
 from wrapper.configuration.config import ConfigError
-from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS, Share, consumer_of, isolating, share_of
+from wrapper.configuration.consumers import (
+    ANONYMOUS,
+    CONSUMERS,
+    NotAUser,
+    Share,
+    consumer_of,
+    is_salted,
+    isolating,
+    known,
+    name_of,
+    salted,
+    share_for,
+    share_of,
+)
 
 TWO = 'consumers:\n  keys: {alice: ["sk-a"], bob: ["sk-b", "sk-b2"]}\n'
 
@@ -63,3 +76,46 @@ def test_bad_settings_say_what_to_write(written: str, says: str) -> None:
         built_ins.parse(f"consumers: {{{written}}}\n")
     assert says in str(caught.value)
     assert "1234" not in str(caught.value)
+
+
+# -- users behind a front-end's key, a request's cache_salt ------------------------------------------------------
+
+FRONT_END = ('consumers:\n  keys: {open-webui: ["sk-owui"], alice: ["sk-a"]}\n'
+             '  by_header: {open-webui: X-OpenWebUI-User-Id}\n  shares: {open-webui: {slots: 1}}\n')
+
+
+def test_a_front_ends_user_is_its_own_consumer_only_with_the_front_ends_key() -> None:
+    """Open WebUI holds one key for everyone and names each user in a header: a request with that key and the
+    header is the consumer `open-webui/<user>`; the header counts only with that key (anyone may send it)."""
+    settings = CONSUMERS.of(built_ins.parse(FRONT_END))
+    user = {"Authorization": "Bearer sk-owui", "X-OpenWebUI-User-Id": "42"}
+    assert consumer_of(user, settings) == "open-webui/42"
+    assert consumer_of({"Authorization": "Bearer sk-owui"}, settings) == "open-webui"  # no header: the front-end
+    assert consumer_of({"Authorization": "Bearer sk-a", "X-OpenWebUI-User-Id": "42"}, settings) == "alice"
+    assert consumer_of({"X-OpenWebUI-User-Id": "42"}, settings) == ANONYMOUS  # claiming a user without the key
+    assert consumer_of({**user, "X-OpenWebUI-User-Id": "bob@example.com"}, settings) == "open-webui/bob@example.com"
+    for odd in ("../../etc", "a b", "x" * 129, "ünïcode", "-lead"):
+        with pytest.raises(NotAUser, match="X-OpenWebUI-User-Id"):
+            consumer_of({**user, "X-OpenWebUI-User-Id": odd}, settings)
+    assert known(settings, "open-webui/42") and known(settings, "alice") and not known(settings, "alice/42")
+    assert not known(settings, "open-webui/a b") and not known(settings, "nobody")
+
+
+def test_by_header_names_a_consumer_with_keys_and_a_header() -> None:
+    with pytest.raises(ConfigError, match="the name of an HTTP header"):
+        built_ins.parse('consumers:\n  keys: {owui: ["k"]}\n  by_header: {owui: "not a header"}\n')
+    with pytest.raises(ConfigError, match=r"consumers\.by_header\.owui: no consumer of that name in consumers\.keys"):
+        built_ins.parse('consumers:\n  keys: {a: ["k"]}\n  by_header: {owui: X-User}\n')
+
+
+def test_a_salt_makes_an_owner_of_its_own_counted_as_its_consumer() -> None:
+    """`cache_salt`: the owner is the consumer's, private to a digest of the salt (never the salt itself); the
+    status, /metrics and the shares count it as its consumer; a front-end's share bounds each of its users."""
+    owner = salted("alice", "s3cret")
+    assert owner.startswith("alice#") and "s3cret" not in owner and owner == salted("alice", "s3cret")
+    assert salted("alice", "other") != owner and salted(None, "s3cret").startswith(f"{ANONYMOUS}#")
+    assert is_salted(owner) and not is_salted("alice") and not is_salted(None)
+    assert name_of(owner) == "alice" and name_of("open-webui/42") == "open-webui/42"
+    shares = {"open-webui": 1, "alice": 3}
+    assert share_for(shares, "open-webui/42") == 1 and share_for(shares, salted("open-webui/42", "x")) == 1
+    assert share_for(shares, owner) == 3 and share_for(shares, "bob") is None and share_for(shares, None) is None
