@@ -407,6 +407,10 @@ def test_a_front_ends_users_and_a_requests_salt_reuse_only_their_own(
         by_name = consumers(wrapper)["by_name"]
         assert "open-webui/u1" in by_name and "open-webui/u2" in by_name, by_name
         assert not [name for name in by_name if "#" in name], by_name  # a salt's conversations are alice's
+        classed = wrapper.events("request.classed")  # the log says who each request was, and how it was classed
+        assert {(e["consumer"], e["salted"], e["class"]) for e in classed} >= {
+            ("open-webui/u1", False, "interactive"), ("open-webui/u2", False, "interactive"),
+            ("anonymous", False, "interactive"), ("alice", True, "interactive")}, classed
         status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
                               {"messages": theirs, "max_tokens": 1}, headers={**user, "X-OpenWebUI-User-Id": "a b"})
         assert status == 400 and b"X-OpenWebUI-User-Id" in raw, raw[:300]

@@ -24,7 +24,7 @@ from wrapper.answers.passes import Passes, refused
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
 from wrapper.configuration import argv as args
-from wrapper.configuration.consumers import CONSUMERS, NotAUser, consumer_of, salted
+from wrapper.configuration.consumers import CONSUMERS, NotAUser, consumer_of, is_salted, name_of, salted
 from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.lifecycle import State
 from wrapper.paths import ANSWERED_ASLEEP
@@ -123,7 +123,7 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
     """The request's place in the slots' queue, its class from its header, its body and its key (the queue set for
     the server that serves now)."""
     settings = PRIORITY.of(serving.queue().config)
-    klass = priority.classify(request.headers, payload, settings)
+    klass, by = priority.classed(request.headers, payload, settings)
     for mark in priority.odd_marks(request.headers, payload):
         if mark not in _ODD_SEEN and len(_ODD_SEEN) < 64:  # once each: a client sends it with every request
             _ODD_SEEN.add(mark)
@@ -132,6 +132,9 @@ def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None
     seat = Seat(klass, path, consumer=consumer)
     seat.use.session = priority.session_of(request.headers, payload)
     seat.use.background = klass is priority.Class.BACKGROUND
+    log.info("request.classed", path=path, consumer=name_of(consumer) if consumer is not None else None,
+             salted=is_salted(consumer), by=by,
+             **{"class": klass.value, **({"session": seat.use.session} if seat.use.session is not None else {})})
     return seat
 
 

@@ -48,21 +48,25 @@ AGENT_MARKS: Mapping[str, Mapping[str, Class]] = MappingProxyType({
 def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, settings: PrioritySettings) -> Class:
     """The class a request asks for (X-Priority first, then `service_tier`, then the agents' headers, then its API
     key). `headers` are the request's (aiohttp's: any case)."""
+    return classed(headers, payload, settings)[0]
+
+
+def classed(headers: Mapping[str, str], payload: dict[str, Any] | None,
+            settings: PrioritySettings) -> tuple[Class, str]:
+    """`classify`'s class, and the mark that decided it, in words (what the log says of each request)."""
     said = headers.get(HEADER, "").strip().lower()
     if said in (Class.BACKGROUND.value, Class.INTERACTIVE.value):
-        return Class(said)
+        return Class(said), f"{HEADER}: {said}"
     tier = _tier(payload)
-    if tier == "flex":
-        return Class.BACKGROUND
-    if tier == "priority":
-        return Class.INTERACTIVE
+    if tier in ("flex", "priority"):
+        return (Class.BACKGROUND if tier == "flex" else Class.INTERACTIVE), f"{TIER}: {tier}"
     for name, values in header_marks(settings.headers):
         if (value := headers.get(name, "").strip().lower()) and (klass := values.get(value, values.get(ANY_VALUE))):
-            return klass
+            return klass, f"the agents' header {name}"
     key = presented(headers)
     if key and allowed(settings.background_keys, key):
-        return Class.BACKGROUND
-    return Class.INTERACTIVE
+        return Class.BACKGROUND, "a background key (priority.background_keys)"
+    return Class.INTERACTIVE, "no mark: a person, as any request without one"
 
 
 @functools.lru_cache(maxsize=8)

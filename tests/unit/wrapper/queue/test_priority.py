@@ -14,7 +14,7 @@ from wrapper.configuration import argv as args
 from wrapper.configuration.config import ConfigError
 from wrapper.configuration.sections import PRIORITY, PrioritySettings
 from wrapper.queue import priority
-from wrapper.queue.priority import AGENT_MARKS, SESSION_HEADERS, Class, classify, odd_marks, unsaid
+from wrapper.queue.priority import AGENT_MARKS, SESSION_HEADERS, Class, classed, classify, odd_marks, unsaid
 
 KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
 
@@ -245,3 +245,15 @@ def test_the_lane_a_server_keeps_for_interactive_requests(lane: bool | str | Non
 def test_the_session_an_agent_says(headers: dict[str, str], payload: dict[str, object] | None,
                                    session: str | None) -> None:
     assert priority.session_of(headers, payload) == session
+
+
+def test_the_mark_that_classed_a_request_is_said() -> None:
+    """What the log's `request.classed` says of each request: the class, and the mark that decided it."""
+    settings = PrioritySettings(background_keys=("agent-key",))
+    assert classed({"X-Priority": "Background"}, {}, settings) == (Class.BACKGROUND, "X-Priority: background")
+    assert classed({}, {"service_tier": "flex"}, settings) == (Class.BACKGROUND, "service_tier: flex")
+    codex = CIMultiDict({"X-OpenAI-Subagent": "review"})
+    assert classed(codex, {}, settings) == (Class.BACKGROUND, "the agents' header x-openai-subagent")
+    assert classed({"Authorization": "bearer agent-key"}, {}, settings) == (
+        Class.BACKGROUND, "a background key (priority.background_keys)")
+    assert classed({}, None, settings) == (Class.INTERACTIVE, "no mark: a person, as any request without one")
