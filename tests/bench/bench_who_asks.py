@@ -45,8 +45,8 @@ def main() -> None:
     team = (ROOT / "examples" / "team.yaml").read_text()
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        for each in ("plain", "team"):
-            (tmp / each).mkdir()
+        for setting in ("plain", "team"):
+            (tmp / setting).mkdir()
         slots = team.replace("~/.cache/llama-wrapper/slots", str(tmp / "slots"))
         with running(tmp / "plain", argv, chat_yaml(tmp / "plain")) as plain, \
                 running(tmp / "team", argv, slots) as w:
