@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hooks import conversations, media, speculative
-from hooks.conversations import forget
+from hooks.conversations import forget, listing
 from hooks.conversations.settings import CACHE
 from hooks.degrade import FAMILY as DEGRADE_FAMILY
 from hooks.degrade import TURN_ON, control, fit, report
@@ -68,6 +68,7 @@ class Route:
     path: str
     handler: Callable[[Host, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
     off: str = ""  # how to turn it on, for the 409 it answers while its built-in is not in use
+    per_consumer: bool = False  # asked with a consumer's own key (of its own), or the admin token and ?consumer=
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +187,10 @@ BUILTINS: tuple[Builtin, ...] = ordered((
         keeps_paused=True, families=("llama_wrapper_conversation_cache_",),
         routes=(Route("DELETE", "/wrapper/conversations", forget.forget,
                       "the conversation cache comes with the slot built-ins (on_startup: "
-                      "[{builtin: slots.restore}])"),),
+                      "[{builtin: slots.restore}])", per_consumer=True),
+                Route("GET", "/wrapper/conversations", listing.listing,
+                      "the conversation cache comes with the slot built-ins (on_startup: "
+                      "[{builtin: slots.restore}])", per_consumer=True)),
     ),
     Builtin(
         family="server",

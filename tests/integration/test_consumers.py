@@ -411,6 +411,20 @@ def test_a_front_ends_users_and_a_requests_salt_reuse_only_their_own(
         assert {(e["consumer"], e["salted"], e["class"]) for e in classed} >= {
             ("open-webui/u1", False, "interactive"), ("open-webui/u2", False, "interactive"),
             ("anonymous", False, "interactive"), ("alice", True, "interactive")}, classed
+        def listed(headers: dict[str, str], query: str = "") -> dict[str, Any]:
+            status, _, raw = http("GET", f"{wrapper.url}/wrapper/conversations{query}", headers=headers)
+            assert status == 200, raw[:300]
+            found: dict[str, Any] = json.loads(raw)
+            return found
+
+        own, other = listed(u1), listed(u2)  # each user's own view: its entries and slots, nobody else's
+        assert (own["consumer"], other["consumer"]) == ("open-webui/u1", "open-webui/u2")
+        assert own["entries"] or own["slots"], own
+        assert not {e["key"] for e in own["entries"]} & {e["key"] for e in other["entries"]}, (own, other)
+        assert not set(own["slots"]) & set(other["slots"]), (own, other)
+        admin = listed({"Authorization": f"Bearer {TOKEN}"}, "?consumer=open-webui/u1")
+        assert (admin["entries"], admin["slots"]) == (own["entries"], own["slots"])
+        assert http("GET", f"{wrapper.url}/wrapper/conversations")[0] == 401  # no key: nobody's view
         status, _, raw = http("POST", f"{wrapper.url}/v1/chat/completions",
                               {"messages": theirs, "max_tokens": 1}, headers={**user, "X-OpenWebUI-User-Id": "a b"})
         assert status == 400 and b"X-OpenWebUI-User-Id" in raw, raw[:300]

@@ -12,7 +12,7 @@ from wrapper import built_ins
 from wrapper.answers.passes import RETRY_AFTER_S
 from wrapper.answers.proxy import json_error
 from wrapper.configuration import consumers
-from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS, consumer_of
+from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS, NotAUser, consumer_of
 from wrapper.configuration.reload_plan import ReloadRefused
 from wrapper.configuration.sections import SLEEP
 from wrapper.configuration.units import parse_duration
@@ -104,9 +104,9 @@ async def wake(request: web.Request) -> web.Response:
                       {"Retry-After": RETRY_AFTER_S})
 
 
-async def _deleted(request: web.Request, declared: built_ins.Route) -> web.Response:
-    """A built-in's DELETE (the conversations one consumer kept): asked with that consumer's own key, or with the
-    admin token for the consumer `?consumer=NAME` names."""
+async def _consumers_own(request: web.Request, declared: built_ins.Route) -> web.Response:
+    """A built-in's endpoint of one consumer's own (what the cache keeps for it: listed, forgotten): asked with that
+    consumer's own key, or with the admin token for the consumer `?consumer=NAME` names."""
     serving = request.app[SERVING]
     settings = CONSUMERS.of(serving.current.config)
     if not consumers.on(settings):
@@ -118,7 +118,10 @@ async def _deleted(request: web.Request, declared: built_ins.Route) -> web.Respo
             return refusal
         consumer = named
     else:
-        consumer = consumer_of(request.headers, settings) or ANONYMOUS
+        try:
+            consumer = consumer_of(request.headers, settings) or ANONYMOUS
+        except NotAUser as exc:
+            return json_error(400, str(exc), "invalid_request_error")
         if consumer == ANONYMOUS:
             return json_error(401, "send a consumer's own key (Authorization: Bearer KEY), or the admin token with "
                               "?consumer=NAME", "authentication_error")
@@ -136,8 +139,8 @@ async def builtin_route(request: web.Request) -> web.Response:
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
     declared = next((r for r in built_ins.all_routes() if r.path == route and r.method == request.method), None)
     assert declared is not None
-    if request.method == "DELETE":
-        return await _deleted(request, declared)
+    if declared.per_consumer:
+        return await _consumers_own(request, declared)
     refusal = not_admin(request) if request.method == "POST" else unauthorized(request)
     if refusal is not None:
         return refusal
