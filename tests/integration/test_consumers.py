@@ -380,12 +380,21 @@ def test_a_front_ends_users_and_a_requests_salt_reuse_only_their_own(
     """examples/team.yaml as it is. Through Open WebUI's one key, user u2 sending u1's conversation reuses no more
     than the public beginning, and so does a request claiming u1's header without the key; u1's own next turn
     reuses it all, and the status names `open-webui/u1`. `cache_salt`: alice with another salt (or none) reuses no
-    more than the public beginning, with her own all of it; the salt reaches neither llama-server nor the log."""
+    more than the public beginning, with her own all of it; the salt reaches neither llama-server nor the log. Each
+    user lists what is kept for it (and nothing of the other's); the read-only token reads the status, not more."""
     user = {"Authorization": f"Bearer {FRONT_END_KEY}"}
     u1, u2 = {**user, "X-OpenWebUI-User-Id": "u1"}, {**user, "X-OpenWebUI-User-Id": "u2"}
     alice = {"Authorization": f"Bearer {KEYS['alice']}"}
     theirs, hers = conversation("U1's question about the ledger of 1907"), conversation("Alice's salted question")
-    with running(tmp_path, argv(server_bin, demo_path), team_yaml(tmp_path), env=ADMIN) as wrapper:
+    reader = tmp_path / "read-token"
+    reader.write_text("read-only-token-0123\n")
+    config = team_yaml(tmp_path) + f"admin: {{read_token_file: {reader}}}\n"
+    with running(tmp_path, argv(server_bin, demo_path), config, env=ADMIN) as wrapper:
+        reading = {"Authorization": "Bearer read-only-token-0123"}  # Prometheus', a router's: reads, nothing else
+        for path in ("/wrapper/status", "/metrics"):
+            assert http("GET", wrapper.url + path, headers=reading)[0] == 200, path
+        assert http("POST", f"{wrapper.url}/wrapper/drain", headers=reading)[0] == 401
+        assert http("DELETE", f"{wrapper.url}/wrapper/conversations?consumer=alice", headers=reading)[0] == 401
         rows = [("u1 asks", ask_as(wrapper.url, u1, theirs))]
         public = consumers(wrapper)["shared_prefix_tokens"]
         rows += [("u2 sends u1's", ask_as(wrapper.url, u2, theirs)),

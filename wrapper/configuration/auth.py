@@ -60,6 +60,17 @@ def _read_token(token_file: Path) -> str:
     return token
 
 
+def read_token(token_file: Path | None) -> str | None:
+    """admin.read_token_file's token, read at each use (a file made or changed after the start counts); None when
+    there is none or it cannot be read."""
+    if token_file is None:
+        return None
+    try:
+        return _read_token(token_file)
+    except ValueError:
+        return None
+
+
 def token_path(text: str) -> Path:
     """admin.token_file as written in a config: `$VARS` and `~` expanded."""
     return Path(os.path.expandvars(text)).expanduser()

@@ -83,6 +83,7 @@ class Config:
     reload_hold_timeout: float = 60.0  # how long a request may be held during a reload before a 503
     reload_drain_timeout: float = 30.0  # how long in-flight requests may finish before a reload cuts them
     admin_token_file: Path | None = None  # POST /wrapper/* needs this token (or LLAMA_WRAPPER_ADMIN_TOKEN)
+    read_token_file: Path | None = None  # a token that reads the status and /metrics, and nothing else
     settings: Mapping[str, Any] = field(default_factory=dict)  # each section (wrapper/configuration/settings.py)
     hooks: dict[str, tuple[Action, ...]] = field(default_factory=lambda: {e: () for e in HOOK_EVENTS})
     warnings: tuple[str, ...] = ()  # file:line notes about things that work but are probably not meant
@@ -194,15 +195,16 @@ def _read_root(r: Reader, root: yaml.Node, sections: Sequence[Section[Any]]) -> 
             if key in reload:
                 values[f"reload_{key}"] = r.converted(reload[key], f"reload.{key}", parse_duration)
     if "admin" in top:
-        admin = r.mapping(top["admin"], "admin", ("token_file",))
-        if "token_file" in admin:
-            token_file = r.scalar(admin["token_file"], "admin.token_file", (str,))
-            if token_file:
-                values["admin_token_file"] = token_path(token_file)
-                if not values["admin_token_file"].is_file():
-                    r.warn(admin["token_file"], f"admin.token_file: {values['admin_token_file']} does not exist: "
-                           "the admin endpoints are off until it does; "
-                           + MAKE_TOKEN.format(file=values["admin_token_file"]))
+        admin = r.mapping(top["admin"], "admin", ("token_file", "read_token_file"))
+        for key, field_name, off in (("token_file", "admin_token_file", "the admin endpoints are off"),
+                                     ("read_token_file", "read_token_file", "no token reads the status alone")):
+            if key in admin:
+                token_file = r.scalar(admin[key], f"admin.{key}", (str,))
+                if token_file:
+                    values[field_name] = token_path(token_file)
+                    if not values[field_name].is_file():
+                        r.warn(admin[key], f"admin.{key}: {values[field_name]} does not exist: {off} until it "
+                               "does; " + MAKE_TOKEN.format(file=values[field_name]))
     if "hooks" in top:
         hooks = r.mapping(top["hooks"], "hooks", HOOK_EVENTS)
         values["hooks"] = {event: _read_actions(r, hooks[event], event) if event in hooks else ()

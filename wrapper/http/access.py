@@ -12,7 +12,7 @@ from aiohttp import web
 
 from wrapper.answers.proxy import json_error
 from wrapper.configuration import consumers
-from wrapper.configuration.auth import allowed, presented
+from wrapper.configuration.auth import allowed, presented, read_token
 from wrapper.configuration.consumers import CONSUMERS
 from wrapper.life.server_life import ServerLife
 from wrapper.life.supervisor import Supervisor
@@ -53,7 +53,11 @@ def not_admin(request: web.Request, because: str = "") -> web.Response | None:
 
 def not_operator(request: web.Request, what: str) -> web.Response | None:
     """What tells one consumer's activity (`what`: the status, /metrics, llama-server's /slots) is the admin's under
-    consumers.isolate; else any of llama-server's keys reads it, as before."""
+    consumers.isolate; else any of llama-server's keys reads it, as before. The read-only token
+    (`admin.read_token_file`: Prometheus', a router's) reads it either way, and may do nothing else."""
+    reader = read_token(request.app[SERVING].current.launch.read_token_file)
+    if reader is not None and allowed((reader,), presented(request.headers)):
+        return None
     if consumers.isolating(CONSUMERS.of(request.app[SERVING].current.config)):
         return not_admin(request, f"under consumers.isolate {what} is the admin's (it tells what each consumer "
                                   "keeps and does)")

@@ -7,6 +7,7 @@ import shutil
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -51,6 +52,7 @@ class Launch:
     keys: tuple[str, ...] = ()  # llama-server's API keys: our own calls send the first, our endpoints ask for one
     fitted: dict[str, Any] = field(default_factory=dict)  # what each built-in's fit set up for it (slots: a folder)
     admin: AdminToken = field(default_factory=lambda: AdminToken(None, {}))  # what POST /wrapper/* asks for
+    read_token_file: Path | None = None  # admin.read_token_file: what reads the status and /metrics alone
     metrics: bool = False  # llama-server serves /metrics (GET /metrics passes it through)
     keep_saved: str | None = None  # a built-in's fit made saves worse than the files there are: keep them (why)
     notes: list[dict[str, str]] = field(default_factory=list)
@@ -125,7 +127,8 @@ def prepare(config: Config) -> Launch:
             notes.append({"change": "could not read the model's GGUF header",
                           "why": f"{exc}; SWA detection, the -c default and memory plans are off"})
     return Launch(argv=argv, port=port, listen=listen, model=model, env=env, keys=server_keys(argv, env),
-                  admin=AdminToken(config.admin_token_file, os.environ), metrics=metrics, notes=notes, facts=facts)
+                  admin=AdminToken(config.admin_token_file, os.environ), read_token_file=config.read_token_file,
+                  metrics=metrics, notes=notes, facts=facts)
 
 
 def _magic(path: str) -> bytes:

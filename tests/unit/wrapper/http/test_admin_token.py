@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from tests.helpers import child_argv, http, running
-from wrapper.configuration.auth import AdminToken, default_token_file
+from wrapper import built_ins
+from wrapper.configuration.auth import AdminToken, default_token_file, read_token
 
 
 def test_the_token_comes_from_the_file_then_the_environment_then_the_default_file(tmp_path: Path) -> None:
@@ -76,3 +77,14 @@ def test_reload_finds_the_token_the_way_the_wrapper_does(tmp_path: Path) -> None
         default.write_text("from-config\n")
         done = _reload(["--url", url, "--ctx", "2048"], home)
         assert "wrong or missing admin token" not in done.stderr, done.stderr
+
+
+def test_the_read_only_token_is_read_at_each_use_and_a_missing_file_is_a_warning(tmp_path: Path) -> None:
+    """admin.read_token_file: the token Prometheus and routers read the status with; a file made after the start
+    counts, a missing one is a warning (nothing reads with it until it exists), never an error."""
+    reader = tmp_path / "read-token"
+    config = built_ins.parse(f"admin: {{read_token_file: {reader}}}\n")
+    assert config.read_token_file == reader and any("admin.read_token_file" in w for w in config.warnings)
+    assert read_token(config.read_token_file) is None and read_token(None) is None
+    reader.write_text("reads-only\n")
+    assert read_token(config.read_token_file) == "reads-only"
