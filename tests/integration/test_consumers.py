@@ -391,8 +391,11 @@ def test_a_front_ends_users_and_a_requests_salt_reuse_only_their_own(
     config = team_yaml(tmp_path) + f"admin: {{read_token_file: {reader}}}\n"
     with running(tmp_path, argv(server_bin, demo_path), config, env=ADMIN) as wrapper:
         reading = {"Authorization": "Bearer read-only-token-0123"}  # Prometheus', a router's: reads, nothing else
-        for path in ("/wrapper/status", "/metrics"):
+        for path in ("/wrapper/status", "/metrics", "/v1/loads"):
             assert http("GET", wrapper.url + path, headers=reading)[0] == 200, path
+            assert http("GET", wrapper.url + path, headers=alice)[0] == 401, path  # a consumer's key: not its business
+        load = json.loads(http("GET", f"{wrapper.url}/v1/loads", headers=reading)[2])
+        assert load["dp_rank_count"] == 1 and load["loads"][0]["max_total_num_tokens"] > 0, load
         assert http("POST", f"{wrapper.url}/wrapper/drain", headers=reading)[0] == 401
         assert http("DELETE", f"{wrapper.url}/wrapper/conversations?consumer=alice", headers=reading)[0] == 401
         rows = [("u1 asks", ask_as(wrapper.url, u1, theirs))]

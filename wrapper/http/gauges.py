@@ -6,6 +6,7 @@ not registered: their names come from the config, which a reload may change."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from wrapper.configuration.sections import RouterGaugeSettings
 
@@ -21,6 +22,17 @@ class Load:
         if self.held is None or not self.context:
             return None
         return min(1.0, max(0.0, self.held / self.context))
+
+
+def loads(load: Load, now: float) -> dict[str, Any]:
+    """The load in the shape SGLang's workers answer `GET /v1/loads` with, which SGLang's model gateway (SMG)
+    polls on a worker it cannot identify otherwise: one data-parallel rank, its requests in a slot and waiting, the
+    tokens its KV holds over what it may hold (0 when no built-in tracks them)."""
+    used, total = load.held or 0, load.context or 0
+    return {"timestamp": now, "dp_rank_count": 1,
+            "loads": [{"dp_rank": 0, "num_running_reqs": load.running, "num_waiting_reqs": load.waiting,
+                       "num_used_tokens": used, "max_total_num_tokens": total,
+                       "token_usage": round(load.kv_usage() or 0.0, 4)}]}
 
 
 def exposition(names: RouterGaugeSettings, load: Load) -> bytes:

@@ -5,6 +5,7 @@ every other request to the request path (wrapper/answers/forwarding.py); who may
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import structlog
@@ -21,6 +22,7 @@ from wrapper.http.admin import AWAKE_SOON
 from wrapper.life.supervisor import Supervisor
 from wrapper.lifecycle import State
 from wrapper.metrics import METRICS
+from wrapper.serving import Serving
 
 log = structlog.get_logger()
 
@@ -85,14 +87,27 @@ async def metrics(request: web.Request) -> web.Response:
     METRICS.held.set(serving.gate.held)
     built_ins.refresh_metrics(serving.current)
     generation = serving.current
+    router = gauges.exposition(ROUTER.of(generation.config), _load(serving))
+    return web.Response(body=server + METRICS.text(built_ins.families_off(generation)) + router,
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def loads(request: web.Request) -> web.Response:
+    """`GET /v1/loads`: the load in SGLang's shape, which SMG polls (wrapper/http/gauges.py); asks what /metrics
+    asks (one of llama-server's keys; the admin or the read-only token under consumers.isolate)."""
+    if (refusal := not_operator(request, "/v1/loads")) is not None:
+        return refusal
+    return web.json_response(gauges.loads(_load(request.app[SERVING]), time.time()))
+
+
+def _load(serving: Serving) -> gauges.Load:
+    """What the router gauges and /v1/loads say: the queue's requests, the tokens the slots hold, the context."""
+    generation = serving.current
     held = built_ins.held_tokens(generation)
     if held is not None and not generation.alive:
         held = 0  # asleep (or between a crash and the restart): no slot holds anything
-    load = gauges.Load(waiting=len(serving.seats.waiting) + serving.gate.held, running=len(serving.seats.running),
+    return gauges.Load(waiting=len(serving.seats.waiting) + serving.gate.held, running=len(serving.seats.running),
                        held=held, context=generation.context.runs if generation.context is not None else None)
-    router = gauges.exposition(ROUTER.of(generation.config), load)
-    return web.Response(body=server + METRICS.text(built_ins.families_off(generation)) + router,
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def application(supervisor: Supervisor) -> web.Application:
@@ -103,6 +118,7 @@ def application(supervisor: Supervisor) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/wrapper/status", status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/loads", loads)
     app.router.add_post("/wrapper/reload", admin.reload)
     app.router.add_post("/wrapper/drain", admin.drain)
     app.router.add_get("/wrapper/drain", admin.drain)

@@ -8,7 +8,7 @@ from tests import promtext
 from wrapper import built_ins
 from wrapper.configuration.config import ConfigError
 from wrapper.configuration.sections import ROUTER, RouterGaugeSettings
-from wrapper.http.gauges import Load, exposition
+from wrapper.http.gauges import Load, exposition, loads
 
 
 def test_the_defaults_are_the_names_the_endpoint_picker_reads() -> None:
@@ -55,3 +55,14 @@ def test_a_name_prometheus_refuses_is_refused_at_load_with_what_to_write() -> No
 def test_a_name_that_would_give_one_family_twice_is_refused(text: str, said: str) -> None:
     with pytest.raises(ConfigError, match=said):
         built_ins.parse(text)
+
+
+def test_the_loads_say_the_same_in_sglangs_shape() -> None:
+    """`GET /v1/loads`: one data-parallel rank with what the gauges say (a KV use not known is 0 there: the shape
+    has no room for "not known")."""
+    shown = loads(Load(waiting=3, running=2, held=1024, context=4096), now=1.5)
+    assert shown == {"timestamp": 1.5, "dp_rank_count": 1, "loads": [
+        {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 3, "num_used_tokens": 1024,
+         "max_total_num_tokens": 4096, "token_usage": 0.25}]}
+    unknown = loads(Load(waiting=0, running=0, held=None, context=None), now=2.0)["loads"][0]
+    assert (unknown["num_used_tokens"], unknown["max_total_num_tokens"], unknown["token_usage"]) == (0, 0, 0.0)
