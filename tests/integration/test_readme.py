@@ -310,6 +310,9 @@ def test_the_each_consumers_own_try_as_written(tmp_path: Path, demo_path: str) -
         assert done.returncode == 0, done.stderr
         alice, bob, again, forgot, u1, u2, u1_again = done.stdout.splitlines()
         assert (int(alice), int(bob)) == (0, 0) and int(again) > 20, done.stdout
+        again_too = _sh(_block("change-me-$who-key"), env, port)  # a reader trying it twice: the same numbers
+        assert again_too.returncode == 0 and [line for line in again_too.stdout.splitlines() if line[0] != "{"] == \
+            [alice, bob, again, u1, u2, u1_again], (done.stdout, again_too.stdout)
         answer = json.loads(forgot)
         assert answer["consumer"] == "alice" and answer["slots"], answer
         # a front-end's users (one key, the user in its header): the same as two consumers of their own

@@ -160,7 +160,8 @@ def _resolved(config: Config) -> dict[str, Any]:
         "proxy": {"allow_slot_actions": config.allow_slot_actions},
         "reload": {"overlap": config.reload_overlap, "hold_timeout": f"{config.reload_hold_timeout:g}s",
                    "drain_timeout": f"{config.reload_drain_timeout:g}s"},
-        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else _default_token()},
+        "admin": {"token_file": str(config.admin_token_file) if config.admin_token_file else _default_token(),
+                  "read_token_file": str(config.read_token_file) if config.read_token_file else "off"},
         "hooks": hooks,
     }
 

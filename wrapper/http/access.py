@@ -51,7 +51,8 @@ def not_admin(request: web.Request, because: str = "") -> web.Response | None:
     return None
 
 
-def not_operator(request: web.Request, what: str) -> web.Response | None:
+def not_operator(request: web.Request, what: str,
+                 why: str = "it tells what each consumer keeps and does") -> web.Response | None:
     """What tells one consumer's activity (`what`: the status, /metrics, llama-server's /slots) is the admin's under
     consumers.isolate; else any of llama-server's keys reads it, as before. The read-only token
     (`admin.read_token_file`: Prometheus', a router's) reads it either way, and may do nothing else."""
@@ -59,8 +60,8 @@ def not_operator(request: web.Request, what: str) -> web.Response | None:
     if reader is not None and allowed((reader,), presented(request.headers)):
         return None
     if consumers.isolating(CONSUMERS.of(request.app[SERVING].current.config)):
-        return not_admin(request, f"under consumers.isolate {what} is the admin's (it tells what each consumer "
-                                  "keeps and does)")
+        return not_admin(request, f"under consumers.isolate {what} is the admin's ({why}); a router or Prometheus "
+                                  "reads it with the read-only token (admin.read_token_file)")
     return unauthorized(request)
 
 

@@ -95,7 +95,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def loads(request: web.Request) -> web.Response:
     """`GET /v1/loads`: the load in SGLang's shape, which SMG polls (wrapper/http/gauges.py); asks what /metrics
     asks (one of llama-server's keys; the admin or the read-only token under consumers.isolate)."""
-    if (refusal := not_operator(request, "/v1/loads")) is not None:
+    if (refusal := not_operator(request, "/v1/loads", "it tells how busy the server is")) is not None:
         return refusal
     return web.json_response(gauges.loads(_load(request.app[SERVING]), time.time()))
 
