@@ -188,7 +188,13 @@ def test_slot_actions_are_refused_in_every_spelling(tmp_path: Path, server_bin: 
 def test_the_api_key_is_not_given_away(tmp_path: Path, server_bin: str, tiny_path: str) -> None:
     key = "sesame-2c9f1e"
     argv = [server_bin, "-m", tiny_path, "-c", "1024", "-np", "1", "--api-key", f"other,{key}"]
-    with running(tmp_path, argv) as wrapper:
+    reader = tmp_path / "read-token"
+    reader.write_text("read-only-5e1f\n")
+    with running(tmp_path, argv, f"admin: {{read_token_file: {reader}}}\n") as wrapper:
+        reading = {"Authorization": "Bearer read-only-5e1f"}  # the wrapper's own: llama-server does not know it
+        for path in ("/wrapper/status", "/metrics", "/v1/loads", "/slots"):
+            assert http("GET", wrapper.url + path, headers=reading)[0] == 200, path
+        assert http("POST", f"{wrapper.url}/completion", {"prompt": "Hi", "n_predict": 2}, headers=reading)[0] == 401
         assert wrapper.health() == 200  # /health stays open, as llama-server's does
         status, _, raw = http("GET", f"{wrapper.url}/wrapper/status")
         assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"

@@ -9,6 +9,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import CIMultiDict
 
 from wrapper.answers.proxy import json_error
 from wrapper.configuration import consumers
@@ -63,6 +64,19 @@ def not_operator(request: web.Request, what: str,
         return not_admin(request, f"under consumers.isolate {what} is the admin's ({why}); a router or Prometheus "
                                   "reads it with the read-only token (admin.read_token_file)")
     return unauthorized(request)
+
+
+def as_server_reads(request: web.Request) -> web.Request:
+    """`request`, asked with the read-only token, as llama-server takes it: with one of its own keys in place of the
+    token (which it does not know and would refuse); any other request as it came."""
+    launch = request.app[SERVING].current.launch
+    reader = read_token(launch.read_token_file)
+    if not launch.keys or reader is None or not allowed((reader,), presented(request.headers)):
+        return request
+    headers = CIMultiDict(request.headers)
+    headers.popall("X-Api-Key", None)
+    headers["Authorization"] = f"Bearer {launch.keys[0]}"
+    return request.clone(headers=headers)
 
 
 class NotJson(ValueError):

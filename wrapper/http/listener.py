@@ -17,7 +17,7 @@ from wrapper.answers.passes import RETRY_AFTER_S
 from wrapper.answers.proxy import BadPath, canonical_path, json_error
 from wrapper.configuration.sections import ROUTER
 from wrapper.http import admin, gauges
-from wrapper.http.access import LIFE, SERVING, SUPERVISOR, not_operator, unauthorized
+from wrapper.http.access import LIFE, SERVING, SUPERVISOR, as_server_reads, not_operator, unauthorized
 from wrapper.http.admin import AWAKE_SOON
 from wrapper.life.supervisor import Supervisor
 from wrapper.lifecycle import State
@@ -63,8 +63,10 @@ async def proxied(request: web.Request) -> web.StreamResponse:
         return json_error(400, f"bad request path: {exc}", "invalid_request_error")
     if request.body_exists and (refusal := unauthorized(request)) is not None:
         return refusal  # llama-server would refuse it too, after reading the body: don't even stream it there
-    if _is_slots(path) and (refusal := not_operator(request, "llama-server's /slots")) is not None:
-        return refusal  # what each slot holds and does is no consumer's business under consumers.isolate
+    if _is_slots(path):
+        if (refusal := not_operator(request, "llama-server's /slots")) is not None:
+            return refusal  # what each slot holds and does is no consumer's business under consumers.isolate
+        request = as_server_reads(request)  # the read-only token is the wrapper's: llama-server gets its own key
     if _is_slot_action(request.method, path) and not serving.current.config.allow_slot_actions:
         return json_error(403, "slot actions are reserved to llama-wrapper, which owns the slot files "
                           "(set proxy.allow_slot_actions: true to allow them)", "permission_error")
