@@ -27,13 +27,10 @@ async def forget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]
     """The route's handler: `body["consumer"]`, the name the endpoint resolved from the key (or the admin's ask)."""
     generation = host.current
     consumer = str(body.get("consumer") or "")
-    settings = CONSUMERS.of(generation.config)
-    if not consumers.known(settings, consumer):
-        return 404, {"error": {"code": 404, "message": f"no consumer named {consumer!r}", "type": "not_found_error"}}
+    if (refusal := unanswerable(generation, consumer)) is not None:
+        return refusal
     store = store_of(generation)
-    if not enabled(generation) or store is None:
-        return 409, {"error": {"code": 409, "message": "the conversation cache is off: nothing is kept",
-                               "type": "conflict"}}
+    assert store is not None
     began = time.monotonic()
     cleared, in_flight = await clear_slots(generation, state(generation), consumer, time.time())
     answer: dict[str, Any] = {"consumer": consumer, "slots": cleared, "in_flight": in_flight}
@@ -47,6 +44,17 @@ async def forget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]
     answer["s"] = round(time.monotonic() - began, 3)
     log.info("consumers.forgotten", **answer)
     return 200, answer
+
+
+def unanswerable(generation: Generation, consumer: str) -> tuple[int, dict[str, Any]] | None:
+    """Why an ask about one consumer's conversations (listed, forgotten) cannot be answered: a consumer no request
+    may be (404), or no conversation cache (409); None: it can."""
+    if not consumers.known(CONSUMERS.of(generation.config), consumer):
+        return 404, {"error": {"code": 404, "message": f"no consumer named {consumer!r}", "type": "not_found_error"}}
+    if not enabled(generation) or store_of(generation) is None:
+        return 409, {"error": {"code": 409, "message": "the conversation cache is off: nothing is kept",
+                               "type": "conflict"}}
+    return None
 
 
 async def clear_slots(generation: Generation, conv: Conversations, consumer: str, before: float) -> tuple[

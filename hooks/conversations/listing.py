@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hooks.conversations.state import counted, enabled
+from hooks.conversations.forget import unanswerable
+from hooks.conversations.state import counted
 from hooks.slots.stores import store_of
 from wrapper.configuration import consumers
-from wrapper.configuration.consumers import CONSUMERS
 from wrapper.server.generation import Host
 
 
@@ -17,12 +17,10 @@ async def listing(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]
     Its entries of every `cache_salt` are its own, each shown with `salted: true` (never the salt)."""
     generation = host.current
     consumer = str(body.get("consumer") or "")
-    if not consumers.known(CONSUMERS.of(generation.config), consumer):
-        return 404, {"error": {"code": 404, "message": f"no consumer named {consumer!r}", "type": "not_found_error"}}
+    if (refusal := unanswerable(generation, consumer)) is not None:
+        return refusal
     store = store_of(generation)
-    if not enabled(generation) or store is None:
-        return 409, {"error": {"code": 409, "message": "the conversation cache is off: nothing is kept",
-                               "type": "conflict"}}
+    assert store is not None
     folder, bucket = store.in_tiers()
     theirs = sorted((e for e in store.entries() if e.named == consumer), key=lambda e: -e.last_used)
     entries = [{"key": entry.key, "tokens": entry.n_tokens, "bytes": entry.bytes,

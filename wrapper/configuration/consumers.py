@@ -255,7 +255,9 @@ def isolating(settings: ConsumerSettings) -> bool:
 
 
 def share_of(settings: ConsumerSettings, name: str) -> Share:
-    return next((share for n, share in settings.shares if n == name), Share())
+    """A consumer's share, by the rule `share_for` bounds it with (a front-end's user: its front-end's)."""
+    given = dict(settings.shares)
+    return given.get(_share_name(given, name) or "", Share())
 
 
 def consumer_of(headers: Mapping[str, str], settings: ConsumerSettings) -> str | None:
@@ -307,10 +309,17 @@ def name_of(owner: str) -> str:
 def share_for(shares: Mapping[str, int], owner: str | None) -> int | None:
     """What an owner may keep of one kind of share: its consumer's own, else (a front-end's user) its front-end's —
     a share given to `open-webui` bounds each of its users."""
+    share = _share_name(shares, owner)
+    return shares[share] if share is not None else None
+
+
+def _share_name(shares: Mapping[str, object], owner: str | None) -> str | None:
+    """The consumer whose share bounds `owner`: its own name (its salt left out), else its front-end's."""
     if owner is None:
         return None
     name = name_of(owner)
-    return shares.get(name, shares.get(name.split(USER_OF, 1)[0]))
+    front_end = name.split(USER_OF, 1)[0]
+    return name if name in shares else front_end if front_end in shares else None
 
 
 def problems(settings: ConsumerSettings) -> list[str]:
