@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,7 +44,7 @@ def skip_without_smg() -> str:
 class Router:
     """`smg launch` over the given wrappers' URLs."""
 
-    def __init__(self, tmp: Path, workers: list[str], policy: str, *extra: str) -> None:
+    def __init__(self, tmp: Path, workers: list[str], policy: str, *extra: str, log_level: str = "warn") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workers = workers
@@ -52,7 +53,7 @@ class Router:
                      "--worker-urls", *workers, "--policy", policy,
                      "--routing-key-headers", SESSION_HEADER,
                      "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
+                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", log_level,
                      *extra]
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -82,6 +83,21 @@ class Router:
         status, _, raw = http("POST", f"{self.url}/v1/chat/completions", body, timeout=600,
                               headers={SESSION_HEADER: session})
         return status, raw
+
+    def polled(self) -> dict[str, int]:
+        """Each worker's load as SMG's own load monitor last read it from the worker's `GET /v1/loads` (its debug
+        log's `update_dp_loads` line: the tokens the worker's KV holds), by URL; {} before its first read."""
+        lines = self._reads()
+        if not lines:
+            return {}
+        return {url: int(load) for url, load in re.findall(r'"(http://[^"]+)": \{0: (-?\d+)\}', lines[-1])}
+
+    def reads(self) -> int:
+        """How many times SMG's load monitor has read the workers' loads so far."""
+        return len(self._reads())
+
+    def _reads(self) -> list[str]:
+        return [line for line in self.log_path.read_text(errors="replace").splitlines() if "update_dp_loads" in line]
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -5,13 +5,14 @@ every session's next turn is answered and takes at least 90 % of the conversatio
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import Wrapper, http, wait_for
-from tests.router import Router, Session, skip_without_smg
+from tests.router import FILLER, Router, Session, seen, skip_without_smg
 from tests.s3server import S3Server
 
 TOKEN = "router-drain-token"
@@ -142,3 +143,54 @@ def test_a_request_without_a_model_is_refused_by_the_router_and_the_alias_is_the
             assert status == 200, raw[:300]
     finally:
         wrapper.kill()
+
+
+def test_the_router_reads_each_hosts_load_and_sends_a_new_conversation_where_the_kv_holds_less(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """SMG's load monitor polls every worker's `GET /v1/loads` (each second here) and its `least_load` policy
+    sends a request to the worker whose expected wait is least: the KV's use it read there (`token_usage`), and 1,024
+    tokens it adds for each request it sent since its last read — so each request here waits for a read after the
+    one before. One host holds a long conversation: new conversations go to the other; then the other holds a
+    longer one: they go back."""
+    config = "slots: {{dir: {dir}}}\nhooks:\n  on_startup: [{{builtin: slots.restore}}]\n" \
+             "  on_will_stop: [{{builtin: slots.save}}]\n"
+    hosts = [Wrapper(tmp_path, [server_bin, "-m", demo_path, "-c", "4096", "-np", "2", "--alias", "demo"],
+                     config.format(dir=tmp_path / f"h{i}")) for i in range(2)]
+    try:
+        for each in hosts:
+            each.wait_ready()
+        with Router(tmp_path, [h.url for h in hosts], "least_load", "--load-monitor-interval", "1",
+                    log_level="debug") as router:
+
+            def holds_more(heavy: Wrapper, light: Wrapper) -> bool:
+                """SMG's monitor read, after the long conversation, that `heavy` holds more than `light`."""
+                polled = router.polled()
+                return polled.get(heavy.url, 0) > polled.get(light.url, 0) + 500
+
+            for heavy, size in ((0, 80), (1, 130)):  # ~1,500 tokens, then ~2,400: more than the first holds
+                light = 1 - heavy
+                long = {"model": "demo", "max_tokens": 8, "temperature": 0,
+                        "messages": [{"role": "user", "content": FILLER * size + " Summarize."}]}
+                status, _, raw = http("POST", f"{hosts[heavy].url}/v1/chat/completions", long, timeout=600)
+                assert status == 200, raw[:300]
+                load = json.loads(http("GET", f"{hosts[heavy].url}/v1/loads")[2])["loads"][0]
+                assert load["num_used_tokens"] > 1000 and load["max_total_num_tokens"] == 4096, load
+                wait_for(lambda: holds_more(hosts[heavy], hosts[light]), 30,  # noqa: B023 - used at once
+                         f"SMG's load monitor to read h{heavy}'s /v1/loads", interval=0.2)
+                went = []
+                for i in range(3):
+                    reads = router.reads()
+                    wait_for(lambda: router.reads() >= reads + 2, 30,  # noqa: B023 - used at once
+                             "SMG to read the loads after the last request", interval=0.2)
+                    before = [seen(h).answered for h in hosts]
+                    status, raw = router.chat(f"new-{heavy}-{i}", {
+                        "model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": f"Hello {i}"}]})
+                    assert status == 200, raw[:300]
+                    went += [j for j, h in enumerate(hosts) if seen(h).answered > before[j]]
+                assert went == [light] * 3, (went, router.polled())
+            status, _, raw = http("GET", f"{router.url}/get_loads")
+            details = {d["worker"]: d for d in json.loads(raw)["loads"]}
+            assert {d["max_total_num_tokens"] for d in details.values()} == {4096}, details  # SMG parsed them
+    finally:
+        for each in hosts:
+            each.kill()

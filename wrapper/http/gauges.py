@@ -6,6 +6,7 @@ not registered: their names come from the config, which a reload may change."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from wrapper.configuration.sections import RouterGaugeSettings
@@ -29,8 +30,10 @@ def loads(load: Load, now: float) -> dict[str, Any]:
     polls on a worker it cannot identify otherwise: one data-parallel rank, its requests in a slot and waiting, the
     tokens its KV holds over what it may hold (0 when no built-in tracks them)."""
     used, total = load.held or 0, load.context or 0
-    return {"timestamp": now, "dp_rank_count": 1,
+    return {"timestamp": datetime.fromtimestamp(now, UTC).isoformat(), "dp_rank_count": 1,  # SMG reads a text: a
+            # number there makes it take the answer for none, and never ask again
             "loads": [{"dp_rank": 0, "num_running_reqs": load.running, "num_waiting_reqs": load.waiting,
+                       "num_total_reqs": load.running + load.waiting,
                        "num_used_tokens": used, "max_total_num_tokens": total,
                        "token_usage": round(load.kv_usage() or 0.0, 4)}]}
 

@@ -59,10 +59,11 @@ def test_a_name_that_would_give_one_family_twice_is_refused(text: str, said: str
 
 def test_the_loads_say_the_same_in_sglangs_shape() -> None:
     """`GET /v1/loads`: one data-parallel rank with what the gauges say (a KV use not known is 0 there: the shape
-    has no room for "not known")."""
+    has no room for "not known"); the time as SGLang writes it, a text (SMG takes an answer whose `timestamp` is a
+    number for no answer, and never asks that worker again)."""
     shown = loads(Load(waiting=3, running=2, held=1024, context=4096), now=1.5)
-    assert shown == {"timestamp": 1.5, "dp_rank_count": 1, "loads": [
-        {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 3, "num_used_tokens": 1024,
+    assert shown == {"timestamp": "1970-01-01T00:00:01.500000+00:00", "dp_rank_count": 1, "loads": [
+        {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 3, "num_total_reqs": 5, "num_used_tokens": 1024,
          "max_total_num_tokens": 4096, "token_usage": 0.25}]}
     unknown = loads(Load(waiting=0, running=0, held=None, context=None), now=2.0)["loads"][0]
     assert (unknown["num_used_tokens"], unknown["max_total_num_tokens"], unknown["token_usage"]) == (0, 0, 0.0)
