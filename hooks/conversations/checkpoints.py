@@ -100,10 +100,7 @@ def after_answer(host: Host, generation: Generation, conv: Conversations, store:
     conv.leases.take(slot)
     conv.leases.keeping.add(slot)
     conv.busy_checkpoint_at = float("inf")  # one at a time: the budget is set once this one is measured
-    task = asyncio.get_running_loop().create_task(_busy(host, generation, conv, store, slot, book.holds(slot),
-                                                        growth, settings.checkpoint_share))
-    conv.tasks.add(task)
-    task.add_done_callback(conv.tasks.discard)
+    conv.spawn(_busy(host, generation, conv, store, slot, book.holds(slot), growth, settings.checkpoint_share))
 
 
 async def _busy(host: Host, generation: Generation, conv: Conversations, store: Store, slot: int,

@@ -4,6 +4,7 @@ bucket with the chunks no other entry names, and a tombstone on the bucket so th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import structlog
 
 from hooks.conversations.moves import erase_forgotten
 from hooks.conversations.state import Conversations, counted, enabled, state
+from hooks.slots.book import book_of
 from hooks.slots.stores import store_of
 from hooks.store.bucket import BucketError
 from wrapper.configuration import consumers
@@ -20,7 +22,7 @@ from wrapper.server.llama import LlamaError
 
 log = structlog.get_logger()
 
-IN_FLIGHT_WAIT_S = 30.0  # a request of that consumer's still running: its slot is cleared once it ends, this long
+ERASE_RETRY_S = 1.0  # a slot the server would not erase is tried again this long after
 
 
 async def forget(host: Host, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -60,25 +62,39 @@ def unanswerable(generation: Generation, consumer: str) -> tuple[int, dict[str, 
 async def clear_slots(generation: Generation, conv: Conversations, consumer: str, before: float) -> tuple[
         list[int], list[int]]:
     """Erase every slot holding that consumer's conversation (or one nobody can say whose it is), last used before
-    `before` (the wall time of the forget), once no request of ours runs there (IN_FLIGHT_WAIT_S at most); the
-    slots cleared, and those still in flight."""
+    `before` (the wall time of the forget); a slot a request of ours still runs in is never saved from now on and is
+    erased once that request ends, before any other takes it (`erase_when_free`). The slots cleared, and those still
+    in flight."""
     if not generation.alive:
         return [], []  # asleep: what its slots held is in the store, forgotten there
     book = await counted(generation)  # just started: its restore may have put that consumer's states in slots
     since = before - time.time() + time.monotonic()  # in the clock of `last_used`
 
-    def theirs(slot: int) -> bool:
-        owner = book.owner_of(slot)
-        return not book.empty(slot) and (owner is None or consumers.name_of(owner) == consumer) and \
-            conv.leases.last_used.get(slot, 0.0) <= since
-
     leases = conv.leases
-    deadline = time.monotonic() + IN_FLIGHT_WAIT_S
-    while any(theirs(s) for s in leases.busy) and time.monotonic() < deadline:
-        await leases.until_freed(1.0)
-    cleared = []
+
+    def theirs(slot: int) -> bool:
+        owner = book.owner_of(slot)  # what it held before the request running there, if any
+        return not book.empty(slot) and (owner is None or consumers.name_of(owner) == consumer) and \
+            leases.last_used.get(slot, 0.0) <= since
+
+    def running_theirs(slot: int) -> bool:
+        """A busy slot: a request of theirs runs there, or a move of ours (a save, a cut) holds theirs."""
+        if slot in leases.serving:
+            running = leases.serving[slot]
+            return running is not None and consumers.name_of(running) == consumer
+        return theirs(slot)
+
+    cleared, in_flight = [], []
     for slot in range(book.total):
-        if not leases.free(slot) or not theirs(slot):
+        if book.to_erase(slot):
+            continue
+        if not leases.free(slot):
+            if running_theirs(slot):  # (another's request there leaves its own conversation)
+                book.erase_later(slot)  # a save under way there commits nothing (the store refuses it), none starts
+                conv.spawn(erase_when_free(generation, conv, slot, consumer))
+                in_flight.append(slot)
+            continue
+        if not theirs(slot):
             continue
         async with leases.holding(slot):
             try:
@@ -87,7 +103,26 @@ async def clear_slots(generation: Generation, conv: Conversations, consumer: str
                 log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
                 continue
         cleared.append(slot)
-    return cleared, [s for s in leases.busy if theirs(s)]
+    return cleared, in_flight
+
+
+async def erase_when_free(generation: Generation, conv: Conversations, slot: int, consumer: str) -> None:
+    """Erase a forgotten conversation's slot once the request running there lets it go (no request of ours takes a
+    slot `to_erase`), for as long as its server lives (a new one does not hold it)."""
+    book, leases = book_of(generation), conv.leases
+    while book.to_erase(slot) and generation.alive:
+        if not leases.free(slot):
+            await leases.until_freed(5.0)
+            continue
+        async with leases.holding(slot):
+            try:
+                await erase_forgotten(generation, slot)
+            except LlamaError as exc:
+                log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
+            else:
+                log.info("consumers.slots_cleared", consumer=consumer, slots=[slot], after="its request")
+                return
+        await asyncio.sleep(ERASE_RETRY_S)
 
 
 async def follow(generation: Generation) -> None:

@@ -99,7 +99,11 @@ async def save_slot(generation: Generation, conv: Conversations, store: Store, s
 
 async def _save(generation: Generation, conv: Conversations, store: Store, slot: int, why: str,
                 min_tokens: int | None = None) -> tuple[Saved | None, bool]:
-    """save_slot's answer, and whether not keeping it was a failure or a skip (not: it held too little)."""
+    """save_slot's answer, and whether not keeping it was a failure or a skip (not: it held too little, or its
+    consumer was forgotten)."""
+    if book_of(generation).to_erase(slot):
+        log.debug("conversations.not_saved", slot=slot, why="its consumer was forgotten: it is erased once free")
+        return None, False
     limits = STORE.of(generation.config)
     store.sweep()
     if store.free_bytes() < limits.min_free:

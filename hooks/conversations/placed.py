@@ -48,9 +48,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         out = uncached(out, asker)
     conversing = out.path in (*paths.RESPONSES, *paths.MESSAGES)
     placed = _Placed(use=out.use)
-    finding = asyncio.create_task(_find_place(generation, conv, placed))
-    conv.tasks.add(finding)
-    finding.add_done_callback(conv.tasks.discard)
+    finding = conv.spawn(_find_place(generation, conv, placed))
 
     def ended(status: int | None) -> None:
         if placed.done:
@@ -163,9 +161,7 @@ def steered(generation: Generation, conv: Conversations, out: Outgoing, slot: in
     wait until it is seen there; seen in another slot (the rule misjudged), that slot is untracked and so said."""
     placed = _Placed(use=out.use)
     conv.placing += 1
-    task = asyncio.create_task(_watch(generation, conv, placed, slot))
-    conv.tasks.add(task)
-    task.add_done_callback(conv.tasks.discard)
+    task = conv.spawn(_watch(generation, conv, placed, slot))
 
     def ended(status: int | None) -> None:
         placed.done = True

@@ -11,7 +11,6 @@ an answer longer than foreseen) is reported as a loss (`conversations.purged`, s
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from dataclasses import dataclass
@@ -118,9 +117,7 @@ def compact_soon(generation: Generation, conv: Conversations, store: Store, slot
             and book.count(s) * per_token / restore_bps < COMPACT_RESTORE_S]
     for victim in idle:
         leases.take(victim)
-        task = asyncio.get_running_loop().create_task(_compact(generation, conv, store, victim))
-        conv.tasks.add(task)
-        task.add_done_callback(conv.tasks.discard)
+        conv.spawn(_compact(generation, conv, store, victim))
 
 
 async def _compact(generation: Generation, conv: Conversations, store: Store, slot: int) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,8 @@ class Leases:
     background: dict[int, bool] = field(default_factory=dict)  # slot -> whether its last request was an agent's
     last_used: dict[int, float] = field(default_factory=dict)
     keeping: set[int] = field(default_factory=set)  # of the busy ones, those a checkpoint saves right after an answer
+    serving: dict[int, str | None] = field(default_factory=dict)  # of the busy ones, those a request holds: whose
+    # request it is (its consumer; None: nobody's)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)  # set when a slot is let go
 
     def free(self, slot: int) -> bool:
@@ -43,10 +45,16 @@ class Leases:
     def take(self, slot: int) -> None:
         self.busy.add(slot)
 
+    def serve(self, slot: int, consumer: str | None) -> None:
+        """A request of `consumer`'s takes the slot."""
+        self.take(slot)
+        self.serving[slot] = consumer
+
     def let_go(self, slot: int, used: bool = True) -> None:
         """The slot is free for another request or move of ours; `used`: a request ran there (the checkpoints'
         quiet moment counts from now)."""
         self.busy.discard(slot)
+        self.serving.pop(slot, None)
         if used:
             self.last_used[slot] = time.monotonic()
         self._freed.set()
@@ -109,6 +117,13 @@ class Conversations:
     busy_checkpoint_at: float = 0.0  # (monotonic) the next busy checkpoint may start then (`cache.checkpoint_share`)
     public: PublicPrefix = field(default_factory=PublicPrefix)  # consumers.shared_prefix's tokens, once learnt
     forgotten: dict[str, float] = field(default_factory=dict)  # consumer -> the forget whose slots were cleared
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run `work` as a task of its own, referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     def rates_of(self, generation: Generation) -> KeptRates:
         if self.kept is None:

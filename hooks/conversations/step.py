@@ -155,11 +155,12 @@ def continuing(generation: Generation, conv: Conversations, store: Store, messag
                    if entry.n_tokens >= tokens and asker.sees(entry))
 
     book = book_of(generation)
-    others = {s for s in range(book.total) if not asker.mine(book.owner_of(s))}  # under isolation
+    others = {s for s in range(book.total) if not asker.mine(book.owner_of(s)) or book.to_erase(s)}  # under
+    # isolation, and a forgotten conversation's
     slot = goes_on_in(book, conv.leases.busy | others, asked, messages, CACHE.of(generation.config).min_tokens,
                       longer_kept)
     if slot is not None:
-        conv.leases.take(slot)
+        conv.leases.serve(slot, asker.consumer)
     return slot
 
 
@@ -272,7 +273,7 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
     while True:
         elsewhere = (await processing(generation) | leases.placed) if conv.unpinned else set()
         free = [s for s in range(max(1, book.total)) if leases.free(s) and s not in elsewhere
-                and (asked is None or s == asked)]
+                and not book.to_erase(s) and (asked is None or s == asked)]
         if free:
             break
         if time.monotonic() > deadline:
@@ -286,7 +287,7 @@ async def _reserve(generation: Generation, conv: Conversations, tokens: list[int
                        {s for s in free if book.partial(s)},
                        {s for s in free if leases.background.get(s, background) == background},
                        {s: public for s in free if asker.foreign(book, s)}, last)
-    leases.take(slot)
+    leases.serve(slot, asker.consumer)
     leases.background[slot] = background
     return slot
 

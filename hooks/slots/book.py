@@ -102,6 +102,7 @@ class Slot:
     # changed while it ran)
     kept: tuple[list[int], int] | None = None  # (its prompt, the tokens it held) when it was last kept: what a
     # crash now would not lose of it (a checkpoint, a save as it left)
+    to_erase: bool = False  # its consumer was forgotten while a request ran there: never saved, erased once free
 
     @property
     def held(self) -> int:
@@ -185,6 +186,11 @@ class SlotBook:
         """Whether the slot is known to hold nothing."""
         record = self._of(slot)
         return not record.held and not record.partial
+
+    def to_erase(self, slot: int) -> bool:
+        """Whether the slot holds a forgotten consumer's conversation that a request still runs in: nothing saves
+        it, and no request of ours takes it until it is erased (`erased`)."""
+        return self._of(slot).to_erase
 
     def chain_of(self, slot: int) -> object | None:
         """The chain of the request the slot served last, while it holds that request's conversation."""
@@ -295,9 +301,14 @@ class SlotBook:
         record.partial, record.from_store, record.entry = False, True, key
         record.kept = (tokens, len(tokens))
 
+    def erase_later(self, slot: int) -> None:
+        """A forget found a request running there: what the slot holds is erased once it is free (`to_erase`)."""
+        self._at(slot).to_erase = True
+
     def erased(self, slot: int) -> None:
         """The slot holds nothing now (a forget)."""
         self.cut(slot, [], "")
+        self._at(slot).to_erase = False
 
     def forgotten(self) -> None:
         """A request the server put in a slot of its own choosing: any slot may hold something else now (each is

@@ -1,4 +1,4 @@
-"""`llama-wrapper slots ls|inspect|rm`: the slot folder, without a server."""
+"""`llama-wrapper slots ls|inspect|rm|rekey`: the slot folder and the bucket behind it, without a server."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import structlog
 
 from hooks import kvfile
 from hooks.slots.settings import SLOTS
-from hooks.store import Entry, Store, layout
+from hooks.store import Entry, Store, Unreadable, layout
 from hooks.store.bucket import BucketError
 from hooks.store.opening import folder_only, opened
-from hooks.store.sealing import WrongKey
+from hooks.store.rekey import rekey, sealed_folders
+from hooks.store.sealing import Sealer, WrongKey, read_secret
 from hooks.store.settings import STORE, StoreSettings, bucket_for
 from wrapper.configuration import consumers
 from wrapper.configuration.config import Config, ConfigError, parse_config
@@ -293,3 +294,44 @@ def remove(directory: str | None, config_path: str | None, model_id: str, slot: 
         store.remove(held.entry)
         click.echo(f"removed {folder / held.entry.name} (slot {held.slot})")
     layout.drop_from_notes(folder, {h.key for h in noted})
+
+
+@slots.command("rekey")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), envvar="LLAMA_WRAPPER_CONFIG",
+              show_envvar=True, required=True,
+              help="The config whose store.url is the bucket and whose store.encrypt is the key it is sealed with now.")
+@click.option("--new-key", "new_key", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="The key file to seal it with from now on (its first line, 16 characters or more).")
+def rekey_bucket(config_path: str, new_key: str) -> None:
+    """Seal the bucket again under a new key: every model folder of store.url that store.encrypt's key sealed.
+
+    The folder's check object is the new key's first (a wrapper started with the old key is refused from then on),
+    then each entry is sealed again and its old objects deleted. Safe to interrupt: run it again to go on. Stop or
+    drain the hosts first, then set store.encrypt to the new key file on each and start them again."""
+    settings = STORE.of(_config(config_path))
+    if not settings.url or settings.encrypt is None:
+        raise click.ClickException(f"{config_path} has no store.url with store.encrypt: there is no sealed bucket "
+                                   "to seal again")
+    try:
+        old, new = Sealer(read_secret(settings.encrypt)), Sealer(read_secret(Path(new_key).expanduser()))
+        if old.names == new.names:
+            raise ValueError(f"{new_key} holds the key the bucket is sealed with now: make a new one")
+        bucket = bucket_for(settings)
+        with _quiet():
+            folders = sealed_folders(bucket)
+        if not folders:
+            click.echo(f"llama-wrapper: {settings.url} holds no sealed model folder: nothing to do", err=True)
+        for folder in folders:
+            def told(done: int, total: int, folder: str = folder) -> None:
+                click.echo(f"{folder}: {done} of {total} entries sealed again", err=True)
+
+            with _quiet():
+                done = rekey(bucket, folder, old, new, settings.chunk_tokens, told)
+            click.echo(json.dumps(done.as_dict()))
+    except (ValueError, WrongKey) as exc:
+        raise click.ClickException(str(exc) if not isinstance(exc, WrongKey) else
+                                   f"neither key sealed {settings.url}: {exc}") from exc
+    except (BucketError, Unreadable, OSError) as exc:
+        raise click.ClickException(f"{exc}; what was done is kept: run it again to go on") from exc
+    click.echo(f"llama-wrapper: done. Set store.encrypt to {new_key} on every host (the old key is refused now).",
+               err=True)

@@ -20,7 +20,7 @@ from hooks import kvfile
 from hooks.kvfile import convert as kvconvert
 from hooks.slots.book import book_of
 from hooks.slots.restorable import WARMABLE, Mismatch, Skip, server_layout, skip_reason
-from hooks.store import Entry, Store, Unavailable, Unreadable, owner_of
+from hooks.store import Entry, Forgotten, Store, Unavailable, Unreadable, owner_of
 from wrapper.configuration import consumers
 from wrapper.configuration.consumers import CONSUMERS
 from wrapper.kept import Key
@@ -62,10 +62,13 @@ def owned(generation: Generation, owner: str | None) -> dict[str, Any]:
     return {"consumer": owner, **({"private": True} if consumers.isolating(settings) else {})}
 
 
-def record_for(settings: dict[str, Any], header: kvfile.SlotFile, generation: Generation) -> dict[str, Any]:
-    """What an entry's sidecar says of the state beside its tokens: the model and the KV layout it needs."""
+def record_for(settings: dict[str, Any], header: kvfile.SlotFile, generation: Generation,
+               taken: float | None = None) -> dict[str, Any]:
+    """What an entry's sidecar says of the state beside its tokens: the model and the KV layout it needs; `saved_at`:
+    when the state was taken from its slot (`taken`, the wall clock; now when not given)."""
     return {"model": generation.launch.model.as_dict(), "state_version": header.version,
-            **{k: settings[k] for k in _LAYOUT}, "media": header.n_media, "saved_at": time.time()}
+            **{k: settings[k] for k in _LAYOUT}, "media": header.n_media,
+            "saved_at": time.time() if taken is None else taken}
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,9 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
     what the slot holds only when nothing changed there while the save ran (a request the server placed itself may
     have run there meanwhile)."""
     book = book_of(generation)
-    began = time.monotonic()
+    if book.to_erase(slot):
+        raise NotSaved("its consumer was forgotten while a request ran there: it is erased once free, never kept")
+    began, taken = time.monotonic(), time.time()
     before = book.changes(slot)
     with store.part(f"slot{slot}") as part:
         try:
@@ -148,9 +153,11 @@ async def save_into(generation: Generation, store: Store, slot: int, min_tokens:
                 return Saved(known, False, server_ms, _ms(began))
             if max_bytes is not None and header.bytes > max_bytes:
                 raise NotSaved(f"{header.bytes >> 20} MiB is more than store.entry_max or store.budget")
-            record = {**record_for(await server_layout_of(generation), header, generation), "save_ms": server_ms,
-                      **whose}
+            record = {**record_for(await server_layout_of(generation), header, generation, taken),
+                      "save_ms": server_ms, **whose}
             entry = await _uncancelled(asyncio.to_thread(store.commit, part, header.tokens, record))
+        except Forgotten as exc:  # its consumer was forgotten while it was being saved
+            raise NotSaved(str(exc)) from exc
         except (LlamaError, kvfile.SlotFileError, Unreadable, OSError) as exc:
             raise NotSaved(f"save failed: {exc}", failed=True) from exc
     if book.changes(slot) == before:

@@ -35,6 +35,7 @@ from hooks.store import chunks, layout
 from hooks.store.chunk_folder import ChunkFolder, names_of, plan_problem, size_of
 from hooks.store.interface import (
     Entry,
+    Forgotten,
     Noted,
     Shares,
     Unreadable,
@@ -44,7 +45,7 @@ from hooks.store.interface import (
     key_of,
     owner_of,
 )
-from wrapper.configuration.consumers import share_for
+from wrapper.configuration.consumers import name_of, share_for
 
 T = TypeVar("T")
 PREFIX = layout.ENTRY_PREFIX
@@ -98,6 +99,7 @@ class DirectoryStore:
         self._legacy_entries: dict[str, Entry] = {}  # pairs of the earlier layout, by `slot<N>`: not in lookups
         self._seen: tuple[float, float] | None = None  # the folder's mtime and when it was listed
         self.forgotten_at: dict[str, float] = {}  # consumer -> when what it kept was forgotten
+        self._cut_off: dict[str, float] = {}  # consumer -> a state of its taken before then is never committed
 
     # -- lookups ---------------------------------------------------------------------------------------------
 
@@ -177,7 +179,15 @@ class DirectoryStore:
             with contextlib.suppress(OSError):
                 written.unlink()  # cut: gone before its pages need writing out
         with self._lock:
+            forgotten = self._taken_before_forget(record)
             self._forget(key)  # a sidecar rewritten within the mtime's granularity must not pass for the old one
+            if forgotten is not None:  # the forget may have removed it already
+                for path in (sidecar, final):  # the sidecar first: nothing names a half-removed pair
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                self.chunks.remove(set(names_of(record)), self._named(), min_age=0.0)  # what another names stays
+                raise Forgotten(f"{forgotten}'s conversations were forgotten after this state was taken from its "
+                                "slot: it is not kept")
             entry = self._read(sidecar, key, tokens)
             if entry is None:  # a longer state of the same conversation was committed meanwhile and replaced it
                 return self._holding(tokens, wrote)
@@ -188,6 +198,16 @@ class DirectoryStore:
                             common_prefix(other.tokens, tokens) == other.n_tokens:
                         self.remove(other)  # a shorter state of the same conversation: the new one holds it all
         return entry
+
+    def _taken_before_forget(self, record: dict[str, Any]) -> str | None:
+        """The consumer a state's record names when it was taken (`saved_at`) before that consumer was forgotten
+        (under the lock: a forget sets its time before it lists what it removes); None: it may be kept."""
+        consumer = record.get("consumer")
+        if not isinstance(consumer, str):
+            return None
+        named = name_of(consumer)
+        cut_off = self._cut_off.get(named)
+        return named if cut_off is not None and float(record.get("saved_at") or 0.0) <= cut_off else None
 
     def _holding(self, tokens: list[int], wrote: int) -> Entry:
         """The entry that holds `tokens` and more (under the lock), its `written` what this commit wrote."""
@@ -226,7 +246,10 @@ class DirectoryStore:
     @_locked
     def forget(self, consumer: str, before: float | None = None) -> list[Entry]:
         """Remove every entry of that consumer (of every `cache_salt`; saved before `before`, when given), the chunks
-        no other entry names at once, and the notes' lines naming them; what went."""
+        no other entry names at once, and the notes' lines naming them; what went. A save of its taken before then
+        that commits later is refused (`Forgotten`)."""
+        at = time.time() if before is None else before
+        self._cut_off[consumer] = max(at, self._cut_off.get(consumer, at))
         gone = [e for e in self.entries() if e.named == consumer and (
             before is None or float(e.record.get("saved_at") or 0.0) <= before)]
         names: set[str] = set()
@@ -346,6 +369,16 @@ class DirectoryStore:
         with self.part("restore") as state:  # in the page cache: removed once restored
             await asyncio.to_thread(self.chunks.assemble, kv_file, record, state, _salt(record, self.names))
             yield state
+
+    def write_state(self, entry: Entry, into: Path) -> None:
+        """The entry's whole state file (its chunks and its tail put together, checked) written at `into`."""
+        if entry.problem is not None:
+            raise Unreadable(f"no usable sidecar: {entry.problem}")
+        record, kv_file = self._checked(entry)
+        if names_of(record):
+            self.chunks.assemble(kv_file, record, into, _salt(record, self.names))
+        else:
+            shutil.copyfile(kv_file, into)
 
     def _checked(self, entry: Entry) -> tuple[dict[str, Any], Path]:
         """The entry's sidecar as it is now, and the file it names, once they are checked against each other

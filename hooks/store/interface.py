@@ -30,6 +30,11 @@ class Unavailable(Exception):
     """An entry the store cannot hand over now (a full disk, the bucket down or slow): not the entry's fault."""
 
 
+class Forgotten(Exception):
+    """A commit refused: the state was taken from its slot before its consumer was forgotten (a save that raced the
+    forget); nothing of it is left."""
+
+
 def key_of(tokens: list[int], owner: str | None = None, secret: str | None = None) -> str:
     """An entry's key: a hash of its tokens, and of its owner when it is private to one consumer (two consumers'
     same conversation are two entries), keyed by `secret` when the store seals what it uploads (store.encrypt: a

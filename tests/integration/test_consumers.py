@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -442,3 +443,30 @@ def test_a_front_ends_users_and_a_requests_salt_reuse_only_their_own(
         assert status == 400 and b"X-OpenWebUI-User-Id" in raw, raw[:300]
         assert wrapper.stop() == 0
     assert "secret-salt" not in wrapper.log_path.read_text()
+
+
+def test_a_forget_under_a_running_answer_keeps_nothing_of_it(tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """Alice forgets while her own long answer streams: the forget answers at once, naming the slot still in
+    flight; her answer goes on to its end (her client loses nothing of it); then nothing of that conversation is
+    kept — no entry (the checkpoints under the answer and at its end save nothing), the slot erased — and her same
+    turn again reads her prompt anew. Bob's conversation, in the other slot, stays."""
+    mine, bobs = conversation("Alice's long question"), conversation("Bob's question")
+    with running(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path, CONSUMERS), env=ADMIN) as w:
+        ask(w.url, "bob", bobs)
+        body = {"messages": mine, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(f"{w.url}/v1/chat/completions", data=json.dumps(body).encode(), headers={
+            "Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            while b'"content"' not in response.readline():  # her answer is under way
+                pass
+            status, answer = delete(w.url, {"Authorization": f"Bearer {KEYS['alice']}"})
+            assert status == 200 and answer["in_flight"], answer
+            rest = response.read()
+        print(f"\nforget under an answer: {answer}")
+        assert rest.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in rest, rest[-300:]
+        cleared = wait_for(lambda: [e for e in w.events("consumers.slots_cleared") if e.get("after") == "its request"],
+                           30, "her slot to be erased once her answer ended")
+        assert cleared[0]["consumer"] == "alice" and cleared[0]["slots"] == answer["in_flight"], cleared
+        assert not kept_of(tmp_path / "slots", "alice")[0]
+        assert ask(w.url, "alice", mine)["cache_n"] <= consumers(w)["shared_prefix_tokens"]
+        assert ask(w.url, "bob", bobs)["cache_n"] > 700  # in its slot still

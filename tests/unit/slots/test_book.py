@@ -124,3 +124,18 @@ def test_a_slot_knows_whose_conversation_it_holds() -> None:
     assert book.owner_of(1) == "bob" and not book.empty(1)
     book.forgotten()  # a request the server placed: nobody knows whose any slot is
     assert book.owner_of(0) is None and book.owner_of(1) is None and not book.empty(0)
+
+
+def test_a_forgotten_conversations_slot_stays_to_erase_until_erased() -> None:
+    """A forget found a request of that consumer's running in the slot: the request's end (served), another
+    request the server placed itself (every slot forgotten by the book) leave it to be erased; only the erase ends
+    it."""
+    book = SlotBook()
+    book.learnt_total(2)
+    book.served(0, [1, 2, 3], owner="alice")
+    book.erase_later(0)
+    book.served(0, [1, 2, 3, 4], owner="alice")
+    book.forgotten()
+    assert book.to_erase(0) and not book.to_erase(1)
+    book.erased(0)
+    assert not book.to_erase(0) and book.empty(0)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from hooks.store import layout
+from hooks.store.chunk_folder import names_of
 from hooks.store.folder import DirectoryStore, part_name
-from hooks.store.interface import Shares, common_prefix, held_within
+from hooks.store.interface import Forgotten, Shares, common_prefix, held_within
 from tests.slotfiles import make_pair, slot_bytes
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
@@ -182,3 +183,37 @@ def test_a_consumer_over_its_share_loses_its_own_oldest_and_one_within_keeps_wha
     assert gone == {bob[0]}
     assert {e.key for e in store.entries()} == {*alice, bob[1], *agent[4:]}
     assert held_within(store.entries(), {"alice": size}, {alice[0]}) == [store.get(alice[1])]
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 2])
+def test_a_save_taken_before_its_consumer_was_forgotten_never_commits(tmp_path: Path, chunk_tokens: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save races a forget of its consumer: the state was taken from its slot (`saved_at`) before the forget, its
+    files are written while the forget runs (between the pair's writing and the listing) or after it. Neither
+    commit leaves an entry, a pair or a chunk; a state taken after the forget is kept, and so is another
+    consumer's."""
+    store = DirectoryStore(tmp_path, chunk_tokens=chunk_tokens)
+    taken = time.time()
+    alice = {**RECORD, "consumer": "alice", "private": True, "saved_at": taken}
+    bobs = [7, 7, 7, 7]
+    store.commit(written(store, bobs), bobs, {**RECORD, "consumer": "bob", "saved_at": taken})
+    commit_pair = layout.commit_pair
+
+    def forgotten_meanwhile(*args: object, **kwargs: object) -> Path:
+        final = commit_pair(*args, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.setattr(layout, "commit_pair", commit_pair)
+        store.forget("alice")
+        return final
+
+    monkeypatch.setattr(layout, "commit_pair", forgotten_meanwhile)
+    with pytest.raises(Forgotten, match="alice"):
+        store.commit(written(store, [1, 2, 3, 4]), [1, 2, 3, 4], alice)
+    with pytest.raises(Forgotten, match="alice"):  # one taken before, committed after the forget
+        store.commit(written(store, [1, 2, 3, 4, 5, 6]), [1, 2, 3, 4, 5, 6], {**alice, "consumer": "alice#a1b2"})
+    assert [e.named for e in store.entries()] == ["bob"]
+    names = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert len([n for n in names if n.startswith("conv-")]) == 2  # bob's pair, nothing else
+    assert {p.name[:-3] for p in tmp_path.rglob("chunks/*.kv")} == set(names_of(store.entries()[0].record))
+    later = [1, 2, 3, 4, 5]
+    entry = store.commit(written(store, later), later, {**alice, "saved_at": time.time() + 1})
+    assert entry.named == "alice" and sorted(e.named or "" for e in store.entries()) == ["alice", "bob"]

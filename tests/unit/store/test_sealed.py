@@ -4,18 +4,22 @@ before the key stays readable), and forgotten on every host (`forget_consumer`, 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner, Result
 
 from hooks.store.bucket import Bucket
 from hooks.store.folder import DirectoryStore, part_name
+from hooks.store.rekey import rekey, sealed_folders
 from hooks.store.remote import Remote
 from hooks.store.sealing import Sealer, WrongKey, read_secret
 from hooks.store.tiered import TieredStore
 from tests.s3server import S3Server
 from tests.slotfiles import kv_state as state
+from wrapper.cli.main import main
 
 RECORD = {"model": {"id": "m1", "name": "m"}, "cache_type_k": "f16", "cache_type_v": "f16"}
 TOKENS = list(range(70_000, 70_090))
@@ -121,3 +125,97 @@ async def test_a_forgotten_consumer_is_gone_from_every_host(tmp_path: Path, serv
     await b.look(force=True)  # the tombstone: b forgets what it holds of alice's from before then
     assert [e.consumer for e in b.folder.entries()] == [] and b.forgotten()["alice"] > 0
     assert [e.consumer for e in a.entries()] == ["bob"]
+
+
+NEW_KEY = b"the-new-key-of-more-than-sixteen-characters"
+
+
+async def test_a_bucket_sealed_again_under_a_new_key_opens_with_it_alone_and_a_run_cut_short_goes_on(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    """`slots rekey`: three entries (two consumers' private ones, one nobody's) sealed with the old key; a run is
+    cut after its first entry — the old key is refused already, nothing is lost (each entry opens with one key or
+    the other); a second run moves the other two. Then the new key fetches each whole, the old one finds nothing,
+    and nothing the old key sealed is left in the bucket."""
+    a = host(server, tmp_path / "a", prefix, "a", KEY)
+    a.remote.check_key()
+    conversations = {n: [70_000 + 1000 * n + i for i in range(50)] for n in range(3)}
+    data = {n: save(a, tokens, **({"consumer": who, "private": True} if who else {}))
+            for (n, tokens), who in zip(conversations.items(), ("alice", "bob", None), strict=True)}
+    await a.look(force=True)
+    await a.upload_pending()
+    before = set(objects(server, prefix))
+    bucket = a.remote.bucket
+    assert sealed_folders(bucket) == ["model"]
+
+    class CutShort(Exception):
+        pass
+
+    def cut(done: int, total: int) -> None:
+        assert total == 3
+        raise CutShort
+
+    with pytest.raises(CutShort):
+        await asyncio.to_thread(rekey, bucket, "model", Sealer(KEY), Sealer(NEW_KEY), 16, cut)
+    with pytest.raises(WrongKey):  # refused from the first step on
+        host(server, tmp_path / "late", prefix, "late", KEY).remote.check_key()
+    by_key = [Remote(bucket, "model", Sealer(key)) for key in (KEY, NEW_KEY)]
+    for each in by_key:
+        each.refresh()
+    assert (len(by_key[0].index), len(by_key[1].index)) == (2, 1)  # each entry opens with one key or the other
+
+    done = await asyncio.to_thread(rekey, bucket, "model", Sealer(KEY), Sealer(NEW_KEY), 16)
+    assert (done.entries, done.done_before, done.unreadable) == (2, 1, 0), done
+    again = await asyncio.to_thread(rekey, bucket, "model", Sealer(KEY), Sealer(NEW_KEY), 16)
+    assert (again.entries, again.done_before) == (0, 3), again  # a third run finds nothing left
+
+    b = host(server, tmp_path / "b", prefix, "b", NEW_KEY)
+    assert b.remote.check_key()
+    await b.look(force=True)
+    for n, tokens in conversations.items():
+        entry, shared = b.best(tokens)
+        assert entry is not None and shared == len(tokens)
+        async with b.local(await b.fetch(entry)) as path:
+            assert path.read_bytes() == data[n]
+    old = Remote(bucket, "model", Sealer(KEY))
+    old.refresh()
+    assert not old.index  # the old key opens no manifest
+    assert not (before - {f"{prefix}/model/sealed.json"}) & set(objects(server, prefix))  # none of its objects
+
+
+async def test_the_rekey_command_says_what_it_did_and_what_to_do(tmp_path: Path, server: S3Server,
+                                                                 prefix: str) -> None:
+    """`llama-wrapper slots rekey --config C --new-key K`: its progress, a line per model folder, what to do next;
+    refusals that say why: the same key, a key that did not seal the bucket, no sealed bucket in the config."""
+    a = host(server, tmp_path / "a", prefix, "a", KEY)
+    a.remote.check_key()
+    save(a, TOKENS[:50], consumer="alice", private=True)
+    await a.look(force=True)
+    await a.upload_pending()
+    old_file, new_file, other_file = (tmp_path / name for name in ("old.key", "new.key", "other.key"))
+    for file, key in ((old_file, KEY), (new_file, NEW_KEY), (other_file, OTHER_KEY)):
+        file.write_bytes(key + b"\n")
+    config = tmp_path / "team.yaml"
+    config.write_text(f"store: {{url: {server.store(prefix)}, encrypt: {old_file}}}\n")
+    runner = CliRunner()
+
+    def rekey_with(key_file: Path, config_file: Path = config) -> Result:
+        return invoked(runner, ["slots", "rekey", "--config", str(config_file), "--new-key", str(key_file)],
+                            server)
+
+    same = await asyncio.to_thread(rekey_with, old_file)
+    assert same.exit_code == 1 and "holds the key the bucket is sealed with now" in same.output
+    done = await asyncio.to_thread(rekey_with, new_file)
+    assert done.exit_code == 0, done.output
+    assert "model: 1 of 1 entries sealed again" in done.output and "Set store.encrypt to" in done.output
+    assert '"entries": 1' in done.output
+    wrong = await asyncio.to_thread(rekey_with, other_file)  # the config still names the old key
+    assert wrong.exit_code == 1 and "neither key sealed" in wrong.output, wrong.output
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f"store: {{url: {server.store(prefix)}}}\n")
+    none = await asyncio.to_thread(rekey_with, new_file, plain)
+    assert none.exit_code == 1 and "no store.url with store.encrypt" in none.output
+
+
+def invoked(runner: CliRunner, argv: list[str], server: S3Server) -> Result:
+    """The command line as a user runs it, reaching the S3 server as the wrapper does (the environment)."""
+    return runner.invoke(main, argv, env=server.env())
