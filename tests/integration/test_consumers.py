@@ -8,6 +8,9 @@ agent's flood; a forgotten consumer leaves nothing on any host; a sealed bucket 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -253,7 +256,8 @@ def test_a_sealed_bucket_is_of_no_use_to_a_host_without_the_key(
         tmp_path: Path, s3: S3Server, server_bin: str, demo_path: str) -> None:
     """store.encrypt: alice's conversation goes to the bucket sealed; a host with the key goes on with it, one
     without it prefills (nothing in the bucket reads as a state or its tokens), one with another key does not
-    start, saying why."""
+    start, saying why. Sealed again under a new key (`slots rekey`, the real command): a host with the old key does
+    not start, one with the new key goes on with alice's conversation from the bucket."""
     key, other = tmp_path / "key", tmp_path / "other-key"
     key.write_text("the-team-key-0123456789abcdef\n")
     other.write_text("not-the-team-key-0123456789\n")
@@ -288,6 +292,24 @@ def test_a_sealed_bucket_is_of_no_use_to_a_host_without_the_key(
     code = wrong.wait(60)
     said = wrong.log_path.read_text()
     assert code != 0 and "is not the key" in said and "the-team-key" not in said, said[-2000:]
+
+    # a new key (docs/consumers.md#a-new-key): sealed again; the old key is refused, the new one goes on with it
+    new = tmp_path / "new-key"
+    new.write_text("the-new-team-key-0123456789abcdef\n")
+    config = tmp_path / "rekey.yaml"
+    config.write_text(chat_yaml(tmp_path / "a", CONSUMERS + sealed))
+    rekeyed = subprocess.run([sys.executable, "-m", "wrapper.cli", "slots", "rekey", "--config", str(config),
+                              "--new-key", str(new)], capture_output=True, text=True, env={**os.environ, **s3.env()},
+                             cwd=ROOT, timeout=300)
+    assert rekeyed.returncode == 0 and json.loads(rekeyed.stdout)["entries"] >= 1, rekeyed.stdout + rekeyed.stderr
+    old_key = Wrapper(tmp_path, argv(server_bin, demo_path), chat_yaml(tmp_path / "e", CONSUMERS + sealed),
+                      env=env_of(s3))
+    assert old_key.wait(60) != 0 and "is not the key" in old_key.log_path.read_text()
+    with running(tmp_path, argv(server_bin, demo_path),
+                 chat_yaml(tmp_path / "f", CONSUMERS + sealed.replace(str(key), str(new))), env=env_of(s3)) as f:
+        wait_for(lambda: f.status()["slots"]["tiers"]["store"]["entries"] >= 1, 20, "f to list the bucket")
+        again = ask(f.url, "alice", mine)
+        assert again["cache_n"] >= 0.9 * (again["cache_n"] + again["prompt_n"]) and f.events("store.fetched")
 
 
 def test_a_request_the_server_places_itself_reuses_nothing_of_anothers(
