@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from wrapper.asked import Asked
 from wrapper.configuration.config import Config
 from wrapper.server.generation import Generation, Host
 
@@ -43,8 +44,6 @@ class SlotUse:
     prompt: int = 0  # its own request's prompt tokens (the first count; 0: not counted)
     counted: bool = False  # a step counted its prompt (or chose not to: then `prompt` stays 0)
     pauses: int = 0  # how often it was paused: more than 0, the request goes on from its own kept state
-    session: str | None = None  # the session an agent says it belongs to (X-Session-Id, prompt_cache_key, ...)
-    background: bool = False  # its class (wrapper/queue/priority.py): an agent's, not a person's
 
 
 @dataclass
@@ -55,11 +54,11 @@ class Outgoing:
     path: str
     body: bytes
     payload: dict[str, Any] | None  # the body as a JSON object, when it is one
+    asked: Asked  # who asks, and how (made once, as the request arrived)
     after: list[Callable[[int | None], None]] = field(default_factory=list)  # the status, None if cut (or paused)
     use: SlotUse | None = None  # what it takes of a slot (a request that decodes, seated in the queue)
     keep: list[Callable[[], Awaitable[int]]] = field(default_factory=list)  # at a pause: keep what its slot holds
     # and let the slot go (the tokens kept); a request is paused only when a step can keep it
-    consumer: str | None = None  # who asks, by its API key (`consumers:`); None: consumers are not configured
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ async def unpinned(host: Host, out: Outgoing) -> Outgoing:
         return out
     conv = state(generation)
     book = await counted(generation)  # the slots it may land in: every one is untracked when its place is not seen
-    asker = await asker_of(generation, conv.public, out.consumer)
+    asker = await asker_of(generation, conv.public, out.asked.consumer)
     conv.unpinned += 1
     conv.placing += 1
     try:

@@ -58,7 +58,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     # conversation's slot, which this request must not leave for another
     resuming = out.use is not None and out.use.pauses > 0
     messages = messages_of(chat) if chat is not None and not steering else None
-    asker = await asker_of(generation, state(generation).public, out.consumer)
+    asker = await asker_of(generation, state(generation).public, out.asked.consumer)
     if messages is not None and not resuming and book.total and not state(generation).unpinned:
         asked = out.payload.get("id_slot")
         slot = continuing(generation, conv := state(generation), store, messages,
@@ -87,7 +87,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
     book.pinned()  # every completion is pinned (or makes the book forget): it says what the slots hold
     if isinstance(asked, int) and asked >= max(1, book.total):
         return out  # a slot the server does not have: it answers that itself
-    background = out.use is not None and out.use.background
+    background = out.asked.background
     slot = await _reserve(generation, conv, tokens, asked if isinstance(asked, int) and asked >= 0 else None,
                           background, asker)
     if slot is None:
@@ -100,7 +100,7 @@ async def before(host: Host, out: Outgoing) -> Outgoing:
         if not out.use.counted:
             out.use.prompt, out.use.counted = len(tokens), True
     try:
-        session = out.use.session if out.use is not None else None
+        session = out.asked.session
         answer = answer_room(limit(out.payload))
         made = await host.survive(lambda: _make_room_and_bring_back(generation, conv, store, slot, tokens, answer,
                                                                     resuming, session, asker))

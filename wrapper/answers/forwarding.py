@@ -23,8 +23,9 @@ from wrapper.answers.apis.api import GOES_ON_NOT, Api
 from wrapper.answers.passes import Passes, refused
 from wrapper.answers.proxy import Outcome, catch, forward, json_error, json_object
 from wrapper.answers.route import BODY_LIMIT, Way, shape, way
+from wrapper.asked import Asked
 from wrapper.configuration import argv as args
-from wrapper.configuration.consumers import CONSUMERS, NotAUser, consumer_of, is_salted, name_of, salted
+from wrapper.configuration.consumers import CONSUMERS, NotAUser, consumer_of, salted
 from wrapper.configuration.sections import PRIORITY, WATCHDOG
 from wrapper.lifecycle import State
 from wrapper.paths import ANSWERED_ASLEEP
@@ -58,14 +59,16 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         return _remembered(serving, path, remembered.payload)
     passes = Passes(request, serving, host, path, steps=steps)
     try:
-        passes.consumer = consumer_of(request.headers, CONSUMERS.of(generation.config))
+        consumer = consumer_of(request.headers, CONSUMERS.of(generation.config))
     except NotAUser as exc:
         return json_error(400, str(exc), "invalid_request_error", path=path)
+    passes.asked = Asked(path, consumer)
     passes.active = not polled  # what clients poll does not keep the server awake
     if chosen is Way.SHOWN:
         return await _shown(passes, path, watched)
     if chosen is Way.THROUGH:  # a body streamed through cannot be sent again
-        seat = _seat(serving, request, None, path, passes.consumer) if seated else None
+        passes.asked = _asked(serving, request, None, path, consumer, seated)
+        seat = Seat(passes.asked) if seated else None
         async with _seated(serving, seat) as admitted:
             if not admitted:
                 return refused(serving, Admission.REFUSED, path)
@@ -81,9 +84,10 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         if not isinstance(salt, str) or not salt:
             return json_error(400, f"{CACHE_SALT}: a non-empty string (a request's conversations are private to its "
                                    "consumer and that salt)", "invalid_request_error", path=path)
-        passes.consumer = salted(passes.consumer, salt)
+        consumer = salted(consumer, salt)
         body = json.dumps(payload).encode()
-    seat = _seat(serving, request, payload, path, passes.consumer) if seated else None
+    passes.asked = _asked(serving, request, payload, path, consumer, seated)
+    seat = Seat(passes.asked) if seated else None
     if payload is not None and priority.unsaid(payload):
         body = json.dumps(payload).encode()
     async with _seated(serving, seat) as admitted:
@@ -92,14 +96,14 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
         passes.seat = seat
         status: int | None = None
         try:
-            first = Outgoing(request.method, path, body, payload, use=seat.use if seat is not None else None,
-                             consumer=passes.consumer)
+            first = Outgoing(request.method, path, body, payload, passes.asked,
+                             use=seat.use if seat is not None else None)
             refusal = await passes.stepped(first)
             if refusal is not None:
                 status = refusal.status
                 return refusal
             api = apis.of(path)
-            if seat is not None and seat.klass is priority.Class.BACKGROUND:
+            if seat is not None and seat.asked.background:
                 seat.unpausable = _unpausable(first, api)
             passes.pausable = seat is not None and serving.seats.why_not_paused(seat) in (None, BETWEEN)
             goes_on = first.payload is not None and api.cannot_go_on(first.payload) is None
@@ -118,24 +122,20 @@ async def forward_request(request: web.Request, serving: Serving, host: Host, pa
             passes.done(status)
 
 
-def _seat(serving: Serving, request: web.Request, payload: dict[str, Any] | None, path: str,
-          consumer: str | None) -> Seat:
-    """The request's place in the slots' queue, its class from its header, its body and its key (the queue set for
-    the server that serves now)."""
-    settings = PRIORITY.of(serving.queue().config)
-    klass, by = priority.classed(request.headers, payload, settings)
+def _asked(serving: Serving, request: web.Request, payload: dict[str, Any] | None, path: str, consumer: str | None,
+           seated: bool) -> Asked:
+    """Who asks and how, once: a request that takes a seat is classed from its header, its body and its key (the
+    queue set for the server that serves now), and the log says how; any other is its consumer's."""
+    if not seated:
+        return Asked(path, consumer)
+    asked = priority.asked(path, consumer, request.headers, payload, PRIORITY.of(serving.queue().config))
     for mark in priority.odd_marks(request.headers, payload):
         if mark not in _ODD_SEEN and len(_ODD_SEEN) < 64:  # once each: a client sends it with every request
             _ODD_SEEN.add(mark)
-            log.warning("priority.unknown_mark", mark=mark, read_as=klass.value,
+            log.warning("priority.unknown_mark", mark=mark, read_as=asked.klass.value,
                         hint="X-Priority: background or interactive; service_tier: flex (background) or priority")
-    seat = Seat(klass, path, consumer=consumer)
-    seat.use.session = priority.session_of(request.headers, payload)
-    seat.use.background = klass is priority.Class.BACKGROUND
-    log.info("request.classed", path=path, consumer=name_of(consumer) if consumer is not None else None,
-             salted=is_salted(consumer), by=by,
-             **{"class": klass.value, **({"session": seat.use.session} if seat.use.session is not None else {})})
-    return seat
+    log.info("request.classed", **asked.said())
+    return asked
 
 
 _ODD_SEEN: set[str] = set()

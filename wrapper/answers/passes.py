@@ -41,6 +41,7 @@ from wrapper.answers.proxy import (
     json_object,
 )
 from wrapper.answers.route import Shape
+from wrapper.asked import Asked
 from wrapper.metrics import METRICS
 from wrapper.queue.gate import Admission
 from wrapper.queue.seats import Seat
@@ -66,7 +67,7 @@ class Passes:
         self.active = True  # it keeps the server awake (sleep.after); not what clients poll
         self.resumable = False  # its streams go on after a cut: a reload may hand them over (wrapper/queue/gate.py)
         self.pausable = False  # a background request whose passes its seat may pause
-        self.consumer: str | None = None  # who asks (`consumers:`), told to the steps each time they run
+        self.asked = Asked(path)  # who asks and how (the route tells it once it knows), told to the steps each run
         self.stepped_on: Generation | None = None  # the generation the last run of the steps talked to
         self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
         self._asked_slot: Any = None  # the `id_slot` the client asked for itself (a later run may choose another)
@@ -102,8 +103,8 @@ class Passes:
             payload.pop("id_slot", None)
         else:
             payload["id_slot"] = self._asked_slot
-        return Outgoing("POST", self.path, json.dumps(payload).encode(), payload,
-                        use=self.seat.use if self.seat is not None else None, consumer=self.consumer)
+        return Outgoing("POST", self.path, json.dumps(payload).encode(), payload, self.asked,
+                        use=self.seat.use if self.seat is not None else None)
 
     def _moved(self) -> bool:
         """The steps ran on a server that no longer serves."""
@@ -269,7 +270,7 @@ class Passes:
         serving.seats.paused += 1
         METRICS.paused.inc()
         paused_at = time.monotonic()
-        log.info("priority.paused", path=path, session=seat.use.session, slot=seat.use.slot, tokens=kept,
+        log.info("priority.paused", path=path, session=seat.asked.session, slot=seat.use.slot, tokens=kept,
                  generated=generated,
                  pauses=seat.pauses, took_s=round(paused_at - (seat.asked_at or paused_at), 3))
         serving.seats.leave(seat)
@@ -289,7 +290,7 @@ class Passes:
             return f"this answer was paused for an interactive request and cannot go on: {message}"
         serving.seats.resumed += 1
         METRICS.resumed.inc()
-        log.info("priority.resumed", path=path, session=seat.use.session, slot=seat.use.slot, tokens=seat.use.tokens,
+        log.info("priority.resumed", path=path, session=seat.asked.session, slot=seat.use.slot, tokens=seat.use.tokens,
                  pause_s=pause_s)
         return out.body
 

@@ -14,21 +14,16 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping
-from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
+from wrapper.asked import Asked, Class
 from wrapper.configuration import argv as args
 from wrapper.configuration.auth import allowed, presented
 from wrapper.configuration.sections import ANY_VALUE, HeaderMarks, PrioritySettings
 
 HEADER = "X-Priority"
 TIER = "service_tier"
-
-
-class Class(Enum):
-    INTERACTIVE = "interactive"
-    BACKGROUND = "background"
 
 
 # The agents' own marks: header -> {value -> class} (ANY_VALUE: any non-empty value); a value not here says nothing
@@ -49,6 +44,13 @@ def classify(headers: Mapping[str, str], payload: dict[str, Any] | None, setting
     """The class a request asks for (X-Priority first, then `service_tier`, then the agents' headers, then its API
     key). `headers` are the request's (aiohttp's: any case)."""
     return classed(headers, payload, settings)[0]
+
+
+def asked(path: str, consumer: str | None, headers: Mapping[str, str], payload: dict[str, Any] | None,
+          settings: PrioritySettings) -> Asked:
+    """Who asks and how (wrapper/asked.py): its class, the mark that decided it, the session it says it is of."""
+    klass, by = classed(headers, payload, settings)
+    return Asked(path, consumer, klass, by, session_of(headers, payload))
 
 
 def classed(headers: Mapping[str, str], payload: dict[str, Any] | None,

@@ -17,9 +17,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from wrapper.configuration.consumers import name_of
+from wrapper.asked import Asked, Class
 from wrapper.metrics import METRICS
-from wrapper.queue.priority import Class
 from wrapper.steps import SlotUse
 
 log = structlog.get_logger()
@@ -56,8 +55,7 @@ class UnderWay(Protocol):
 class Seat:
     """One request's place: in the queue, then in a slot."""
 
-    klass: Class
-    path: str
+    asked: Asked  # who asks, its class and path
     arrived: float = field(default_factory=time.monotonic)  # its first arrival: its place in its class
     use: SlotUse = field(default_factory=SlotUse)  # what it takes of its slot, as the steps learn it
     unpausable: Why | None = None  # why its request can never be paused (a background one), when it cannot
@@ -66,7 +64,14 @@ class Seat:
     asked_at: float | None = None  # when it was last asked to pause
     since: float = field(default_factory=time.monotonic)  # when it began to wait, or to be seated
     behind: list[dict[str, Any]] = field(default_factory=list)  # waiting: what runs that it is not paused for, why
-    consumer: str | None = None  # who asks (`consumers:`): a wait is counted for it
+
+    @property
+    def klass(self) -> Class:
+        return self.asked.klass
+
+    @property
+    def path(self) -> str:
+        return self.asked.path
 
     @property
     def pauses(self) -> int:
@@ -123,7 +128,7 @@ class Seats:
         if seat.klass is Class.INTERACTIVE:
             METRICS.interactive_wait.observe(waited)
         if queued:
-            METRICS.waited(name_of(seat.consumer) if seat.consumer is not None else None, waited)
+            METRICS.waited(seat.asked.name, waited)
         seat.since = time.monotonic()
         seat.pause.clear()
         seat.behind = []
@@ -194,12 +199,12 @@ class Seats:
     def _not_paused_for(self, seat: Seat) -> None:
         behind = [(s, why) for s in self.running if not s.pause.is_set() and (why := self.why_not_paused(s))]
         told = bool(seat.behind)
-        seat.behind = [{"path": s.path, "class": s.klass.value, "slot": s.use.slot, "session": s.use.session,
+        seat.behind = [{"path": s.path, "class": s.klass.value, "slot": s.use.slot, "session": s.asked.session,
                         "reason": why.code, "why": why.words} for s, why in behind]
         if not told and seat.behind:
             for _, why in behind:
                 METRICS.not_paused.labels(reason=why.code).inc()
-            log.info("priority.not_paused", path=seat.path, session=seat.use.session, behind=seat.behind)
+            log.info("priority.not_paused", path=seat.path, session=seat.asked.session, behind=seat.behind)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -207,8 +212,8 @@ class Seats:
         def shown_of(seat: Seat) -> dict[str, Any]:
             shown: dict[str, Any] = {"class": seat.klass.value, "path": seat.path, "slot": seat.use.slot,
                                      "pauses": seat.pauses, "tokens": seat.cost(), "s": round(now - seat.since, 3)}
-            if seat.use.session is not None:
-                shown["session"] = seat.use.session
+            if seat.asked.session is not None:
+                shown["session"] = seat.asked.session
             if seat in self.running and (why := self.why_not_paused(seat)) is not None:
                 shown["not_paused"] = why.code
             if seat in self.waiting and seat.behind:

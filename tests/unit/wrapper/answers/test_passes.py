@@ -15,6 +15,7 @@ from aiohttp.test_utils import make_mocked_request
 from wrapper.answers.passes import Passes
 from wrapper.answers.proxy import Outcome
 from wrapper.answers.route import Shape
+from wrapper.asked import Asked
 from wrapper.configuration.config import Listen, parse_config
 from wrapper.kept import Kept
 from wrapper.launching.launch import Launch
@@ -33,10 +34,12 @@ class Pinning:
     def __init__(self) -> None:
         self.runs: list[tuple[Generation, dict[str, Any]]] = []
         self.told: list[int | None] = []
+        self.asked: list[Asked] = []  # who asked, as each run was told
 
     async def run(self, host: Host, out: Outgoing) -> Outgoing:
         assert out.payload is not None
         self.runs.append((host.current, dict(out.payload)))
+        self.asked.append(out.asked)
         out.payload["id_slot"] = 3
         out.body = json.dumps(out.payload).encode()
         out.after.append(self.told.append)
@@ -69,7 +72,7 @@ def _passes(serving: Serving, step: Pinning) -> Passes:
 async def test_a_pass_to_another_server_runs_the_steps_again_there_unpinned(serving: Serving) -> None:
     step = Pinning()
     passes = _passes(serving, step)
-    first = Outgoing("POST", PATH, b'{"prompt": "x"}', {"prompt": "x"})
+    first = Outgoing("POST", PATH, b'{"prompt": "x"}', {"prompt": "x"}, Asked(PATH))
     assert await passes.stepped(first) is None
     old = serving.current
     serving.install(serving.new_generation(old.config, old.launch))  # a crash's restart: another server serves
@@ -85,7 +88,7 @@ async def test_a_pass_to_another_server_runs_the_steps_again_there_unpinned(serv
 async def test_a_pass_to_the_server_the_steps_ran_on_runs_them_once(serving: Serving) -> None:
     step = Pinning()
     passes = _passes(serving, step)
-    first = Outgoing("POST", PATH, b'{"prompt": "x"}', {"prompt": "x"})
+    first = Outgoing("POST", PATH, b'{"prompt": "x"}', {"prompt": "x"}, Asked(PATH))
     await passes.stepped(first)
     for _ in range(2):  # sent again to the same server (a refusal, a growth that did not reload): no new run
         await passes.send(first.body, Shape.WHOLE, lambda payload, status: False, None, None)
@@ -95,8 +98,10 @@ async def test_a_pass_to_the_server_the_steps_ran_on_runs_them_once(serving: Ser
 async def test_a_slot_the_client_asked_for_stays_asked_for(serving: Serving) -> None:
     step = Pinning()
     passes = _passes(serving, step)
-    first = Outgoing("POST", PATH, b'{"prompt": "x", "id_slot": 1}', {"prompt": "x", "id_slot": 1})
+    passes.asked = Asked(PATH, "alice#3f9a", session="s-1")
+    first = Outgoing("POST", PATH, b'{"prompt": "x", "id_slot": 1}', {"prompt": "x", "id_slot": 1}, passes.asked)
     await passes.stepped(first)
     serving.install(serving.new_generation(serving.current.config, serving.current.launch))
     await passes.send(first.body, Shape.WHOLE, lambda payload, status: False, None, None)
     assert step.runs[1][1] == {"prompt": "x", "id_slot": 1}
+    assert step.asked == [passes.asked, passes.asked]  # the run on the new server is told who asks as the first was

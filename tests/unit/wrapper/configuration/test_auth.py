@@ -8,6 +8,7 @@ import pytest
 from multidict import CIMultiDict
 
 from wrapper import built_ins
+from wrapper.asked import Class
 from wrapper.configuration.auth import (
     REDACTED,
     admin_token,
@@ -19,7 +20,7 @@ from wrapper.configuration.auth import (
 )
 from wrapper.configuration.consumers import ANONYMOUS, CONSUMERS, consumer_of
 from wrapper.configuration.sections import PrioritySettings
-from wrapper.queue.priority import Class, classify
+from wrapper.queue.priority import classify
 
 
 def test_keys_are_read_as_llama_server_reads_them(tmp_path: Path) -> None:

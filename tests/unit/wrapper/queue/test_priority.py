@@ -10,11 +10,12 @@ from multidict import CIMultiDict
 
 from tests.helpers import ROOT
 from wrapper import built_ins
+from wrapper.asked import Class
 from wrapper.configuration import argv as args
 from wrapper.configuration.config import ConfigError
 from wrapper.configuration.sections import PRIORITY, PrioritySettings
 from wrapper.queue import priority
-from wrapper.queue.priority import AGENT_MARKS, SESSION_HEADERS, Class, classed, classify, odd_marks, unsaid
+from wrapper.queue.priority import AGENT_MARKS, SESSION_HEADERS, classed, classify, odd_marks, unsaid
 
 KEYS = PrioritySettings(background_keys=("agent-key", "batch-key"))
 
@@ -257,3 +258,18 @@ def test_the_mark_that_classed_a_request_is_said() -> None:
     assert classed({"Authorization": "bearer agent-key"}, {}, settings) == (
         Class.BACKGROUND, "a background key (priority.background_keys)")
     assert classed({}, None, settings) == (Class.INTERACTIVE, "no mark: a person, as any request without one")
+
+
+def test_who_asks_is_read_once_into_one_record() -> None:
+    """`asked`: the record the queue, the passes and the steps read (wrapper/asked.py) — the consumer with its
+    salt's digest, the class and the mark that decided it, the session; the log's words name the consumer, never the
+    salt."""
+    headers = {"Authorization": "bearer agent-key", "X-Session-Id": "s-1"}
+    asked = priority.asked("/v1/chat/completions", "alice#3f9a", headers, {"messages": []}, KEYS)
+    assert (asked.klass, asked.background, asked.session, asked.name, asked.salted) == (
+        Class.BACKGROUND, True, "s-1", "alice", True)
+    assert asked.said() == {"path": "/v1/chat/completions", "consumer": "alice", "salted": True,
+                            "class": "background", "by": "a background key (priority.background_keys)",
+                            "session": "s-1"}
+    person = priority.asked("/v1/messages", None, {}, None, KEYS)
+    assert (person.klass, person.name, person.salted, person.session) == (Class.INTERACTIVE, None, False, None)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from structlog.testing import capture_logs
 
+from wrapper.asked import Asked, Class
 from wrapper.metrics import METRICS
-from wrapper.queue.priority import Class
 from wrapper.queue.seats import BEGUN, BETWEEN, INTERACTIVE, Seat, Seats, Why
 from wrapper.steps import SlotUse
 
@@ -17,7 +17,7 @@ PERSON, AGENT = Class.INTERACTIVE, Class.BACKGROUND
 
 
 def seat(klass: Class, arrived: float, tokens: int = 0) -> Seat:
-    return Seat(klass, "/v1/chat/completions", arrived=arrived, use=SlotUse(tokens=tokens))
+    return Seat(Asked("/v1/chat/completions", klass=klass), arrived=arrived, use=SlotUse(tokens=tokens))
 
 
 @dataclass
