@@ -225,9 +225,11 @@ def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_c
     call once, one call (one id, its name once) whose arguments begin with what it had and run to the same budget,
     finish_reason length, the same completion tokens. It got the call's first part and ~1,000 characters of plain
     text: the call was generated again from the start, the new server's KV computed another way, and the
-    generation went elsewhere; now it goes on from the call's arguments (wrapper/answers/calls.py). What follows
-    the prefill may drift from the uncut run (its KV computed another way than decoding did): how many kill points
-    gave the uncut call exactly is printed."""
+    generation went elsewhere; now it goes on from the call's arguments (wrapper/answers/calls.py), their tokens fed
+    to the new server one at a time as decoding computed them (wrapper/answers/replay.py). Wherever the prefill is
+    the model's own tokens (its count is what llama-server counted), the call goes on exactly as the uncut one; a
+    kill after the first delta (`{`, the parser holding back what the model wrote after it) may not: how many kill
+    points gave the uncut call exactly is printed."""
     template, request = LENGTH_CUT[case]
     body = {**request, "tool_choice": "required", "temperature": 0, "stream_options": {"include_usage": True}}
     with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file",
@@ -243,7 +245,7 @@ def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_c
         finals = [e["choices"][0]["finish_reason"] for e in alone if e.get("choices") and
                   e["choices"][0].get("finish_reason")]
         assert finals == ["length"] and whole and not _is_json(whole), (finals, whole)  # cut in its arguments
-        exact, n = 0, len(_argument_pieces(alone))
+        exact, n, matched = 0, len(_argument_pieces(alone)), []
         for k in range(1, n + 1):
             resumed = len(wrapper.events("wrapper.stream_resumed"))
 
@@ -269,12 +271,17 @@ def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_c
                            not e["choices"][0].get("finish_reason")), k
             if len(wrapper.events("wrapper.stream_resumed")) > resumed:
                 exact += arguments == whole
+                if k < n and wrapper.events("wrapper.call_goes_on")[-1]["as_generated"]:
+                    matched.append((k, arguments == whole))  # the prefill is the model's own tokens, fed one at a
+                    # time as decoding computed them (greedy): the call goes on as the uncut run did
         assert not wrapper.events("wrapper.call_made_again")  # the template's markup was learnt every time
         going_on = wrapper.events("wrapper.call_goes_on")
         as_generated = sum(1 for e in going_on if e["as_generated"])
         assert as_generated >= len(going_on) // 2, going_on  # the prefill as the model wrote it, token for token
         print(f"{case}: a call cut by max_tokens {body['max_tokens']}, killed after each of {n} argument deltas: "
-              f"the uncut call exactly after {exact}; the prefill as generated {as_generated} of {len(going_on)}")
+              f"the uncut call exactly after {exact}; the prefill as generated {as_generated} of {len(going_on)}, "
+              f"fed one token at a time {len(wrapper.events('wrapper.replayed'))} times")
+        assert matched and all(same for _, same in matched), matched
         assert wrapper.stop() == 0
 
 

@@ -25,12 +25,15 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from wrapper import paths
 from wrapper.answers.answer import Answer
 from wrapper.answers.apis.api import Api
 from wrapper.answers.calls import Written
+from wrapper.answers.continuation import greedy
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
+from wrapper.configuration.sections import WATCHDOG
 from wrapper.server.generation import Host
 from wrapper.serving import GONE_WHY, Loss
 from wrapper.steps import CannotGrow, Grown, Growth, limit
@@ -65,6 +68,11 @@ class Passing(Protocol):
         """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the model wrote them
         (`generated` tokens, when llama-server counted them) in the markup of the template serving now
         (wrapper/answers/calls.py); None when it cannot tell."""
+        ...
+
+    def replay_next(self, tokens: int) -> None:
+        """Feed the next pass's last `tokens` (a prefill) one at a time before it is sent (wrapper/answers/replay.py);
+        0: read in one batch."""
         ...
 
 
@@ -164,9 +172,12 @@ class AnswerLoop:
             log.info("wrapper.call_made_again", path=self.path, name=call.name,
                      why="the chat template's markup for a call is not known")
             return
+        replayed = self.path in paths.CHAT and greedy(answer.request) and \
+            written.tokens <= WATCHDOG.of(self.host.current.config).replay_tokens
         log.info("wrapper.call_goes_on", path=self.path, name=call.name, tokens=written.tokens,
-                 as_generated=written.counted if answer.so_far.generated is not None else None)
+                 as_generated=written.counted if answer.so_far.generated is not None else None, replayed=replayed)
         answer.call_goes_on(written.prefill, written.tokens)
+        self.passes.replay_next(written.tokens if replayed else 0)
 
     async def _goes_on_after(self, cut: Pass) -> bool:
         """Whether to send again (or go on) after a cut: a reload handed it over, or the server was lost under it

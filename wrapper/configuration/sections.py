@@ -31,6 +31,11 @@ class WatchdogSettings:
     restarts: int = setting(3, COUNT, "how many times it is started again within `window`; past that the wrapper "
                             "stops with the server's exit status (llama-swap or systemd take over)")
     window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")
+    replay_tokens: int = setting(1024, COUNT, "a greedy answer (temperature 0) lost in a tool call goes on from the "
+                                 "call's tokens fed to the new server one at a time, as decoding computed them, when "
+                                 "there are at most this many (a decode step each): it then goes on exactly as the "
+                                 "uncut run; more are read in one batch, whose numbers differ in their last bits, "
+                                 "and the call may go on another way (0: always one batch)")
 
 
 WATCHDOG = Section("watchdog", WatchdogSettings, "llama-server started again after a crash or a hang")

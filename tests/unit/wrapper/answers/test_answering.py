@@ -17,6 +17,8 @@ from wrapper.answers.calls import Written
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
+from wrapper.configuration.config import parse_config
+from wrapper.configuration.sections import WATCHDOG
 from wrapper.server.generation import Host
 from wrapper.serving import GONE_WHY, Loss
 from wrapper.steps import CannotGrow, Grown, GrowResult, Growth, NotPlanned
@@ -101,6 +103,9 @@ class Passes:
         raise AssertionError("a whole answer is never paused")
 
     async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
+        raise AssertionError("a whole answer's call is not continued")
+
+    def replay_next(self, tokens: int) -> None:
         raise AssertionError("a whole answer's call is not continued")
 
 
@@ -272,6 +277,7 @@ class Streams:
     losses: list[Loss] = field(default_factory=lambda: [Loss.BACK])
     resumes: list[bytes | str] = field(default_factory=list)
     opening: str | None = None  # how the template writes a call before its arguments (None: not known)
+    replays: list[int] = field(default_factory=list)  # what each call's prefill asked to be fed one token at a time
 
     async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
@@ -303,10 +309,13 @@ class Streams:
         prefill = text + self.opening.replace("NAME", name) + arguments
         return Written(prefill, len(prefill.split()))  # a token per word, as a tokenizer might count
 
+    def replay_next(self, tokens: int) -> None:
+        self.replays.append(tokens)
+
 
 def streamed(streams: Streams, prompt: int | None = None, **more: Any) -> AnswerLoop:
     body = {**ASKED, "stream": True, "temperature": 0, **more}
-    host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=None)))
+    host = cast(Host, SimpleNamespace(current=SimpleNamespace(config=parse_config("", "t.yaml"))))
     return AnswerLoop(host, None, Chat(), CHAT, json.dumps(body).encode(), streams, lambda: N_CTX, Shape.STREAM,
                       watched=True, prompt_tokens=prompt)
 
@@ -403,6 +412,7 @@ async def test_a_stream_cut_in_a_tool_call_goes_on_from_its_arguments_within_the
     prefill = 'Writing it.{"name": "write_file", "parameters": {"path": "a.txt", "content": "Once upon'
     assert went_on["messages"][-1] == {"role": "assistant", "content": prefill}
     assert went_on["max_tokens"] == 40 - len(prefill.split())
+    assert streams.replays == [len(prefill.split())]  # greedy: its prefill fed one token at a time, as decoded
     parts = calls_of(streams.client)
     assert [c.get("id") for c in parts if c.get("id")] == ["call_a"]
     assert sum(1 for c in parts if c["function"].get("name")) == 1
@@ -410,6 +420,20 @@ async def test_a_stream_cut_in_a_tool_call_goes_on_from_its_arguments_within_the
     assert text(streams.client) == "Writing it."
     finals = [e for e in streams.client.events() if "choices" in e and e["choices"][0]["finish_reason"]]
     assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+
+
+async def test_a_call_that_samples_or_runs_long_goes_on_from_a_prefill_read_in_one_batch() -> None:
+    """Fed one at a time only when greedy and within watchdog.replay_tokens: a sampled answer cannot be the uncut
+    one anyway, and a long prefill would cost a decode step a token."""
+    tools = [{"type": "function", "function": {"name": "write_file"}}]
+    sampled = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
+    await streamed(sampled, tools=tools, max_tokens=40, temperature=0.7).run()
+    assert sampled.replays == [0] and sampled.sent[1]["messages"][-1]["role"] == "assistant"
+    long = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
+    loop = streamed(long, tools=tools, max_tokens=40)
+    loop.host.current.config = parse_config("watchdog: {replay_tokens: 3}", "t.yaml", (WATCHDOG,))
+    await loop.run()
+    assert long.replays == [0]
 
 
 async def test_a_call_whose_markup_is_not_known_is_made_again_from_the_start() -> None:
