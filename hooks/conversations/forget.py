@@ -94,16 +94,20 @@ async def clear_slots(generation: Generation, conv: Conversations, consumer: str
                 conv.spawn(erase_when_free(generation, conv, slot, consumer))
                 in_flight.append(slot)
             continue
-        if not theirs(slot):
-            continue
-        async with leases.holding(slot):
-            try:
-                await erase_forgotten(generation, slot)
-            except LlamaError as exc:
-                log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
-                continue
-        cleared.append(slot)
+        if theirs(slot) and await _erased(generation, conv, slot):
+            cleared.append(slot)
     return cleared, in_flight
+
+
+async def _erased(generation: Generation, conv: Conversations, slot: int) -> bool:
+    """Erase the free slot, holding its lease meanwhile; whether the server did (else it is said why)."""
+    async with conv.leases.holding(slot):
+        try:
+            await erase_forgotten(generation, slot)
+        except LlamaError as exc:
+            log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
+            return False
+    return True
 
 
 async def erase_when_free(generation: Generation, conv: Conversations, slot: int, consumer: str) -> None:
@@ -114,14 +118,9 @@ async def erase_when_free(generation: Generation, conv: Conversations, slot: int
         if not leases.free(slot):
             await leases.until_freed(5.0)
             continue
-        async with leases.holding(slot):
-            try:
-                await erase_forgotten(generation, slot)
-            except LlamaError as exc:
-                log.warning("consumers.slot_not_cleared", slot=slot, error=str(exc))
-            else:
-                log.info("consumers.slots_cleared", consumer=consumer, slots=[slot], after="its request")
-                return
+        if await _erased(generation, conv, slot):
+            log.info("consumers.slots_cleared", consumer=consumer, slots=[slot], after="its request")
+            return
         await asyncio.sleep(ERASE_RETRY_S)
 
 
