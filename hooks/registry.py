@@ -106,7 +106,7 @@ class Builtin:
     observer: Callable[[Generation], Observer | None] | None = None
     status: Callable[[Generation], dict[str, Any]] | None = None
     metrics: Callable[[Generation], None] | None = None
-    held: Callable[[Generation], int] | None = None
+    held: Callable[[Generation, Mapping[int, int]], int] | None = None
     hand_over: Callable[[Generation], Awaitable[str]] | None = None
     take_over: Callable[[Generation], Awaitable[str]] | None = None
     reload_report: Callable[[Generation], list[dict[str, Any]]] | None = None  # per slot

@@ -173,11 +173,12 @@ def refresh_metrics(generation: Generation) -> None:
             builtin.metrics(generation)
 
 
-def held_tokens(generation: Generation) -> int | None:
-    """The tokens the slots hold, as the built-in that tracks them knows (None: none does)."""
+def held_tokens(generation: Generation, running: Mapping[int, int]) -> int | None:
+    """The tokens the slots hold, as the built-in that tracks them knows (None: none does); `running`: slot -> the
+    tokens of the request running there, as far as a step counted them."""
     for builtin in in_use(generation):
         if builtin.held is not None:
-            return builtin.held(generation)
+            return builtin.held(generation, running)
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,9 +107,12 @@ def metrics(generation: Generation) -> None:
         store.metrics()
 
 
-def held(generation: Generation) -> int:
-    """The tokens every slot holds, as the book knows them (what answers left there, what restores put there)."""
-    return sum(book_of(generation).held().values())
+def held(generation: Generation, running: Mapping[int, int]) -> int:
+    """The tokens every slot holds, as the book knows them (what answers left there, what restores put there), and in
+    a slot a request runs in, its prompt when that is more (`running`: slot -> its tokens; the book learns what it
+    left once it ends)."""
+    known = book_of(generation).held()
+    return sum(max(known.get(slot, 0), running.get(slot, 0)) for slot in known.keys() | running.keys())
 
 
 def restore_report(generation: Generation) -> list[dict[str, Any]]:

@@ -313,7 +313,8 @@ def rekey_bucket(config_path: str, new_key: str) -> None:
         raise click.ClickException(f"{config_path} has no store.url with store.encrypt: there is no sealed bucket "
                                    "to seal again")
     try:
-        old, new = Sealer(read_secret(settings.encrypt)), Sealer(read_secret(Path(new_key).expanduser()))
+        old = Sealer(read_secret(settings.encrypt))
+        new = Sealer(read_secret(Path(new_key).expanduser(), "--new-key"))
         if old.names == new.names:
             raise ValueError(f"{new_key} holds the key the bucket is sealed with now: make a new one")
         bucket = bucket_for(settings)
@@ -325,13 +326,18 @@ def rekey_bucket(config_path: str, new_key: str) -> None:
             def told(done: int, total: int, folder: str = folder) -> None:
                 click.echo(f"{folder}: {done} of {total} entries sealed again", err=True)
 
+            def skipped(key: str, why: str, folder: str = folder) -> None:
+                click.echo(f"{folder}: conv-{key} is left as it is (not sealed again): {why}", err=True)
+
             with _quiet():
-                done = rekey(bucket, folder, old, new, settings.chunk_tokens, told)
+                done = rekey(bucket, folder, old, new, settings.chunk_tokens, told, skipped)
             click.echo(json.dumps(done.as_dict()))
     except (ValueError, WrongKey) as exc:
         raise click.ClickException(str(exc) if not isinstance(exc, WrongKey) else
                                    f"neither key sealed {settings.url}: {exc}") from exc
     except (BucketError, Unreadable, OSError) as exc:
         raise click.ClickException(f"{exc}; what was done is kept: run it again to go on") from exc
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted: what was done is kept: run it again to go on") from None
     click.echo(f"llama-wrapper: done. Set store.encrypt to {new_key} on every host (the old key is refused now).",
                err=True)

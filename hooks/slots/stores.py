@@ -31,7 +31,8 @@ def open_for(shared: Kept, folder: Path, config: Config, local: bool = False) ->
             opened[folder] = folder_only(folder) if local else open_store(folder, settings)
         except WrongKey as exc:
             raise ConfigError(f"store.encrypt: {settings.encrypt} is not the key {settings.url} was sealed with "
-                              f"({exc}): name that key, or give this one another store.url prefix") from exc
+                              f"({exc}): name that key (after `llama-wrapper slots rekey`, the new key file), or give "
+                              "this one another store.url prefix") from exc
         except ValueError as exc:  # the key file
             raise ConfigError(str(exc)) from exc
     return opened[folder]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import mmap
@@ -58,6 +59,11 @@ _PART = re.compile(r"^conv-[A-Za-z0-9]+\.bin\.part-([A-Za-z0-9]+)-(\d+)$")  # be
 _parts = itertools.count()
 _OURS = ("chunks", "tail_bytes", "host", "token_ids", "keyed_names")  # what a commit writes anew, never copied
 _SALTED = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "attn_rot_disable", "state_version", "build")
+
+
+def _mark(names: str) -> str:
+    """A one-way mark of the key entry and chunk names are hashed with, kept in each sidecar (`keyed_names`)."""
+    return hashlib.sha256(b"llama-wrapper names\0" + names.encode()).hexdigest()[:12]
 
 
 def _salt(record: dict[str, Any], names: str | None) -> str:
@@ -159,7 +165,7 @@ class DirectoryStore:
         with contextlib.suppress(OSError, layout.SidecarError):
             previous = self._kv_file(sidecar, layout.read_sidecar(sidecar))
         record = {"key": key, "tokens": len(tokens), **{k: v for k, v in record.items() if k not in _OURS},
-                  **({"keyed_names": True} if self.names is not None else {})}
+                  **({"keyed_names": _mark(self.names)} if self.names is not None else {})}
         data, size = kvfile.open_map(written)
         try:
             cut = chunks.split(data, self.chunk_tokens, _salt(record, self.names)) if self.chunk_tokens > 0 \
@@ -208,6 +214,13 @@ class DirectoryStore:
         named = name_of(consumer)
         cut_off = self._cut_off.get(named)
         return named if cut_off is not None and float(record.get("saved_at") or 0.0) <= cut_off else None
+
+    def _other_key(self, record: dict[str, Any]) -> bool:
+        """An entry whose names were hashed with another key than this store's (a folder from before `slots rekey`):
+        its chunks cannot be checked, and the bucket sealed with this key must not be sent it. (A store that reads
+        the folder without a key — `slots ls` — lists every entry.)"""
+        keyed = record.get("keyed_names")
+        return self.names is not None and isinstance(keyed, str) and keyed != _mark(self.names)
 
     def _holding(self, tokens: list[int], wrote: int) -> Entry:
         """The entry that holds `tokens` and more (under the lock), its `written` what this commit wrote."""
@@ -500,7 +513,8 @@ class DirectoryStore:
         if tokens is None and known is not None and self._files[key][1] == kv_file:
             tokens = known._tokens  # the same file: its tokens are known
         try:
-            if plan_problem(record) is not None:  # damaged, or of another version: never offered, but what it
+            if plan_problem(record) is not None or self._other_key(record):  # damaged, of another version, named
+                # with another key (a folder from before `slots rekey`): never offered, but what it
                 names = (record.get("chunks") or {}).get("names") if isinstance(record.get("chunks"), dict) else []
                 self._foreign[key] = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
                 return None  # names is not removed under it

@@ -31,7 +31,8 @@ class Rekeyed:
     entries: int = 0  # sealed again by this run
     bytes: int = 0  # of what it uploaded
     done_before: int = 0  # the new key's already (an earlier run's, or a host's since the check changed)
-    unreadable: int = 0  # manifests neither key opens: left as they are
+    unreadable: int = 0  # manifests neither key opens, and entries the old key opens that are not whole or not what
+    # their manifest says (a host's folder from before an earlier rekey uploaded again): left as they are
 
     def as_dict(self) -> dict[str, object]:
         return {"folder": self.folder, "entries": self.entries, "bytes": self.bytes, "done_before": self.done_before,
@@ -51,9 +52,10 @@ def sealed_folders(bucket: Bucket) -> list[str]:
 
 
 def rekey(bucket: Bucket, folder: str, old: Sealer, new: Sealer, chunk_tokens: int,
-          told: Callable[[int, int], None] = lambda done, total: None) -> Rekeyed:
+          told: Callable[[int, int], None] = lambda done, total: None,
+          skipped: Callable[[str, str], None] = lambda key, why: None) -> Rekeyed:
     """Seal one model folder again under `new`; WrongKey when its check object is neither key's. `told(done,
-    total)`: progress, after each entry."""
+    total)`: progress, after each entry; `skipped(key, why)`: an entry left as it is."""
     old_remote, new_remote = Remote(bucket, folder, old), Remote(bucket, folder, new)
     check = bucket.get(old_remote.folder + CHECK_NAME)
     try:
@@ -67,8 +69,12 @@ def rekey(bucket: Bucket, folder: str, old: Sealer, new: Sealer, chunk_tokens: i
     moving = [k for k in old_remote.index.values() if k.key not in new_remote.index]
     done.done_before = len(new_remote.index.keys() - old_remote.index.keys())
     for n, known in enumerate(moving, start=1):
-        done.bytes += _move(old_remote, new_remote, known, old, new, chunk_tokens)
-        done.entries += 1
+        try:
+            done.bytes += _move(old_remote, new_remote, known, old, new, chunk_tokens)
+            done.entries += 1
+        except Unreadable as exc:  # this entry's fault, not the bucket's: the others go on
+            done.unreadable += 1
+            skipped(known.key, str(exc))
         told(n, len(moving))
     return done
 

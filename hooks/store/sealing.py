@@ -32,17 +32,17 @@ class WrongKey(Exception):
     """The bucket was sealed with another key."""
 
 
-def read_secret(path: Path) -> bytes:
-    """The key file's secret (its first line); ValueError saying how to make one."""
+def read_secret(path: Path, named: str = "store.encrypt") -> bytes:
+    """The key file's secret (its first line); ValueError saying how to make one (`named`: what gave the file)."""
     try:
         lines = path.read_text().strip().splitlines()
     except FileNotFoundError as exc:
-        raise ValueError(f"store.encrypt: {path} does not exist; {MAKE_KEY.format(file=path)}") from exc
+        raise ValueError(f"{named}: {path} does not exist; {MAKE_KEY.format(file=path)}") from exc
     except OSError as exc:
-        raise ValueError(f"store.encrypt: cannot read {path}: {exc.strerror}") from exc
+        raise ValueError(f"{named}: cannot read {path}: {exc.strerror}") from exc
     secret = lines[0].strip().encode() if lines else b""
     if len(secret) < 16:
-        raise ValueError(f"store.encrypt: {path} holds {'nothing' if not secret else 'fewer than 16 characters'}; "
+        raise ValueError(f"{named}: {path} holds {'nothing' if not secret else 'fewer than 16 characters'}; "
                          + MAKE_KEY.format(file=path))
     return secret
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,16 @@ def test_the_router_reads_each_hosts_load_and_sends_a_new_conversation_where_the
                 polled = router.polled()
                 return polled.get(heavy.url, 0) > polled.get(light.url, 0) + 500
 
+            running = threading.Thread(target=http, args=("POST", f"{hosts[0].url}/v1/chat/completions", {
+                "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+                "messages": [{"role": "user", "content": FILLER * 20}]}), kwargs={"timeout": 600})
+            running.start()  # while it runs, its prompt counts (the book learns what it left once it ends)
+            during = wait_for(lambda: next(
+                (load for load in [json.loads(http("GET", f"{hosts[0].url}/v1/loads")[2])["loads"][0]]
+                 if load["num_running_reqs"] == 1 and load["num_used_tokens"] > 300), None), 60,
+                "a running request's prompt in /v1/loads", interval=0.05)
+            running.join()
+            assert during["token_usage"] > 0, during
             for heavy, size in ((0, 80), (1, 130)):  # ~1,500 tokens, then ~2,400: more than the first holds
                 light = 1 - heavy
                 long = {"model": "demo", "max_tokens": 8, "temperature": 0,

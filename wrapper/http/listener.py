@@ -105,7 +105,8 @@ async def loads(request: web.Request) -> web.Response:
 def _load(serving: Serving) -> gauges.Load:
     """What the router gauges and /v1/loads say: the queue's requests, the tokens the slots hold, the context."""
     generation = serving.current
-    held = built_ins.held_tokens(generation)
+    running = {seat.use.slot: seat.use.tokens for seat in serving.seats.running if seat.use.slot is not None}
+    held = built_ins.held_tokens(generation, running)
     if held is not None and not generation.alive:
         held = 0  # asleep (or between a crash and the restart): no slot holds anything
     return gauges.Load(waiting=len(serving.seats.waiting) + serving.gate.held, running=len(serving.seats.running),

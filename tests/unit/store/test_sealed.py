@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from hooks.store.bucket import Bucket
+from hooks.store.chunk_folder import names_of
 from hooks.store.folder import DirectoryStore, part_name
 from hooks.store.rekey import rekey, sealed_folders
 from hooks.store.remote import Remote
@@ -219,3 +220,46 @@ async def test_the_rekey_command_says_what_it_did_and_what_to_do(tmp_path: Path,
 def invoked(runner: CliRunner, argv: list[str], server: S3Server) -> Result:
     """The command line as a user runs it, reaching the S3 server as the wrapper does (the environment)."""
     return runner.invoke(main, argv, env=server.env())
+
+
+async def test_a_rekey_leaves_an_entry_it_cannot_open_whole_and_moves_the_others(
+        tmp_path: Path, server: S3Server, prefix: str) -> None:
+    """One entry's chunk was sealed with another key (a host's folder from before an earlier rekey, uploaded
+    again): that entry is counted as unreadable and left as it is, said by name; the others are sealed again."""
+    a = host(server, tmp_path / "a", prefix, "a", KEY)
+    a.remote.check_key()
+    conversations = {n: [80_000 + 1000 * n + i for i in range(50)] for n in range(2)}
+    for tokens in conversations.values():
+        save(a, tokens, consumer="alice", private=True)
+    await a.look(force=True)
+    await a.upload_pending()
+    bucket, bad = a.remote.bucket, next(iter(a.remote.index.values()))
+    chunk = f"chunks/{names_of(bad.record)[0]}.kv"
+    stored = objects(server, prefix)[f"{prefix}/model/{chunk}"]
+    bucket.put(f"model/{chunk}", Sealer(OTHER_KEY).seal(stored, "alice", chunk))
+    said: list[tuple[str, str]] = []
+    done = await asyncio.to_thread(rekey, bucket, "model", Sealer(KEY), Sealer(NEW_KEY), 16,
+                                   lambda n, total: None, lambda key, why: said.append((key, why)))
+    assert (done.entries, done.unreadable) == (1, 1), done
+    assert [key for key, _ in said] == [bad.key] and "another key" in said[0][1], said
+
+
+def test_a_folder_named_with_another_key_is_not_offered_nor_sent_to_the_bucket(tmp_path: Path) -> None:
+    """After a rekey, a host's folder from before it (its entries' names hashed with the old key): a store with the
+    new key neither offers them nor counts them (so never uploads them); one that reads the folder without a key
+    (`slots ls`) still lists them."""
+    old = DirectoryStore(tmp_path / "model", chunk_tokens=16, names=Sealer(KEY).names)
+    save_into_folder(old, TOKENS[:40])
+    assert len(old.entries()) == 1 and old.entries()[0].record["keyed_names"] != Sealer(NEW_KEY).names
+    new = DirectoryStore(tmp_path / "model", chunk_tokens=16, names=Sealer(NEW_KEY).names)
+    assert new.entries() == [] and new.best(TOKENS[:40]) == (None, 0)
+    assert len(DirectoryStore(tmp_path / "model").entries()) == 1
+    same = DirectoryStore(tmp_path / "model", chunk_tokens=16, names=Sealer(KEY).names)
+    assert same.best(TOKENS[:40])[1] == 40
+
+
+def save_into_folder(store: DirectoryStore, tokens: list[int]) -> None:
+    store.directory.mkdir(parents=True, exist_ok=True)
+    part = store.directory / part_name("test")
+    part.write_bytes(state(tokens))
+    store.commit(part, tokens, {**RECORD, "consumer": "alice", "private": True})

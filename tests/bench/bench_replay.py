@@ -1,0 +1,89 @@
+"""What going on exactly costs after a crash: a greedy `write_file` call (SmolLM2 135M, Llama 3.1's chat template
+from llama.cpp's tree, examples/chat.yaml as it is, -np 1), llama-server SIGKILLed when the client has half of the
+call's argument deltas. One wrapper feeds the call's prefill to the new server one token at a time
+(`watchdog.replay_tokens`, the default), the other reads it in one batch (`replay_tokens: 0`); their kills are
+interleaved, so that a busy machine slows both alike. Printed: the median time from the kill to the answer's end,
+its ratio, and how many of the answers gave the uncut call's arguments exactly.
+
+    LLAMA_SERVER=$(llama.cpp/build-server) python tests/bench/bench_replay.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests import models
+from tests.helpers import chat_yaml, running
+from tests.killing import Events, streamed
+
+ROUNDS = 5
+WRITE_FILE = {"type": "function", "function": {
+    "name": "write_file", "description": "Write a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                   "required": ["path", "content"]}}}
+BODY = {"messages": [{"role": "user", "content": "Write a long README.md for a lighthouse keeper's logbook tool."}],
+        "tools": [WRITE_FILE], "tool_choice": "required", "temperature": 0, "max_tokens": 300}
+WAYS = {"one token at a time": "", "one batch": "watchdog: {replay_tokens: 0, restarts: 100, window: 10m}\n"}
+
+
+def pieces(events: Events) -> list[str]:
+    """The argument pieces of the call's deltas, in order."""
+    return [c["function"]["arguments"] for e in events if e.get("choices")
+            for c in (e["choices"][0].get("delta") or {}).get("tool_calls") or []
+            if (c.get("function") or {}).get("arguments")]
+
+
+def killed_at(url_wrapper: Any, k: int) -> tuple[float, str]:
+    """The seconds from the kill after the k-th argument delta to the answer's end, and the arguments it gave."""
+    killed: list[float] = []
+
+    def at(events: Events) -> bool:
+        if len(pieces(events)) >= k:
+            killed.append(time.perf_counter())
+            return True
+        return False
+
+    events = streamed(url_wrapper, BODY, at)
+    return time.perf_counter() - killed[0], "".join(pieces(events))
+
+
+def main() -> None:
+    server, model = models.llama_server(), models.demo()
+    argv = [server, "-m", model, "-c", "4096", "-np", "1", "--jinja", "--chat-template-file",
+            models.template(server, "meta-llama-Llama-3.1-8B-Instruct")]
+    restarts = "watchdog: {restarts: 100, window: 10m}\n"
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        for way in WAYS:
+            (tmp / way.replace(" ", "-")).mkdir()
+        configs = {way: chat_yaml(tmp / way.replace(" ", "-"), extra or restarts) for way, extra in WAYS.items()}
+        with running(tmp / "one-token-at-a-time", argv, configs["one token at a time"]) as replaying, \
+                running(tmp / "one-batch", argv, configs["one batch"]) as batch:
+            wrappers = {"one token at a time": replaying, "one batch": batch}
+            uncut = "".join(pieces(streamed(replaying, BODY)))
+            k = max(1, len(pieces(streamed(replaying, BODY))) // 2)
+            took: dict[str, list[float]] = {way: [] for way in WAYS}
+            exact = dict.fromkeys(WAYS, 0)
+            for _ in range(ROUNDS):
+                for way, wrapper in wrappers.items():
+                    seconds, arguments = killed_at(wrapper, k)
+                    took[way].append(seconds)
+                    exact[way] += arguments == uncut
+    base = statistics.median(took["one batch"])
+    print(f"model {Path(model).name}, Llama 3.1's template, a call of {len(uncut)} characters killed after {k} "
+          f"argument deltas, {ROUNDS} kills each")
+    print(f"{'the prefill read':<22} {'kill to end s':>14} {'x one batch':>12} {'uncut call':>11}")
+    for way in WAYS:
+        median = statistics.median(took[way])
+        print(f"{way:<22} {median:>14.2f} {median / base:>12.2f} {exact[way]:>8} of {ROUNDS}")
+
+
+if __name__ == "__main__":
+    main()
