@@ -80,6 +80,7 @@ bench: $(VENV)/.installed
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_who_asks.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_router.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_crash.py
+	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_replay.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_checkpoints.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_priority.py
 	server=$$(llama.cpp/build-server) && LLAMA_SERVER=$$server $(PY) tests/bench/bench_priority.py --kinds --busy

@@ -1,9 +1,11 @@
-"""What going on exactly costs after a crash: a greedy `write_file` call (SmolLM2 135M, Llama 3.1's chat template
-from llama.cpp's tree, examples/chat.yaml as it is, -np 1), llama-server SIGKILLed when the client has half of the
-call's argument deltas. One wrapper feeds the call's prefill to the new server one token at a time
-(`watchdog.replay_tokens`, the default), the other reads it in one batch (`replay_tokens: 0`); their kills are
-interleaved, so that a busy machine slows both alike. Printed: the median time from the kill to the answer's end,
-its ratio, and how many of the answers gave the uncut call's arguments exactly.
+"""What going on exactly costs after a crash: a greedy `write_file` call cut by its budget (SmolLM2 135M, Llama 3.1's
+chat template from llama.cpp's tree, examples/chat.yaml as it is, -np 1; tests/integration/test_crash.py's call),
+llama-server SIGKILLed when the client has half of the call's argument deltas. One wrapper feeds the call's
+prefill to the new server one token at a time (`watchdog.replay_tokens`, the default), the other reads it in one
+batch (`replay_tokens: 0`); their kills are interleaved, so that a busy machine slows both alike. Printed: the
+median time from the kill to the answer's end, its ratio, how many of the answers gave the uncut call's arguments
+exactly, how many prefills were the model's own tokens (their count what llama-server counted), and how many were
+fed one token at a time.
 
     LLAMA_SERVER=$(llama.cpp/build-server) python tests/bench/bench_replay.py
 """
@@ -28,8 +30,8 @@ WRITE_FILE = {"type": "function", "function": {
     "name": "write_file", "description": "Write a file",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
                    "required": ["path", "content"]}}}
-BODY = {"messages": [{"role": "user", "content": "Write a long README.md for a lighthouse keeper's logbook tool."}],
-        "tools": [WRITE_FILE], "tool_choice": "required", "temperature": 0, "max_tokens": 300}
+BODY = {"messages": [{"role": "user", "content": "Read the file README.md please."}], "tools": [WRITE_FILE],
+        "tool_choice": "required", "temperature": 0, "max_tokens": 77}  # test_crash's call cut by its budget
 WAYS = {"one token at a time": "", "one batch": "watchdog: {replay_tokens: 0, restarts: 100, window: 10m}\n"}
 
 
@@ -67,7 +69,8 @@ def main() -> None:
         with running(tmp / "one-token-at-a-time", argv, configs["one token at a time"]) as replaying, \
                 running(tmp / "one-batch", argv, configs["one batch"]) as batch:
             wrappers = {"one token at a time": replaying, "one batch": batch}
-            uncut = "".join(pieces(streamed(replaying, BODY)))
+            streamed(replaying, BODY)  # the prompt in the slot, as for each killed run after it (llama-server then
+            uncut = "".join(pieces(streamed(replaying, BODY)))  # reads its last token again, alone)
             k = max(1, len(pieces(streamed(replaying, BODY))) // 2)
             took: dict[str, list[float]] = {way: [] for way in WAYS}
             exact = dict.fromkeys(WAYS, 0)
@@ -76,13 +79,18 @@ def main() -> None:
                     seconds, arguments = killed_at(wrapper, k)
                     took[way].append(seconds)
                     exact[way] += arguments == uncut
+            fed = {way: len(wrapper.events("wrapper.replayed")) for way, wrapper in wrappers.items()}
+            matched = {way: sum(1 for e in wrapper.events("wrapper.call_goes_on") if e.get("as_generated"))
+                       for way, wrapper in wrappers.items()}
     base = statistics.median(took["one batch"])
     print(f"model {Path(model).name}, Llama 3.1's template, a call of {len(uncut)} characters killed after {k} "
           f"argument deltas, {ROUNDS} kills each")
-    print(f"{'the prefill read':<22} {'kill to end s':>14} {'x one batch':>12} {'uncut call':>11}")
+    print(f"{'the prefill read':<22} {'kill to end s':>14} {'x one batch':>12} {'uncut call':>11} "
+          f"{'as generated':>13} {'fed':>4}")
     for way in WAYS:
         median = statistics.median(took[way])
-        print(f"{way:<22} {median:>14.2f} {median / base:>12.2f} {exact[way]:>8} of {ROUNDS}")
+        print(f"{way:<22} {median:>14.2f} {median / base:>12.2f} {exact[way]:>8} of {ROUNDS} {matched[way]:>13} "
+              f"{fed[way]:>4}")
 
 
 if __name__ == "__main__":

@@ -172,8 +172,8 @@ class AnswerLoop:
             log.info("wrapper.call_made_again", path=self.path, name=call.name,
                      why="the chat template's markup for a call is not known")
             return
-        replayed = self.path in paths.CHAT and greedy(answer.request) and \
-            written.tokens <= WATCHDOG.of(self.host.current.config).replay_tokens
+        replayed = self.path in paths.CHAT and greedy(answer.request) and written.counted and \
+            written.tokens <= WATCHDOG.of(self.host.current.config).replay_tokens  # the model's own tokens only
         log.info("wrapper.call_goes_on", path=self.path, name=call.name, tokens=written.tokens,
                  as_generated=written.counted if answer.so_far.generated is not None else None, replayed=replayed)
         answer.call_goes_on(written.prefill, written.tokens)

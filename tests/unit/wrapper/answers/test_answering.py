@@ -278,6 +278,7 @@ class Streams:
     resumes: list[bytes | str] = field(default_factory=list)
     opening: str | None = None  # how the template writes a call before its arguments (None: not known)
     replays: list[int] = field(default_factory=list)  # what each call's prefill asked to be fed one token at a time
+    counted: bool = True  # the prefill's tokens are what llama-server counted as generated
 
     async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
@@ -307,7 +308,7 @@ class Streams:
         if self.opening is None:
             return None
         prefill = text + self.opening.replace("NAME", name) + arguments
-        return Written(prefill, len(prefill.split()))  # a token per word, as a tokenizer might count
+        return Written(prefill, len(prefill.split()), self.counted)  # a token per word, as a tokenizer might count
 
     def replay_next(self, tokens: int) -> None:
         self.replays.append(tokens)
@@ -423,8 +424,9 @@ async def test_a_stream_cut_in_a_tool_call_goes_on_from_its_arguments_within_the
 
 
 async def test_a_call_that_samples_or_runs_long_goes_on_from_a_prefill_read_in_one_batch() -> None:
-    """Fed one at a time only when greedy and within watchdog.replay_tokens: a sampled answer cannot be the uncut
-    one anyway, and a long prefill would cost a decode step a token."""
+    """Fed one at a time only when greedy, within watchdog.replay_tokens, and the model's own tokens: a sampled
+    answer cannot be the uncut one anyway, a long prefill would cost a decode step a token, and a prefill whose
+    tokens are not what was generated would be fed where the prompt ends."""
     tools = [{"type": "function", "function": {"name": "write_file"}}]
     sampled = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
     await streamed(sampled, tools=tools, max_tokens=40, temperature=0.7).run()
@@ -434,6 +436,10 @@ async def test_a_call_that_samples_or_runs_long_goes_on_from_a_prefill_read_in_o
     loop.host.current.config = parse_config("watchdog: {replay_tokens: 3}", "t.yaml", (WATCHDOG,))
     await loop.run()
     assert long.replays == [0]
+    other = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ',
+                    counted=False)  # not the model's own tokens: fed one at a time, they would be another context
+    await streamed(other, tools=tools, max_tokens=40).run()
+    assert other.replays == [0]
 
 
 async def test_a_call_whose_markup_is_not_known_is_made_again_from_the_start() -> None:
