@@ -33,7 +33,8 @@ class WatchdogSettings:
     window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")
     replay_tokens: int = setting(1024, COUNT, "a greedy answer (temperature 0) lost in a tool call goes on from the "
                                  "call's tokens fed to the new server one at a time, as decoding computed them, when "
-                                 "there are at most this many (a decode step each): it then goes on exactly as the "
+                                 "they are the model's own (their count what llama-server counted) and at most this "
+                                 "many (a decode step each): it then goes on exactly as the "
                                  "uncut run; more are read in one batch, whose numbers differ in their last bits, "
                                  "and the call may go on another way (0: always one batch)")
 
