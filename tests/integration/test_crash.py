@@ -7,6 +7,8 @@ call killed at every delta of its arguments ends as one whole call; every genera
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,28 +133,27 @@ def _had(parts: list[dict[str, Any]], k: int) -> str:
 def test_a_tool_call_killed_at_every_delta_ends_as_one_whole_call(tmp_path: Path, server_bin: str, demo_path: str,
                                                                   case: str) -> None:
     """tool_choice required, temperature 0, -np 1. Killed after each of the call's argument deltas in turn, the
-    client gets one call — one id, its name once, whole valid JSON arguments that begin with what it had, the same
-    keys as the uncut call's, finish_reason tool_calls — and the text before it once. It got `{\\n    "` and then
-    243 deltas of plain text: the server started again was given the text before the call as a prefix, and
-    answered text. The call goes on from its arguments (the template's markup in the assistant prefill:
-    wrapper/answers/calls.py); the prefill is read again, which computes its KV another way than decoding did, so
-    what follows may drift from the uncut call (whitespace, another word): how many kill points gave the uncut
-    call exactly is printed.
+    client gets the uncut call — one id, its name once, the uncut arguments, finish_reason tool_calls — and the text
+    before it once. It got `{\n    "` and then 243 deltas of plain text (the server started again was given the
+    text before the call as a prefix, and answered text), then a call that went on from its arguments but drifted
+    from the uncut one (whitespace, another word) after 1 of 11 kills (Llama 3.1) and 1 of 8 (Hermes): now a greedy
+    answer is generated again from the start, as the uncut run was, and its client shown only what it lacks.
 
     The kill comes when the client has read the k-th delta; llama-server may have generated further by then, or
     finished (a busy machine reads late). Every answer must be whole whatever the moment; a kill that came after
     the answer's end is tried again (up to TRIES times), and the kills of the first half of the deltas must have cut
-    the answer in the middle, so that what is checked is what a crash in the call does."""
+    the answer in the middle, so that what is checked is what a crash in the call does. The uncut call is the
+    second run's: the first reads the prompt whole, the later ones (and those after a kill) find it in the slot."""
     template, request = CALLS[case]
     body = {**request, "tool_choice": "required", "max_tokens": 200, "temperature": 0}
     with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file",
                                 models.template(server_bin, template)), chat_yaml(tmp_path, RESTARTS)) as wrapper:
+        streamed(wrapper, body)
         alone = streamed(wrapper, body)
         whole = _arguments(_calls(alone))
         n_deltas = sum(1 for c in _calls(alone) if (c.get("function") or {}).get("arguments"))
         assert n_deltas >= 3 and json.loads(whole), f"the demo model made no call: {content(alone)[:200]!r}"
         cut: set[int] = set()  # the k whose kill cut the answer in the middle
-        exact = 0
         for k in range(1, n_deltas + 1):
             for _ in range(TRIES):
                 resumed = len(wrapper.events("wrapper.stream_resumed"))
@@ -167,16 +168,18 @@ def test_a_tool_call_killed_at_every_delta_ends_as_one_whole_call(tmp_path: Path
                 assert sum(1 for c in parts if (c.get("function") or {}).get("name")) == 1, (k, parts)  # name once
                 arguments = _arguments(parts)
                 assert arguments.startswith(_had(parts, k)), (k, arguments)  # what the client had stands
-                assert set(json.loads(arguments)) == set(json.loads(whole)), (k, arguments, whole)  # whole, valid
+                assert arguments == whole, (k, arguments, whole)  # the uncut call
                 assert content(events) == content(alone), k  # the text before it once
                 final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
                 assert final["choices"][0]["finish_reason"] == "tool_calls", (k, final)
                 if len(wrapper.events("wrapper.stream_resumed")) > resumed:
                     cut.add(k)
-                    exact += arguments == whole
                     break
         print(f"{case}: killed after each of {n_deltas} argument deltas; cut in the middle after {sorted(cut)}; "
-              f"the uncut call exactly after {exact}")
+              f"the uncut call exactly after every one")
+        again = wrapper.events("wrapper.call_made_again")
+        assert len(again) >= len(cut) and all("repeatably" in e["why"] for e in again), again
+        assert not wrapper.events("wrapper.call_goes_on")
         assert set(range(1, n_deltas // 2 + 1)) <= cut, cut
         assert wrapper.stop() == 0
 
@@ -217,23 +220,29 @@ def _argument_pieces(events: Events) -> list[str]:
     return [a for c in _calls(events) if (a := (c.get("function") or {}).get("arguments"))]
 
 
+WAYS = {"from the start": RESTARTS,  # the default; and a long call's way:
+        "from its arguments": "watchdog: {restarts: 100, window: 10m, replay_tokens: 0}\n"}
+
+
+@pytest.mark.parametrize("way", sorted(WAYS))
 @pytest.mark.parametrize("case", sorted(LENGTH_CUT))
 def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_call(
-        tmp_path: Path, server_bin: str, demo_path: str, case: str) -> None:
+        tmp_path: Path, server_bin: str, demo_path: str, case: str, way: str) -> None:
     """An agent's call that meets its max_tokens in its arguments (finish_reason length), llama-server SIGKILLed
     after each of its argument deltas in turn: the client gets what the uncut run gives it — the text before the
-    call once, one call (one id, its name once) whose arguments begin with what it had and run to the same budget,
-    finish_reason length, the same completion tokens. It got the call's first part and ~1,000 characters of plain
-    text: the call was generated again from the start, the new server's KV computed another way, and the
-    generation went elsewhere; now it goes on from the call's arguments (wrapper/answers/calls.py), their tokens fed
-    to the new server one at a time as decoding computed them (wrapper/answers/replay.py). Wherever the prefill is
-    the model's own tokens (its count is what llama-server counted), the call goes on exactly as the uncut one; a
-    kill after the first delta (`{`, the parser holding back what the model wrote after it) may not: how many kill
-    points gave the uncut call exactly is printed."""
+    call once, one call (one id, its name once), the uncut arguments, finish_reason length, the same completion
+    tokens. It got the call's first part and ~1,000 characters of plain text; then (going on from the call's
+    arguments, read in one batch) the uncut call after 0 of 30 kills, then (the prefill's tokens fed one at a time)
+    after 12 of 14, not after the first delta, where the client has `{` while the model wrote more. Greedy, the
+    answer is now generated again from the start (`watchdog.replay_tokens`, the default): exactly the uncut run.
+
+    With `replay_tokens: 0` (what a call longer than it does) it goes on from its arguments, kills after the first,
+    a third and two thirds of the deltas: one call whose arguments begin with what the client had and run to the
+    same budget, no text after it; the uncut call is not promised (printed)."""
     template, request = LENGTH_CUT[case]
     body = {**request, "tool_choice": "required", "temperature": 0, "stream_options": {"include_usage": True}}
     with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file",
-                                models.template(server_bin, template)), chat_yaml(tmp_path, RESTARTS)) as wrapper:
+                                models.template(server_bin, template)), chat_yaml(tmp_path, WAYS[way])) as wrapper:
         budget = _budget(wrapper, {**body, "max_tokens": 200}, "/v1/chat/completions", _usage, _argument_pieces)
         for _ in range(4):  # the prompt in the slot, as for the killed runs after it; a budget that let the call
             body["max_tokens"] = budget  # end (another answer than the one measured) is made smaller
@@ -245,8 +254,10 @@ def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_c
         finals = [e["choices"][0]["finish_reason"] for e in alone if e.get("choices") and
                   e["choices"][0].get("finish_reason")]
         assert finals == ["length"] and whole and not _is_json(whole), (finals, whole)  # cut in its arguments
-        exact, n, matched = 0, len(_argument_pieces(alone)), []
-        for k in range(1, n + 1):
+        n = len(_argument_pieces(alone))
+        kills = range(1, n + 1) if way == "from the start" else sorted({1, n // 3, 2 * n // 3})
+        exact = 0
+        for k in kills:
             resumed = len(wrapper.events("wrapper.stream_resumed"))
 
             def at_delta(seen: Events, k: int = k) -> bool:
@@ -263,25 +274,62 @@ def test_a_tool_call_cut_by_max_tokens_killed_at_every_delta_ends_as_the_uncut_c
             assert content(events) == content(alone), k  # the text before it, once: no text after the call
             final = next(e for e in events if e.get("choices") and e["choices"][0].get("finish_reason"))
             assert final["choices"][0]["finish_reason"] == "length", (k, final)
-            # the budget, counted once in the usage: llama-server counted what the client had (timings_per_token,
-            # which the wrapper asked for and the client is not shown); a kill after the budget's last token, before
-            # its end came, goes on with one more (llama-server generates at least one: docs/lifecycle.md)
-            assert _usage(events) - body["max_tokens"] in ((0, 1) if k == n else (0,)), (k, _usage(events))
             assert not any("timings" in e for e in events if e.get("choices") and
-                           not e["choices"][0].get("finish_reason")), k
-            if len(wrapper.events("wrapper.stream_resumed")) > resumed:
-                exact += arguments == whole
-                if k < n and wrapper.events("wrapper.call_goes_on")[-1]["as_generated"]:
-                    matched.append((k, arguments == whole))  # the prefill is the model's own tokens, fed one at a
-                    # time as decoding computed them (greedy): the call goes on as the uncut run did
-        assert not wrapper.events("wrapper.call_made_again")  # the template's markup was learnt every time
-        going_on = wrapper.events("wrapper.call_goes_on")
-        as_generated = sum(1 for e in going_on if e["as_generated"])
-        assert as_generated >= len(going_on) // 2, going_on  # the prefill as the model wrote it, token for token
-        print(f"{case}: a call cut by max_tokens {body['max_tokens']}, killed after each of {n} argument deltas: "
-              f"the uncut call exactly after {exact}; the prefill as generated {as_generated} of {len(going_on)}, "
-              f"fed one token at a time {len(wrapper.events('wrapper.replayed'))} times")
-        assert matched and all(same for _, same in matched), matched
+                           not e["choices"][0].get("finish_reason")), k  # asked for by the wrapper, not shown
+            exact += arguments == whole
+            if way == "from the start":
+                assert arguments == whole and _usage(events) == body["max_tokens"], (k, arguments, _usage(events))
+            else:  # the budget, counted once in the usage: llama-server counted what the client had; a kill after
+                # the budget's last token, before its end came, goes on with one more (it generates at least one)
+                assert _usage(events) - body["max_tokens"] in ((0, 1) if k == n else (0,)), (k, _usage(events))
+                assert len(wrapper.events("wrapper.stream_resumed")) > resumed, k
+        again, going_on = wrapper.events("wrapper.call_made_again"), wrapper.events("wrapper.call_goes_on")
+        print(f"{case}, {way}: a call cut by max_tokens {body['max_tokens']}, killed after {len(kills)} of its {n} "
+              f"argument deltas: the uncut call exactly after {exact}; generated again {len(again)} times, "
+              f"from the arguments {len(going_on)} ({sum(1 for e in going_on if e['as_generated'])} of them the "
+              f"model's own tokens)")
+        if way == "from the start":
+            assert again and all("repeatably" in e["why"] for e in again) and not going_on, (again, going_on)
+        else:
+            assert not again and sum(1 for e in going_on if e["as_generated"]) >= len(going_on) // 2, going_on
+        assert wrapper.stop() == 0
+
+
+def test_a_sampled_tool_call_with_a_seed_killed_in_its_arguments_ends_as_the_uncut_call(
+        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+    """An agent that samples (temperature 0.5) with its own seed: its call cut by max_tokens, killed after the first
+    argument delta and half way in, is generated again from the start with that seed and comes out as the uncut run
+    did. Each run here reads its prompt on a cold server, as the run after the kill does (no checkpoint was saved
+    to restore: the prompt is read again in one batch). A sampled token is as sensitive to the prompt's KV as a
+    greedy one: the same request whose prompt was found in the slot (its last token read again alone) made
+    another call on the demo ("README.md" where a cold read made "file.txt"), and so may the answer after a loss
+    when its prompt's KV was not computed that way (docs/lifecycle.md)."""
+    template, request = LENGTH_CUT["llama-3.1"]
+    body = {**request, "tool_choice": "required", "temperature": 0.5, "seed": 3, "max_tokens": 80}  # a seed and a
+    # temperature with which the demo makes a call (at 0.9 it writes text)
+    with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file",
+                                models.template(server_bin, template)), chat_yaml(tmp_path, RESTARTS)) as wrapper:
+
+        def cold() -> None:  # the server killed while idle and started again: nothing of the prompt in a slot
+            pid = server_pid(wrapper)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: wrapper.status()["state"] == "ready" and server_pid(wrapper) != pid, 60,
+                     "the server started again")
+
+        cold()
+        alone = streamed(wrapper, body)
+        whole, n = _arguments(_calls(alone)), len(_argument_pieces(alone))
+        assert n >= 4, f"the demo model made no call: {content(alone)[:200]!r}"
+        for k in (1, n // 2):
+            def at_delta(seen: Events, k: int = k) -> bool:
+                return len(_argument_pieces(seen)) >= k
+
+            cold()
+            events = streamed(wrapper, body, at_delta)
+            one_answer(events)
+            assert (_arguments(_calls(events)), content(events)) == (whole, content(alone)), k
+        again = wrapper.events("wrapper.call_made_again")
+        assert len(again) == 2 and all("repeatably" in e["why"] for e in again), again
         assert wrapper.stop() == 0
 
 
@@ -293,12 +341,16 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def test_a_responses_and_a_messages_tool_call_cut_by_max_tokens_go_on_from_their_arguments(
-        tmp_path: Path, server_bin: str, demo_path: str) -> None:
+@pytest.mark.parametrize("way", sorted(WAYS))
+def test_a_responses_and_a_messages_tool_call_cut_by_max_tokens_end_as_the_uncut_call(
+        tmp_path: Path, server_bin: str, demo_path: str, way: str) -> None:
     """Llama 3.1's template, the write_file call cut by its budget (Codex's Responses API, Claude Code's Messages
-    API), killed a third of the way into the call's arguments and again two thirds in: one function_call item / one
-    tool_use block, its arguments beginning with what the client had, no text after it, the uncut run's ending
-    (Messages: max_tokens; llama-server's Responses says completed) and its reported token count."""
+    API), killed after the first of the call's argument deltas, a third of the way in and two thirds in: one
+    function_call item / one tool_use block, the uncut run's arguments, no text after it, the uncut run's ending
+    (Messages: max_tokens; llama-server's Responses says completed) and its reported token count — greedy, the
+    answer is generated again from the start. Going on from the call's arguments instead (`replay_tokens: 0`),
+    its arguments begin with what the client had and the tokens reported are the budget's (Messages' stream
+    carries no count: the tokenizer's count of the prefill, within 2)."""
     template = models.template(server_bin, "meta-llama-Llama-3.1-8B-Instruct")
     function = WRITE_FILE["function"]
     responses = {"input": "Read the file README.md please.", "temperature": 0, "tool_choice": "required",
@@ -333,7 +385,7 @@ def test_a_responses_and_a_messages_tool_call_cut_by_max_tokens_go_on_from_their
     apis = (("/v1/responses", responses, "max_output_tokens", responses_arguments, responses_end),
             ("/v1/messages", messages, "max_tokens", messages_arguments, messages_end))
     with running(tmp_path, argv(server_bin, demo_path, 1, "--jinja", "--chat-template-file", template),
-                 chat_yaml(tmp_path, RESTARTS)) as wrapper:
+                 chat_yaml(tmp_path, WAYS[way])) as wrapper:
         for path, request, limit_key, arguments_of, end in apis:
             def tokens(events: Events, end: Callable[[Events], tuple[Any, ...]] = end) -> int:
                 return int(end(events)[1])
@@ -347,7 +399,7 @@ def test_a_responses_and_a_messages_tool_call_cut_by_max_tokens_go_on_from_their
                     break
                 budget -= max(2, len(pieces) // 2)
             assert end(alone)[2] == 1 and not _is_json("".join(pieces)), (path, end(alone))
-            for k in (len(pieces) // 3, 2 * len(pieces) // 3):
+            for k in sorted({1, len(pieces) // 3, 2 * len(pieces) // 3}):
                 resumed = len(wrapper.events("wrapper.stream_resumed"))
                 def at(seen: Events, k: int = k, of: Callable[[Events], list[str]] = arguments_of) -> bool:
                     return len(of(seen)) >= k
@@ -359,15 +411,20 @@ def test_a_responses_and_a_messages_tool_call_cut_by_max_tokens_go_on_from_their
                 assert arguments.count('"path"') <= 1, (path, k, arguments)
                 (ending, tokens_used, calls, text), uncut = end(events), end(alone)
                 assert (ending, calls, text) == (uncut[0], uncut[2], uncut[3]), (path, k, end(events), uncut)
-                # Responses: llama-server counted what the client had (its per-token timings, not shown to the
-                # client); Messages' stream carries no count: the tokenizer's count of the prefill
-                assert abs(tokens_used - uncut[1]) <= (0 if path == "/v1/responses" else 2), (path, k, tokens_used)
                 assert not [e for e in events if "timings" in e and e.get("type") != "response.completed"], path
                 assert len(wrapper.events("wrapper.stream_resumed")) > resumed, (path, k)
-                print(f"{path}: cut by {limit_key} {budget}, killed after {k} of {len(pieces)} argument deltas: "
-                      f"the uncut call {'exactly' if arguments == ''.join(pieces) else 'not exactly'}; "
-                      f"{wrapper.events('wrapper.call_goes_on')[-1]['as_generated']=}")
-        assert not wrapper.events("wrapper.call_made_again")
+                if way == "from the start":
+                    assert (arguments, tokens_used) == ("".join(pieces), uncut[1]), (path, k, arguments, tokens_used)
+                elif k > 1:  # Responses: llama-server counted what the client had (its per-token timings, not
+                    # shown to the client); Messages' stream carries no count: the tokenizer's count of the prefill
+                    assert abs(tokens_used - uncut[1]) <= (0 if path == "/v1/responses" else 2), (path, k)
+                print(f"{path}, {way}: cut by {limit_key} {budget}, killed after {k} of {len(pieces)} argument "
+                      f"deltas: the uncut call {'exactly' if arguments == ''.join(pieces) else 'not exactly'}")
+        again, going_on = wrapper.events("wrapper.call_made_again"), wrapper.events("wrapper.call_goes_on")
+        if way == "from the start":
+            assert again and all("repeatably" in e["why"] for e in again) and not going_on, (again, going_on)
+        else:
+            assert going_on and not again, (again, going_on)
         assert wrapper.stop() == 0
 
 

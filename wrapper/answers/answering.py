@@ -25,11 +25,10 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
-from wrapper import paths
 from wrapper.answers.answer import Answer
 from wrapper.answers.apis.api import Api
 from wrapper.answers.calls import Written
-from wrapper.answers.continuation import greedy
+from wrapper.answers.continuation import repeatable
 from wrapper.answers.events import Events
 from wrapper.answers.proxy import Catching, Outcome, Pass
 from wrapper.answers.route import Shape
@@ -68,11 +67,6 @@ class Passing(Protocol):
         """After a cut: an answer's `text` and a call to `name` with its `arguments` so far, as the model wrote them
         (`generated` tokens, when llama-server counted them) in the markup of the template serving now
         (wrapper/answers/calls.py); None when it cannot tell."""
-        ...
-
-    def replay_next(self, tokens: int) -> None:
-        """Feed the next pass's last `tokens` (a prefill) one at a time before it is sent (wrapper/answers/replay.py);
-        0: read in one batch."""
         ...
 
 
@@ -156,9 +150,10 @@ class AnswerLoop:
         return None
 
     async def _call_goes_on(self) -> None:
-        """A stream cut in a tool call goes on from the call's arguments so far (the same call, its budget less the
-        prefill's tokens), when the served template says how a call is written; else it is generated again from
-        the start."""
+        """A stream cut in a tool call is generated again from the start when that gives the answer it was (it
+        samples repeatably, and no more than `watchdog.replay_tokens` were generated: a decode step each again);
+        else it goes on from the call's arguments so far (the same call, its budget less the prefill's tokens),
+        when the served template says how a call is written; else it too is generated again from the start."""
         answer = self.answer
         if answer.shape is Shape.WHOLE or answer.had is None:
             return
@@ -166,18 +161,20 @@ class AnswerLoop:
         if under_way is None:
             return
         call, arguments = under_way
+        so_far = answer.so_far.generated if answer.so_far.generated is not None else answer.so_far.tokens
+        if repeatable(answer.original, answer.api) and so_far <= WATCHDOG.of(self.host.current.config).replay_tokens:
+            log.info("wrapper.call_made_again", path=self.path, name=call.name, tokens=so_far,
+                     why="it samples repeatably: generated again, it is the uncut answer")
+            return
         written = await self.passes.written(call.name, answer.so_far.text, arguments,
                                             answer.so_far.generated_in_message)
         if written is None:
             log.info("wrapper.call_made_again", path=self.path, name=call.name,
                      why="the chat template's markup for a call is not known")
             return
-        replayed = self.path in paths.CHAT and greedy(answer.request) and written.counted and \
-            written.tokens <= WATCHDOG.of(self.host.current.config).replay_tokens  # the model's own tokens only
         log.info("wrapper.call_goes_on", path=self.path, name=call.name, tokens=written.tokens,
-                 as_generated=written.counted if answer.so_far.generated is not None else None, replayed=replayed)
+                 as_generated=written.counted if answer.so_far.generated is not None else None)
         answer.call_goes_on(written.prefill, written.tokens)
-        self.passes.replay_next(written.tokens if replayed else 0)
 
     async def _goes_on_after(self, cut: Pass) -> bool:
         """Whether to send again (or go on) after a cut: a reload handed it over, or the server was lost under it

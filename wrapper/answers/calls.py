@@ -1,6 +1,9 @@
 """A tool call an answer was cut in, written as its chat template writes a call: so that the answer goes on from
 the call's arguments so far (a trailing assistant message whose text holds them), the way text goes on from its
-prefix.
+prefix. Only where generating it again from the start would not give the same answer, or would cost too much (it
+samples without a seed llama-server repeats, or ran past `watchdog.replay_tokens`: wrapper/answers/answering.py):
+the prefill is read in one batch, whose numbers differ in their last bits from decoding's, so the call may go on
+another way.
 
 llama-server streams a call parsed (its name, then its arguments as a string diff), never the markup the model
 wrote around them; a trailing assistant message may not carry `tool_calls`. But its text may hold the markup: the
@@ -17,8 +20,8 @@ prefill that differs from what was generated is another context, and the call go
 llama-server counted the tokens generated so far (chat and Responses streams, `timings_per_token`), the prefill
 is the way of writing it whose tokens are that count: the model's own text, token for token, as far as the
 tokenizer can tell (Llama 3.1's template on the demo, a call cut by its budget: the uncut arguments after 12 of 13
-kills in tests/integration/test_crash.py, 0 of 30 before; a probe of 22 cut points, 16, and 8 with the template's
-markup). Without a count (Messages streams carry none), the markup is laid out as the arguments are.
+kills with the prefill fed one token at a time, 0 of 30 before; a probe of 22 cut points, 16, and 8 with the
+template's markup). Without a count (Messages streams carry none), the markup is laid out as the arguments are.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Any
 from wrapper.answers.apis.api import Api, less
 from wrapper.answers.part import Call, Had, Part
 
+RANDOM_SEED = 0xFFFFFFFF  # llama-server's seed that asks for a random one
 RESUME_LOOKBACK = 16  # how many of an answer's last tokens a resume may generate again
 
 
@@ -19,6 +20,15 @@ def greedy(request: dict[str, Any]) -> bool:
     temperature, top_k = request.get("temperature"), request.get("top_k")
     return (isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature <= 0) or \
         (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 1)
+
+
+def repeatable(request: dict[str, Any], api: Api) -> bool:
+    """Whether an answer to `request` generated again from the start is the answer it was: it samples nothing
+    (greedy), or samples from a seed the API passes on to llama-server (the client's, or the wrapper's own:
+    wrapper/answers/answer.py) — not a Messages request, whose `seed` llama-server drops."""
+    seed = request.get("seed")
+    return greedy(request) or (api.seeded and isinstance(seed, int) and not isinstance(seed, bool)
+                               and 0 <= seed < RANDOM_SEED)
 
 
 def resume_point(pieces: list[str]) -> int:

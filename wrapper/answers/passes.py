@@ -40,7 +40,6 @@ from wrapper.answers.proxy import (
     json_error,
     json_object,
 )
-from wrapper.answers.replay import replay
 from wrapper.answers.route import Shape
 from wrapper.asked import Asked
 from wrapper.metrics import METRICS
@@ -69,7 +68,6 @@ class Passes:
         self.resumable = False  # its streams go on after a cut: a reload may hand them over (wrapper/queue/gate.py)
         self.pausable = False  # a background request whose passes its seat may pause
         self.asked = Asked(path)  # who asks and how (the route tells it once it knows), told to the steps each run
-        self.replay_tokens = 0  # the next pass's prefill tokens to feed one at a time first (wrapper/answers/replay.py)
         self.stepped_on: Generation | None = None  # the generation the last run of the steps talked to
         self._why: str | None = None  # what a cut's client is told, when not that the server could not be reached
         self._asked_slot: Any = None  # the `id_slot` the client asked for itself (a later run may choose another)
@@ -129,9 +127,6 @@ class Passes:
                  tokens=use.tokens if use is not None else None)
         return out.body
 
-    def replay_next(self, tokens: int) -> None:
-        self.replay_tokens = tokens
-
     def done(self, status: int | None) -> None:
         """The request is answered (`status`), or cut (None): each run's `after` is told."""
         for run in self.runs:
@@ -160,9 +155,6 @@ class Passes:
             if isinstance(again, web.Response):
                 return answered(request, again)
             body = again
-            if self.replay_tokens and (payload := json_object(body)) is not None:  # pinned by the steps just now
-                await replay(self.serving.current.client, payload, self.replay_tokens)
-            self.replay_tokens = 0
 
     async def through(self, send: Callable[[Upstream], Awaitable[Pass]], again: bool) -> web.StreamResponse:
         """One pass answered as it comes (see `once`); a cut the request does not go on from is told to its client."""

@@ -31,12 +31,13 @@ class WatchdogSettings:
     restarts: int = setting(3, COUNT, "how many times it is started again within `window`; past that the wrapper "
                             "stops with the server's exit status (llama-swap or systemd take over)")
     window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")
-    replay_tokens: int = setting(1024, COUNT, "a greedy answer (temperature 0) lost in a tool call goes on from the "
-                                 "call's tokens fed to the new server one at a time, as decoding computed them, when "
-                                 "they are the model's own (their count what llama-server counted) and at most this "
-                                 "many (a decode step each): it then goes on exactly as the "
-                                 "uncut run; more are read in one batch, whose numbers differ in their last bits, "
-                                 "and the call may go on another way (0: always one batch)")
+    replay_tokens: int = setting(1024, COUNT, "an answer lost in a tool call that samples repeatably (temperature 0, "
+                                 "or a seed: the wrapper gives one to a request without, but on Messages) is "
+                                 "generated again from the start when at most this many of its tokens were "
+                                 "generated (a decode step each, again): it then is the uncut answer, and the "
+                                 "client is shown only what it lacks; a longer one goes on from the call's "
+                                 "arguments, read in one batch, and may go on another way (0: always from the "
+                                 "arguments)")
 
 
 WATCHDOG = Section("watchdog", WatchdogSettings, "llama-server started again after a crash or a hang")

@@ -105,9 +105,6 @@ class Passes:
     async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
         raise AssertionError("a whole answer's call is not continued")
 
-    def replay_next(self, tokens: int) -> None:
-        raise AssertionError("a whole answer's call is not continued")
-
 
 def loop(script: Script, growing: Growing | None, body: dict[str, Any], continues: bool = True,
          losing: Losing | None = None) -> AnswerLoop:
@@ -277,8 +274,6 @@ class Streams:
     losses: list[Loss] = field(default_factory=lambda: [Loss.BACK])
     resumes: list[bytes | str] = field(default_factory=list)
     opening: str | None = None  # how the template writes a call before its arguments (None: not known)
-    replays: list[int] = field(default_factory=list)  # what each call's prefill asked to be fed one token at a time
-    counted: bool = True  # the prefill's tokens are what llama-server counted as generated
 
     async def send(self, body: bytes, shape: Shape, catching: Catching, events: Events | None,
                    going_on: web.StreamResponse | None) -> Pass:
@@ -308,10 +303,7 @@ class Streams:
         if self.opening is None:
             return None
         prefill = text + self.opening.replace("NAME", name) + arguments
-        return Written(prefill, len(prefill.split()), self.counted)  # a token per word, as a tokenizer might count
-
-    def replay_next(self, tokens: int) -> None:
-        self.replays.append(tokens)
+        return Written(prefill, len(prefill.split()), True)  # a token per word, as a tokenizer might count
 
 
 def streamed(streams: Streams, prompt: int | None = None, **more: Any) -> AnswerLoop:
@@ -403,17 +395,13 @@ def calls_of(client: Client) -> list[dict[str, Any]]:
     return [c for e in client.events() if "choices" in e for c in e["choices"][0]["delta"].get("tool_calls") or []]
 
 
-async def test_a_stream_cut_in_a_tool_call_goes_on_from_its_arguments_within_the_same_budget() -> None:
-    """Cut in a call's arguments, the answer goes on from them (its text, the template's markup for the call, then
-    all the arguments the client has), not from the start: the call opens again there and the client sees one
-    call, its id and name once, its arguments whole, the limit less what the prefill holds."""
-    streams = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
-    await streamed(streams, tools=[{"type": "function", "function": {"name": "write_file"}}], max_tokens=40).run()
-    went_on = streams.sent[1]
-    prefill = 'Writing it.{"name": "write_file", "parameters": {"path": "a.txt", "content": "Once upon'
-    assert went_on["messages"][-1] == {"role": "assistant", "content": prefill}
-    assert went_on["max_tokens"] == 40 - len(prefill.split())
-    assert streams.replays == [len(prefill.split())]  # greedy: its prefill fed one token at a time, as decoded
+TOOLS = [{"type": "function", "function": {"name": "write_file"}}]
+OPENS = '{"name": "NAME", "parameters": '
+
+
+def one_call(streams: Streams) -> None:
+    """The client saw one call, its first id and its name once, its arguments whole; the text before it once; the
+    uncut answer's end."""
     parts = calls_of(streams.client)
     assert [c.get("id") for c in parts if c.get("id")] == ["call_a"]
     assert sum(1 for c in parts if c["function"].get("name")) == 1
@@ -423,26 +411,43 @@ async def test_a_stream_cut_in_a_tool_call_goes_on_from_its_arguments_within_the
     assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
 
 
-async def test_a_call_that_samples_or_runs_long_goes_on_from_a_prefill_read_in_one_batch() -> None:
-    """Fed one at a time only when greedy, within watchdog.replay_tokens, and the model's own tokens: a sampled
-    answer cannot be the uncut one anyway, a long prefill would cost a decode step a token, and a prefill whose
-    tokens are not what was generated would be fed where the prompt ends."""
-    tools = [{"type": "function", "function": {"name": "write_file"}}]
-    sampled = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
-    await streamed(sampled, tools=tools, max_tokens=40, temperature=0.7).run()
-    assert sampled.replays == [0] and sampled.sent[1]["messages"][-1]["role"] == "assistant"
-    long = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ')
-    loop = streamed(long, tools=tools, max_tokens=40)
+async def test_a_call_that_samples_repeatably_is_generated_again_from_the_start() -> None:
+    """Cut in a call's arguments, a greedy answer — or one with a seed, the client's or the wrapper's own — is asked
+    again as it came (the same messages, the same limit): generated again it is the uncut answer, and the client
+    is shown only what it lacks (the text by count, the call's arguments after its own)."""
+    cases: list[dict[str, Any]] = [{}, {"temperature": 0.7, "seed": 42}, {"temperature": 0.7}]
+    for more in cases:
+        streams = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening=OPENS)
+        await streamed(streams, tools=TOOLS, max_tokens=40, **more).run()
+        first, again = streams.sent
+        assert again == first and again["max_tokens"] == 40, more
+        assert "temperature" not in more or isinstance(again.get("seed"), int), more  # sampled: seeded
+        one_call(streams)
+
+
+async def test_a_call_that_runs_long_or_samples_unseeded_goes_on_from_its_arguments() -> None:
+    """Past watchdog.replay_tokens (each token generated again is a decode step), or sampling from a seed
+    llama-server does not repeat (-1: a random one), the answer goes on from its text, the template's markup for
+    the call and all the arguments the client has: the call opens again there and the client sees one call, its
+    id and name once, its arguments whole, the limit less what the prefill holds."""
+    prefill = 'Writing it.{"name": "write_file", "parameters": {"path": "a.txt", "content": "Once upon'
+    long = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening=OPENS)
+    loop = streamed(long, tools=TOOLS, max_tokens=40)
     loop.host.current.config = parse_config("watchdog: {replay_tokens: 3}", "t.yaml", (WATCHDOG,))
     await loop.run()
-    assert long.replays == [0]
-    other = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening='{"name": "NAME", "parameters": ',
-                    counted=False)  # not the model's own tokens: fed one at a time, they would be another context
-    await streamed(other, tools=tools, max_tokens=40).run()
-    assert other.replays == [0]
+    unseeded = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening=OPENS)
+    await streamed(unseeded, tools=TOOLS, max_tokens=40, temperature=0.7, seed=-1).run()
+    for streams in (long, unseeded):
+        went_on = streams.sent[1]
+        assert went_on["messages"][-1] == {"role": "assistant", "content": prefill}
+        assert went_on["max_tokens"] == 40 - len(prefill.split())
+        one_call(streams)
 
 
 async def test_a_call_whose_markup_is_not_known_is_made_again_from_the_start() -> None:
     streams = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)])
-    await streamed(streams, tools=[{"type": "function", "function": {"name": "write_file"}}], max_tokens=40).run()
+    loop = streamed(streams, tools=TOOLS, max_tokens=40)
+    loop.host.current.config = parse_config("watchdog: {replay_tokens: 0}", "t.yaml", (WATCHDOG,))
+    await loop.run()
     assert streams.sent[1]["messages"] == streams.sent[0]["messages"] and streams.sent[1]["max_tokens"] == 40
+    one_call(streams)

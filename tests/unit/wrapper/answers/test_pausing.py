@@ -156,9 +156,6 @@ class Passes:
     async def written(self, name: str, text: str, arguments: str, generated: int | None) -> Written | None:
         raise AssertionError("nothing is cut")
 
-    def replay_next(self, tokens: int) -> None:
-        raise AssertionError("nothing is cut")
-
     async def resume(self, request: dict[str, Any], generated: int) -> bytes | str:
         self.resumed.append((request, generated))
         return json.dumps({**request, "id_slot": 1}).encode()
