@@ -138,7 +138,7 @@ class AnswerLoop:
             return await got.told(self._told_after_loss())
         answer.interrupted_by(got, events)
         if got.outcome is Outcome.CUT:
-            await self._call_goes_on()
+            await self._call_goes_on(same_server=not got.handed_over)
             if answer.response is not None:
                 log.info("wrapper.stream_resumed", path=self.path, chars=len(answer.so_far.text),
                          tokens=answer.so_far.tokens, after="reload" if got.handed_over else "loss")
@@ -149,11 +149,13 @@ class AnswerLoop:
         answer.resumed(resumed)
         return None
 
-    async def _call_goes_on(self) -> None:
+    async def _call_goes_on(self, same_server: bool) -> None:
         """A stream cut in a tool call is generated again from the start when that gives the answer it was (it
-        samples repeatably, and no more than `watchdog.replay_tokens` were generated: a decode step each again);
-        else it goes on from the call's arguments so far (the same call, its budget less the prefill's tokens),
-        when the served template says how a call is written; else it too is generated again from the start."""
+        samples repeatably, no more than `watchdog.replay_tokens` were generated — a decode step each again — and
+        the server started again after a loss is the one it was: a reload's hand-over goes to another, whose KV
+        precision, build or context may compute other numbers); else it goes on from the call's arguments so far
+        (the same call, its budget less the prefill's tokens), when the served template says how a call is
+        written; else it too is generated again from the start."""
         answer = self.answer
         if answer.shape is Shape.WHOLE or answer.had is None:
             return
@@ -162,7 +164,8 @@ class AnswerLoop:
             return
         call, arguments = under_way
         so_far = answer.so_far.generated if answer.so_far.generated is not None else answer.so_far.tokens
-        if repeatable(answer.original, answer.api) and so_far <= WATCHDOG.of(self.host.current.config).replay_tokens:
+        if same_server and repeatable(answer.original, answer.api) and \
+                so_far <= WATCHDOG.of(self.host.current.config).replay_tokens:
             log.info("wrapper.call_made_again", path=self.path, name=call.name, tokens=so_far,
                      why="it samples repeatably: generated again, it is the uncut answer")
             return

@@ -338,8 +338,8 @@ async def test_a_stream_cut_by_a_lost_server_goes_on_in_the_same_stream_as_one_a
     assert went_on == {"role": "assistant", "content": "Once upon a"}  # from before the last word
 
 
-async def test_a_stream_a_reload_handed_over_goes_on_without_asking_for_a_loss() -> None:
-    streams = Streams([(FIRST, "cut", 5), (AFTER, None, 0)], losses=[])
+def handing_over(streams: Streams) -> Streams:
+    """`streams` whose cuts are a reload's hand-over, not a loss."""
     cut = streams.send
 
     async def handed_over(*given: Any) -> Pass:
@@ -348,6 +348,11 @@ async def test_a_stream_a_reload_handed_over_goes_on_without_asking_for_a_loss()
             if got.outcome is Outcome.CUT else got
 
     streams.send = handed_over  # type: ignore[method-assign,assignment]
+    return streams
+
+
+async def test_a_stream_a_reload_handed_over_goes_on_without_asking_for_a_loss() -> None:
+    streams = handing_over(Streams([(FIRST, "cut", 5), (AFTER, None, 0)], losses=[]))
     await streamed(streams).run()
     assert text(streams.client) == "Once upon a time, there"
 
@@ -425,11 +430,12 @@ async def test_a_call_that_samples_repeatably_is_generated_again_from_the_start(
         one_call(streams)
 
 
-async def test_a_call_that_runs_long_or_samples_unseeded_goes_on_from_its_arguments() -> None:
-    """Past watchdog.replay_tokens (each token generated again is a decode step), or sampling from a seed
-    llama-server does not repeat (-1: a random one), the answer goes on from its text, the template's markup for
-    the call and all the arguments the client has: the call opens again there and the client sees one call, its
-    id and name once, its arguments whole, the limit less what the prefill holds."""
+async def test_a_call_that_runs_long_samples_unseeded_or_is_handed_over_goes_on_from_its_arguments() -> None:
+    """Past watchdog.replay_tokens (each token generated again is a decode step), sampling from a seed llama-server
+    does not repeat (-1: a random one), or handed over by a reload (the next server may compute other numbers: its
+    KV precision, its build), the answer goes on from its text, the template's markup for the call and all the
+    arguments the client has: the call opens again there and the client sees one call, its id and name once, its
+    arguments whole, the limit less what the prefill holds."""
     prefill = 'Writing it.{"name": "write_file", "parameters": {"path": "a.txt", "content": "Once upon'
     long = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening=OPENS)
     loop = streamed(long, tools=TOOLS, max_tokens=40)
@@ -437,7 +443,9 @@ async def test_a_call_that_runs_long_or_samples_unseeded_goes_on_from_its_argume
     await loop.run()
     unseeded = Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening=OPENS)
     await streamed(unseeded, tools=TOOLS, max_tokens=40, temperature=0.7, seed=-1).run()
-    for streams in (long, unseeded):
+    handed = handing_over(Streams([(CALL_CUT, "cut", 8), (CALL_AFTER, None, 0)], opening=OPENS, losses=[]))
+    await streamed(handed, tools=TOOLS, max_tokens=40).run()
+    for streams in (long, unseeded, handed):
         went_on = streams.sent[1]
         assert went_on["messages"][-1] == {"role": "assistant", "content": prefill}
         assert went_on["max_tokens"] == 40 - len(prefill.split())
