@@ -32,7 +32,7 @@ class WatchdogSettings:
                             "stops with the server's exit status (llama-swap or systemd take over)")
     window: float = setting(600.0, POSITIVE_DURATION, "the window the restarts are counted in")
     replay_tokens: int = setting(1024, COUNT, "an answer lost in a tool call that samples repeatably (temperature 0, "
-                                 "or a seed: the wrapper gives one to a request without, but on Messages) is "
+                                 "or a seed: the wrapper gives one to a request without one, except on Messages) is "
                                  "generated again from the start when at most this many of its tokens were "
                                  "generated (a decode step each, again): it then is the uncut answer, and the "
                                  "client is shown only what it lacks; a longer one goes on from the call's "
